@@ -1,0 +1,112 @@
+"""`lightning`: the command line. `lightning run` trains; `lightning traces` shows what the store holds."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from lightning_sdk import config as config_mod
+
+EXIT_USAGE = 2  # click's convention for bad input
+
+
+def _fail(console: Console, message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    sys.exit(EXIT_USAGE)
+
+
+@click.group()
+@click.version_option(package_name="lightning-sdk")
+def main() -> None:
+    """Train the LLM inside an existing agent with reinforcement learning."""
+    # Our own log lines at INFO; libraries (httpx logs every request at INFO) only when they warn.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("lightning_sdk").setLevel(logging.INFO)
+
+
+@main.command()
+@click.option("-c", "--config", "config_path", default="lightning.toml", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path), help="The run's configuration.")
+@click.option("--resume", is_flag=True, help="Continue the run in run.dir from its last checkpoint.")
+@click.option("--overwrite", is_flag=True, help="Delete an existing run in run.dir and start over.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Override run.dir.")
+@click.option("--iterations", type=click.IntRange(min=1), help="Override run.iterations.")
+def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, iterations: int | None) -> None:
+    """Start the embedded runtime: serve the model, run the agent, train it with GRPO."""
+    console = Console()
+    if resume and overwrite:
+        _fail(console, "--resume and --overwrite exclude each other")
+    try:
+        cfg = config_mod.load(config_path)
+        if run_dir is not None:
+            cfg.run.dir = run_dir
+        if iterations is not None:
+            cfg.run.iterations = iterations
+    except config_mod.ConfigError as e:
+        _fail(console, str(e))
+    from lightning_sdk.adapter import CaptureError
+    from lightning_sdk.data import DatasetError
+    from lightning_sdk.models import ModelLoadError
+    from lightning_sdk.runtime import RunError, Runtime
+
+    try:
+        Runtime(cfg, resume=resume, overwrite=overwrite, console=console).run()
+    except (DatasetError, ModelLoadError) as e:
+        _fail(console, str(e))
+    except (RunError, CaptureError) as e:
+        console.print(f"[bold red]run stopped:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+
+
+@main.command()
+@click.option("-c", "--config", "config_path", default="lightning.toml", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path), help="Find the store through this run's run.dir.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="The run's directory.")
+@click.option("-n", "--limit", default=20, show_default=True, type=click.IntRange(min=1))
+@click.option("--rollout", "rollout_id", help="Show one rollout's spans.")
+@click.option("--status", type=click.Choice(["running", "succeeded", "failed", "abandoned"]))
+def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str | None, status: str | None) -> None:
+    """List recent rollouts with their reward and LLM calls (or one rollout's spans)."""
+    from lightning_sdk.store import Store
+    from lightning_sdk.tracing import describe
+
+    console = Console()
+    if run_dir is None:
+        try:
+            run_dir = config_mod.load(config_path).run.dir
+        except config_mod.ConfigError as e:
+            _fail(console, f"{e} (or pass --run-dir)")
+    db = Path(run_dir) / "store.sqlite"
+    if not db.exists():
+        _fail(console, f"no store at {db}")
+    store = Store(db)
+    if rollout_id:
+        record = store.rollout(rollout_id)
+        if record is None:
+            _fail(console, f"no rollout {rollout_id!r} in {db}")
+        console.print(f"rollout {record.rollout_id}  task {record.task_id}  status {record.status}  "
+                      f"reward {record.reward}  model {record.model}")
+        if record.error:
+            console.print(f"[red]{record.error}[/]")
+        for span in store.spans(rollout_id):
+            console.print("  " + describe(span), highlight=False)
+        return
+    rows = store.rollouts(status=status, limit=limit, newest_first=True)
+    calls = store.call_counts([r.rollout_id for r in rows])
+    table = Table(title=f"{db}: {store.count('rollouts')} rollouts, {store.count('spans')} spans")
+    for col in ("rollout", "phase", "iter", "status", "reward", "calls", "seconds", "error"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r.rollout_id, r.phase, str(r.iteration), r.status,
+                      "" if r.reward is None else f"{r.reward:.3f}", str(calls.get(r.rollout_id, 0)),
+                      "" if r.seconds is None else f"{r.seconds:.2f}", (r.error or "")[:60])
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

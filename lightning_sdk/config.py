@@ -1,0 +1,148 @@
+"""`lightning.toml`: one pydantic model per table, validated once at the edge.
+
+Every other module receives these typed objects and never reads the file itself. Unknown keys are errors
+(a typo must not silently fall back to a default), and every error names the key it is about.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A broken `lightning.toml`: the message names the key and what was expected."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    dir: Path = Path("runs/run")
+    iterations: int = Field(10, ge=1)
+    seed: int = 0
+
+
+class AgentConfig(_Section):
+    module: str = Field(description="a .py path or a dotted module that holds the @rollout and @reward functions")
+    rollout: str | None = None  # name of the @rollout function; optional if the module has exactly one
+    reward: str | None = None
+
+
+class DataConfig(_Section):
+    train: Path
+    eval: Path | None = None  # held-out tasks scored before and after training; none = no eval pass
+    tasks_per_iteration: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=2, description="rollouts per task: the GRPO group")
+    shuffle: bool = True
+
+
+class ModelConfig(_Section):
+    name: str = "builtin:tiny-arith"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["none", "4bit"] = "none"
+
+
+class ServeConfig(_Section):
+    backend: Literal["cpu", "vllm", "auto"] = "cpu"
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    api_key: str | None = None
+    max_batch_size: int = Field(64, ge=1)
+    max_model_len: int = Field(2048, ge=16)
+    startup_timeout: float = Field(120.0, gt=0)
+
+
+class RolloutConfig(_Section):
+    concurrency: int = Field(32, ge=1)
+    timeout: float = Field(120.0, gt=0, description="seconds one rollout may take before it is recorded as failed")
+    components: list[str] = Field(default_factory=list, description="LLM-call components to train; empty = all")
+    error_reward: float = Field(-1.0, description="intermediate reward added for each failed LLM/tool call")
+    credit: str = Field("lightning_rl", description="credit-assignment rule: a builtin name or 'module:function'")
+
+
+class TrainConfig(_Section):
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    lora_r: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    beta: float = Field(0.0, ge=0, description="KL coefficient against the base model (adapter disabled)")
+    clip_eps: float = Field(0.2, gt=0)
+    clip_eps_high: float | None = Field(None, gt=0, description="upper clip (DAPO clip-higher); default clip_eps")
+    loss_norm: Literal["rollout", "token", "sequence"] = "rollout"
+    scale_rewards: Literal["group", "none"] = "group"
+    epochs: int = Field(1, ge=1, description="optimizer passes over each collected batch")
+    micro_batch_size: int = Field(32, ge=1, description="transitions per forward/backward (gradient accumulation)")
+    max_grad_norm: float = Field(1.0, gt=0)
+    gradient_checkpointing: bool = False
+    device: str = "auto"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _nonempty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("must name at least one module, or be 'all-linear'")
+        return v
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    agent: AgentConfig
+    data: DataConfig
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key")
+        elif e["type"] == "missing":
+            lines.append(f"{key}: required key is missing")
+        else:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def parse(data: dict, *, base: Path | None = None) -> Config:
+    """Validate a decoded TOML document; relative paths are taken from `base` (the file's folder)."""
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None
+    if base is not None:
+        def rel(p: Path | None) -> Path | None:
+            return p if p is None or p.is_absolute() else base / p
+        cfg.run.dir = rel(cfg.run.dir)
+        cfg.data.train = rel(cfg.data.train)
+        cfg.data.eval = rel(cfg.data.eval)
+        if cfg.agent.module.endswith(".py") and not Path(cfg.agent.module).is_absolute():
+            cfg.agent.module = str(base / cfg.agent.module)
+    return cfg
+
+
+def load(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    try:
+        return parse(data, base=path.resolve().parent)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

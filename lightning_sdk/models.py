@@ -1,0 +1,77 @@
+"""Finding and loading base models: `builtin:` names, local directories and Hugging Face hub ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+BUILTIN = "builtin:"
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def resolve(name: str) -> str:
+    """Turn a configured model name into something `from_pretrained` takes.
+
+    `builtin:tiny-arith` is built locally on first use; an existing directory is used as it is; anything else is
+    a hub id, which loads from the local Hugging Face cache (or the hub, where one is reachable).
+    """
+    if name.startswith(BUILTIN):
+        from lightning_sdk import tiny
+
+        if name[len(BUILTIN):] != tiny.NAME:
+            raise ModelLoadError(f"model {name!r}: unknown builtin model; expected {BUILTIN}{tiny.NAME}")
+        return str(tiny.ensure_built())
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"model {name!r}: directory has no config.json; expected a Hugging Face model directory")
+        return str(path.resolve())
+    return name
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name_or_path)
+    # An offline miss can hand back an almost empty tokenizer instead of raising: refuse it here.
+    if len(tok) < 64:
+        raise ModelLoadError(f"model {name_or_path!r}: tokenizer has only {len(tok)} tokens; the files are missing or broken")
+    if tok.chat_template is None:
+        raise ModelLoadError(f"model {name_or_path!r}: tokenizer has no chat template; a chat (instruct) model is expected")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(name_or_path: str, *, dtype: str = "auto", quantization: str = "none", device: str = "cpu") -> Any:
+    """Load the base model. `quantization="4bit"` loads nf4 weights through bitsandbytes (QLoRA)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtypes = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ModelLoadError(f"dtype {dtype!r}: expected one of {sorted(dtypes)}")
+    kwargs: dict[str, Any] = {"dtype": dtypes[dtype]}
+    if quantization == "4bit":
+        from transformers import BitsAndBytesConfig
+
+        compute = torch.bfloat16 if dtype in ("auto", "bfloat16") else dtypes[dtype]
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute,
+        )
+        kwargs["device_map"] = {"": device}
+    elif quantization != "none":
+        raise ModelLoadError(f"quantization {quantization!r}: expected 'none' or '4bit'")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    except OSError as e:
+        raise ModelLoadError(f"model {name_or_path!r}: cannot load ({e})") from e
+    if quantization == "none":
+        model.to(device)
+    return model

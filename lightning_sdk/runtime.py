@@ -1,0 +1,341 @@
+"""The embedded single-node runtime behind `lightning run`: serve, collect, update, hot-load, repeat.
+
+One iteration = a collection phase (rollout workers run the agent against the inference server, spans land in
+the store) and an update phase (spans -> transitions -> one GRPO update -> a new LoRA adapter, loaded into the
+server without a restart). Each finished iteration is checkpointed atomically, so `--resume` continues a
+killed run from its last complete update and never repeats one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import json
+import logging
+import random
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from lightning_sdk import adapter, credit, data, models, tracing
+from lightning_sdk.agent import LLM, is_reward, is_rollout
+from lightning_sdk.config import Config
+from lightning_sdk.metrics import MetricsLog
+from lightning_sdk.store import Store
+from lightning_sdk.worker import RolloutJob, RolloutResult, run_rollout
+
+log = logging.getLogger("lightning_sdk")
+
+CHECKPOINTS = "checkpoints"
+STATE = "state.json"
+
+
+class RunError(RuntimeError):
+    """The run cannot go on; the message says why and what to do."""
+
+
+# ------------------------------------------------------------------------------------------- the user's agent
+
+def load_agent(module: str, rollout_name: str | None, reward_name: str | None) -> tuple[Callable, Callable]:
+    if module.endswith(".py"):
+        path = Path(module)
+        if not path.exists():
+            raise RunError(f"agent.module = {module!r}: file not found")
+        sys.path.insert(0, str(path.parent))  # let the agent import its sibling modules
+        spec = importlib.util.spec_from_file_location(f"lightning_agent_{path.stem}", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(module)
+
+    def pick(kind: str, name: str | None, test: Callable[[Any], bool]) -> Callable:
+        if name is not None:
+            fn = getattr(mod, name, None)
+            if fn is None or not test(fn):
+                raise RunError(f"agent.{kind} = {name!r}: {module} has no @{kind} function of that name")
+            return fn
+        found = [v for v in vars(mod).values() if test(v)]
+        if len(found) != 1:
+            names = ", ".join(f.__name__ for f in found) or "none"
+            raise RunError(f"agent.module = {module!r}: expected exactly one @{kind} function (found: {names}); "
+                           f"name it with agent.{kind}")
+        return found[0]
+
+    return pick("rollout", rollout_name, is_rollout), pick("reward", reward_name, is_reward)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+@dataclass
+class RunState:
+    """What a checkpoint remembers besides the weights: finished iterations and their metrics."""
+
+    completed: int = 0  # iterations finished and checkpointed
+    history: list[dict[str, Any]] | None = None
+    baseline_eval: float | None = None
+    adapter_name: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=2)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    # A checkpoint directory only ever appears by an atomic rename of a complete one.
+    done = sorted((run_dir / CHECKPOINTS).glob("iter-*"))
+    return done[-1] if done else None
+
+
+def write_checkpoint(run_dir: Path, iteration: int, trainer: Any, state: RunState, keep: int = 3) -> Path:
+    root = run_dir / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"iter-{iteration:05d}"
+    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:6]}"
+    tmp.mkdir()
+    trainer.save_state(tmp / "trainer")
+    trainer.save_adapter(tmp / "adapter")
+    (tmp / STATE).write_text(state.to_json())
+    tmp.rename(final)
+    for old in sorted(root.glob("iter-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+# --------------------------------------------------------------------------------------------- the task feed
+
+class TaskFeed:
+    """Deterministic batches: epoch e is the dataset shuffled with seed (seed, e), so resume sees the same tasks."""
+
+    def __init__(self, tasks: list[dict], batch: int, *, seed: int, shuffle: bool):
+        self.tasks, self.batch, self.seed, self.shuffle = tasks, batch, seed, shuffle
+
+    def batch_for(self, iteration: int) -> list[dict]:
+        start = iteration * self.batch
+        out = []
+        for k in range(start, start + self.batch):
+            epoch, pos = divmod(k, len(self.tasks))
+            order = list(range(len(self.tasks)))
+            if self.shuffle:
+                random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            out.append(self.tasks[order[pos]])
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- the runtime
+
+def make_server(cfg: Config, model_path: str, log_path: Path):
+    from lightning_sdk.serving import CPUServer
+
+    backend = cfg.serve.backend
+    if backend == "auto":
+        backend = "cpu"
+        log.info("serve.backend = 'auto': using the built-in CPU server (the vLLM backend is not available yet)")
+    if backend == "vllm":
+        raise RunError("serve.backend = 'vllm': the vLLM backend is not available in this version; use 'cpu'")
+    return CPUServer(
+        model_path, served_model_name=cfg.model.name, host=cfg.serve.host, port=cfg.serve.port,
+        api_key=cfg.serve.api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
+        dtype=cfg.model.dtype, startup_timeout=cfg.serve.startup_timeout, log_path=log_path,
+    )
+
+
+class Runtime:
+    def __init__(self, cfg: Config, *, resume: bool = False, overwrite: bool = False,
+                 console: Console | None = None):
+        self.cfg = cfg
+        self.resume = resume
+        self.overwrite = overwrite
+        self.console = console or Console()
+        self.run_dir = Path(cfg.run.dir)
+
+    # The whole run, top to bottom.
+    def run(self) -> RunState:
+        cfg = self.cfg
+        rollout_fn, reward_fn = load_agent(cfg.agent.module, cfg.agent.rollout, cfg.agent.reward)
+        train_tasks = data.load(cfg.data.train)
+        eval_tasks = data.load(cfg.data.eval) if cfg.data.eval else []
+        self.credit_rule = credit.resolve(cfg.rollout.credit)
+        checkpoint = self._prepare_run_dir()
+        state = RunState(history=[])
+        if checkpoint is not None:
+            state = RunState(**json.loads((checkpoint / STATE).read_text()))
+        self.store = Store(self.run_dir / "store.sqlite")
+        abandoned = self.store.abandon_running()
+        if abandoned:
+            self.console.print(f"[yellow]{abandoned} rollout(s) left running by the previous process marked abandoned")
+        self.store.add_tasks((data.task_id(t), t) for t in train_tasks + eval_tasks)
+        tracing.install(self.store)
+        self.metrics = MetricsLog(self.run_dir)
+        self.metrics.rewrite(state.history)
+        self.feed = TaskFeed(train_tasks, cfg.data.tasks_per_iteration, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        self.rollout_fn, self.reward_fn = rollout_fn, reward_fn
+
+        model_path = models.resolve(cfg.model.name)
+        from lightning_sdk.trainer import GRPOTrainer
+
+        # One event loop for the whole run: clients an agent leaves open still close on the loop that made them.
+        self._loop = asyncio.Runner()
+        with self.console.status("starting the inference server"):
+            self.server = make_server(cfg, model_path, self.run_dir / "server.log")
+            self.server.start()
+        try:
+            tracing.request_token_ids_from(self.server.base_url)
+            self.trainer = GRPOTrainer(model_path, cfg.train, quantization=cfg.model.quantization,
+                                       dtype=cfg.model.dtype, seed=cfg.run.seed)
+            policy = self.server.served_model_name
+            if checkpoint is not None:
+                self.trainer.load_state(checkpoint / "trainer")
+                policy = state.adapter_name
+                self.server.load_adapter(policy, str(checkpoint / "adapter"))
+                self.console.print(f"resumed {self.run_dir} after iteration {state.completed} ({checkpoint.name})")
+            if eval_tasks and state.baseline_eval is None:
+                state.baseline_eval = self._evaluate(eval_tasks, self.server.served_model_name, "untrained")
+            for it in range(state.completed, cfg.run.iterations):
+                policy = self._iteration(it, policy, state)
+            final = self._evaluate(eval_tasks, policy, "trained") if eval_tasks else None
+        finally:
+            self.server.stop()
+            self._loop.close()
+            self.metrics.close()
+            tracing.flush()
+        self.metrics.plot(state.history, baseline=state.baseline_eval, final=final)
+        self._print_table(state, final)
+        self.final_eval = final
+        return state
+
+    def _prepare_run_dir(self) -> Path | None:
+        d = self.run_dir
+        existing = d.exists() and any(d.iterdir())
+        if existing and self.overwrite:
+            shutil.rmtree(d)
+            existing = False
+        if existing and not self.resume:
+            raise RunError(f"run.dir {d} already holds a run; pass --resume to continue it, --overwrite to "
+                           f"replace it, or --run-dir for a new one")
+        d.mkdir(parents=True, exist_ok=True)
+        return latest_checkpoint(d) if self.resume else None
+
+    def _iteration(self, it: int, policy: str, state: RunState) -> str:
+        cfg = self.cfg
+        tasks = self.feed.batch_for(it)
+        jobs = [RolloutJob(rollout_id=f"it{it:04d}-{i:03d}-{g}-{uuid.uuid4().hex[:8]}", task_id=data.task_id(t),
+                           group_id=f"{it}:{i}", task=t, iteration=it)
+                for i, t in enumerate(tasks) for g in range(cfg.data.group_size)]
+        t0 = time.perf_counter()
+        results = self._collect(jobs, policy, f"iteration {it + 1}/{cfg.run.iterations} collect")
+        collect_s = time.perf_counter() - t0
+        ok = [r for r in results if r.status == "succeeded"]
+        failed = len(results) - len(ok)
+        if len(ok) < len(results) / 2:
+            errors = sorted({r.error for r in results if r.error})[:3]
+            raise RunError(f"iteration {it}: {failed} of {len(results)} rollouts failed; not training on the rest. "
+                           f"First errors: {errors}. See `lightning traces --run-dir {self.run_dir}`.")
+        transitions = self._transitions(ok)
+        t1 = time.perf_counter()
+        with self.console.status(f"iteration {it + 1}/{cfg.run.iterations} update: {len(transitions)} transitions"):
+            train_metrics = self.trainer.step(transitions)
+        update_s = time.perf_counter() - t1
+        rewards = [r.reward for r in ok]
+        mean = sum(rewards) / len(rewards)
+        row = {
+            "iteration": it, "policy": policy, "reward_mean": mean,
+            "reward_std": (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
+            "rollouts": len(results), "failed": failed, "transitions": len(transitions),
+            "completion_tokens": sum(len(t.completion_ids) for t in transitions),
+            "collect_s": collect_s, "update_s": update_s,
+            **{f"train.{k}": v for k, v in train_metrics.items()},
+        }
+        new_policy = f"{cfg.run.name}-iter{it + 1}"
+        state.completed, state.adapter_name = it + 1, new_policy
+        state.history.append(row)
+        checkpoint = write_checkpoint(self.run_dir, it + 1, self.trainer, state)
+        t2 = time.perf_counter()
+        self.server.load_adapter(new_policy, str(checkpoint / "adapter"))
+        if policy != self.server.served_model_name:
+            self.server.unload_adapter(policy)
+        row["hotload_s"] = time.perf_counter() - t2
+        self.metrics.log(row)
+        self.console.print(f"iteration {it + 1}: reward {mean:.3f}  ({len(ok)} rollouts, {len(transitions)} "
+                           f"transitions, collect {collect_s:.1f}s, update {update_s:.1f}s, "
+                           f"hot-load {row['hotload_s']:.2f}s)")
+        return new_policy
+
+    def _transitions(self, ok: list[RolloutResult]) -> list[adapter.Transition]:
+        tracing.flush()
+        errors = tracing.writer_errors()
+        if errors:
+            raise RunError(f"the span writer failed, spans may be missing: {errors[0]}")
+        out = []
+        for r in ok:
+            record = self.store.rollout(r.job.rollout_id)
+            out += adapter.to_transitions(record, self.store.spans(r.job.rollout_id), credit=self.credit_rule,
+                                          components=self.cfg.rollout.components,
+                                          error_reward=self.cfg.rollout.error_reward)
+        if not out:
+            raise adapter.CaptureError(
+                f"no transitions from {len(ok)} rollouts: none of their LLM calls is in rollout.components = "
+                f"{self.cfg.rollout.components}")
+        return out
+
+    def _collect(self, jobs: list[RolloutJob], policy: str, label: str) -> list[RolloutResult]:
+        llm = LLM(base_url=self.server.base_url, api_key=self.server.api_key or "EMPTY", model=policy)
+
+        async def go() -> list[RolloutResult]:
+            gate = asyncio.Semaphore(self.cfg.rollout.concurrency)
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), console=self.console, transient=True) as progress:
+                bar = progress.add_task(label, total=len(jobs))
+
+                async def one(job: RolloutJob) -> RolloutResult:
+                    async with gate:
+                        result = await run_rollout(job, rollout_fn=self.rollout_fn, reward_fn=self.reward_fn,
+                                                   llm=llm, store=self.store, timeout=self.cfg.rollout.timeout)
+                    progress.advance(bar)
+                    return result
+
+                return await asyncio.gather(*(one(j) for j in jobs))
+
+        return self._loop.run(go())
+
+    def _evaluate(self, tasks: list[dict], policy: str, label: str) -> float:
+        phase_it = 0 if label == "untrained" else self.cfg.run.iterations
+        jobs = [RolloutJob(rollout_id=f"eval-{label}-{i:04d}-{uuid.uuid4().hex[:8]}", task_id=data.task_id(t),
+                           group_id=f"eval:{label}:{i}", task=t, iteration=phase_it, phase="eval")
+                for i, t in enumerate(tasks)]
+        results = self._collect(jobs, policy, f"eval ({label})")
+        scores = [r.reward if r.reward is not None else 0.0 for r in results]  # a failed rollout scores 0
+        mean = sum(scores) / len(scores)
+        self.console.print(f"eval ({label}, {policy}): mean reward {mean:.3f} over {len(scores)} tasks")
+        return mean
+
+    def _print_table(self, state: RunState, final: float | None) -> None:
+        table = Table(title=f"{self.cfg.run.name}: reward per iteration")
+        for col in ("iter", "policy", "reward", "± std", "failed", "transitions", "loss", "kl", "logprob gap",
+                    "collect s", "update s"):
+            table.add_column(col, justify="right")
+        if state.baseline_eval is not None:
+            table.add_row("eval", "untrained", f"{state.baseline_eval:.3f}", "", "", "", "", "", "", "", "",
+                          style="dim")
+        for row in state.history:
+            table.add_row(str(row["iteration"] + 1), row["policy"], f"{row['reward_mean']:.3f}",
+                          f"{row['reward_std']:.3f}", str(row["failed"]), str(row["transitions"]),
+                          _fmt(row.get("train.loss")), _fmt(row.get("train.kl")),
+                          _fmt(row.get("train.logprob_gap")), f"{row['collect_s']:.1f}", f"{row['update_s']:.1f}")
+        if final is not None:
+            table.add_row("eval", "trained", f"{final:.3f}", "", "", "", "", "", "", "", "", style="bold green")
+        self.console.print(table)
+        self.console.print(f"run directory: {self.run_dir}  (metrics.jsonl, reward_curve.png, tensorboard/, "
+                           f"store.sqlite, checkpoints/)")
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.3g}"

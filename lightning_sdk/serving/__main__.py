@@ -1,0 +1,45 @@
+"""`python -m lightning_sdk.serving --model builtin:tiny-arith --served-model-name policy --port 8000`"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m lightning_sdk.serving",
+                                description="OpenAI-compatible chat-completions server on transformers (CPU)")
+    p.add_argument("--model", required=True, help="builtin:NAME, a model directory or a hub id")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("LIGHTNING_SDK_SERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 (default: $LIGHTNING_SDK_SERVE_API_KEY)")
+    p.add_argument("--max-batch-size", type=int, default=64, help="most sequences decoded together")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens, at most")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default="none", choices=["none", "4bit"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+    import uvicorn
+
+    from lightning_sdk import models
+    from lightning_sdk.serving.app import create_app
+    from lightning_sdk.serving.engine import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine(models.resolve(args.model), dtype=args.dtype, quantization=args.quantization,
+                    max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, seed=args.seed)
+    app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False,
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""The OpenAI-compatible HTTP surface of the engine, shaped like vLLM's OpenAI server.
+
+Responses are OpenAI ChatCompletion objects plus vLLM's extra fields (`prompt_token_ids` at the top, `token_ids`
+and `stop_reason` per choice), so the client side reads token ids the same way from either server. Errors have
+OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, which the openai client turns into its typed
+exceptions (400 BadRequestError, 401 AuthenticationError, 404 NotFoundError).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from lightning_sdk.serving.engine import (
+    MAX_TOP_LOGPROBS,
+    ChoiceDelta,
+    Engine,
+    GenerationRequest,
+    GenerationResult,
+    ModelNotFound,
+    RequestError,
+)
+
+log = logging.getLogger("lightning_sdk.serving")
+
+DEFAULT_MAX_TOKENS = 256
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError"}
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI and vLLM do
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Lenient):
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extra
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None  # accepted; tool calls are not parsed out of the text yet
+    return_token_ids: bool | None = None  # accepted; ids are always returned
+    add_generation_prompt: bool = True  # vLLM extras for chat templates
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class LoadLoraRequest(_Lenient):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False  # vLLM: replace an adapter already loaded under this name
+
+
+class UnloadLoraRequest(_Lenient):
+    lora_name: str = Field(min_length=1)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": param,
+                      "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.close()  # stop the generation thread before the interpreter tears torch down
+
+    kwargs: dict[str, Any] = {"title": "lightning-sdk inference server", "lifespan": lifespan}
+    try:
+        # FastAPI 0.165 emits OTel spans into the global provider, where they would mix with the rollout spans.
+        app = FastAPI(**kwargs, telemetry={"tracing": False})
+    except TypeError:  # older FastAPI: no native telemetry to turn off
+        app = FastAPI(**kwargs)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        log.warning("%s %s -> %d: %s", request.method, request.url.path, e.status, e.message)
+        return error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        # OpenAI and vLLM answer 400 (not FastAPI's 422), naming the field.
+        errors = e.errors()
+        if any(err.get("type") == "json_invalid" for err in errors):
+            message, param = "the request body is not valid JSON", None
+        else:
+            first = errors[0] if errors else {}
+            param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+            message = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if p != 'body') or 'body'}: {err['msg']}"
+                                for err in errors)
+        log.warning("%s %s -> 400: %s", request.method, request.url.path, message)
+        return error_response(400, message, param)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(500, str(e) or type(e).__name__)
+
+    async def check_key(request: Request) -> None:
+        # Like vLLM, only the /v1 API needs the key; /health stays open for liveness probes.
+        if api_key is not None:
+            header = request.headers.get("authorization", "")
+            if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
+                raise APIError(401, "Unauthorized: missing or wrong API key (Authorization: Bearer ...)")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        """Engine counters (requests, generate batches): how well concurrent requests were batched."""
+        return {**engine.stats, "adapters": engine.adapters}
+
+    @v1.get("/models")
+    async def list_models() -> dict:
+        created = int(time.time())
+        cards = [{"id": served_model_name, "object": "model", "created": created, "owned_by": "lightning-sdk",
+                  "root": served_model_name, "parent": None, "max_model_len": engine.max_model_len}]
+        cards += [{"id": name, "object": "model", "created": created, "owned_by": "lightning-sdk",
+                   "root": name, "parent": served_model_name, "max_model_len": engine.max_model_len}
+                  for name in engine.adapters]
+        return {"object": "list", "data": cards}
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraRequest) -> JSONResponse:
+        if body.lora_name == served_model_name:
+            raise APIError(400, f"lora_name {body.lora_name!r} is the base model's served name", "lora_name")
+        try:
+            await engine.load_adapter(body.lora_name, body.lora_path, replace=body.load_inplace)
+        except RequestError as e:
+            raise APIError(400, str(e), e.param) from e
+        return JSONResponse({"message": f"Success: LoRA adapter '{body.lora_name}' added successfully."})
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraRequest) -> JSONResponse:
+        try:
+            await engine.unload_adapter(body.lora_name)
+        except ModelNotFound as e:
+            raise APIError(404, str(e), "lora_name") from e
+        return JSONResponse({"message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."})
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        req = _to_generation_request(engine, body, served_model_name)
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            try:
+                events = engine.stream(req)
+                first = await anext(events)  # let errors found before the first token still be a plain HTTP error
+            except (RequestError, ModelNotFound) as e:
+                raise _as_api_error(e) from e
+            return StreamingResponse(_sse(engine, body, req, meta, first, events, include_usage),
+                                     media_type="text/event-stream")
+        try:
+            result = await engine.generate(req)
+        except (RequestError, ModelNotFound) as e:
+            raise _as_api_error(e) from e
+        return _completion(engine, body, meta, result)
+
+    app.include_router(v1)
+    return app
+
+
+def _as_api_error(e: Exception) -> APIError:
+    if isinstance(e, ModelNotFound):
+        return APIError(404, str(e), "model")
+    return APIError(400, str(e), getattr(e, "param", None))
+
+
+def _to_generation_request(engine: Engine, body: ChatCompletionRequest, served_model_name: str) -> GenerationRequest:
+    if body.model != served_model_name and body.model not in engine.adapters:
+        raise APIError(404, f"The model `{body.model}` does not exist.", "model")
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+    try:
+        prompt_ids = engine.encode_chat(body.messages, tools=body.tools,
+                                        add_generation_prompt=body.add_generation_prompt,
+                                        continue_final_message=body.continue_final_message,
+                                        chat_template_kwargs=body.chat_template_kwargs)
+    except RequestError as e:
+        raise APIError(400, str(e), e.param) from e
+    requested = body.max_completion_tokens or body.max_tokens
+    room = engine.max_model_len - len(prompt_ids)
+    if requested is None and room < 1:
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens, which leaves no room for a reply within "
+                            f"max_model_len {engine.max_model_len}", "messages")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not s for s in stop):
+        raise APIError(400, "stop strings must not be empty", "stop")
+    return GenerationRequest(
+        prompt_ids=prompt_ids,
+        max_tokens=requested if requested is not None else min(DEFAULT_MAX_TOKENS, room),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        n=body.n,
+        stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
+        seed=body.seed,
+        adapter=None if body.model == served_model_name else body.model,
+    )
+
+
+def _logprob(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # JSON has no -inf
+
+
+def _logprob_entry(engine: Engine, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
+    token = engine.token_text(token_id)
+    return {
+        "token": token,
+        "logprob": _logprob(logprob),
+        "bytes": list(token.encode("utf-8", errors="replace")),
+        "top_logprobs": [{"token": (t := engine.token_text(i)), "logprob": _logprob(lp),
+                          "bytes": list(t.encode("utf-8", errors="replace"))} for i, lp in (top or [])],
+    }
+
+
+def _logprobs(engine: Engine, body: ChatCompletionRequest, ids: list[int], lps: list[float],
+              top: list[list[tuple[int, float]]] | None) -> dict | None:
+    if not body.logprobs:
+        return None
+    return {"content": [_logprob_entry(engine, i, lp, top[k] if top else None)
+                        for k, (i, lp) in enumerate(zip(ids, lps))]}
+
+
+def _usage(result: GenerationResult) -> dict:
+    completion = sum(len(c.token_ids) for c in result.choices)
+    prompt = len(result.prompt_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _completion(engine: Engine, body: ChatCompletionRequest, meta: dict, result: GenerationResult) -> dict:
+    return {
+        **meta,
+        "object": "chat.completion",
+        "system_fingerprint": None,
+        "choices": [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+            "logprobs": _logprobs(engine, body, c.token_ids, c.logprobs, c.top_logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "token_ids": c.token_ids,
+        } for c in result.choices],
+        "usage": _usage(result),
+        "prompt_token_ids": result.prompt_ids,
+    }
+
+
+async def _sse(engine: Engine, body: ChatCompletionRequest, req: GenerationRequest, meta: dict,
+               first: ChoiceDelta | GenerationResult, events: AsyncIterator, include_usage: bool
+               ) -> AsyncIterator[str]:
+    def chunk(choices: list[dict], **extra: Any) -> str:
+        return f"data: {json.dumps({**meta, 'object': 'chat.completion.chunk', 'choices': choices, **extra})}\n\n"
+
+    # The role comes first, one chunk per choice, as OpenAI does; the first also carries the prompt ids.
+    for index in range(req.n):
+        extra = {"prompt_token_ids": req.prompt_ids} if index == 0 else {}
+        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None, "token_ids": []}], **extra)
+    try:
+        item = first
+        while not isinstance(item, GenerationResult):
+            d: ChoiceDelta = item
+            yield chunk([{
+                "index": d.index,
+                "delta": {"content": d.text},
+                "logprobs": _logprobs(engine, body, d.token_ids, d.logprobs, d.top_logprobs),
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+                "token_ids": d.token_ids,
+            }])
+            item = await anext(events)
+        if include_usage:
+            yield chunk([], usage=_usage(item))
+    except (RequestError, ModelNotFound, RuntimeError) as e:
+        # The status line is already sent: report the error in the stream, as vLLM does.
+        status = 404 if isinstance(e, ModelNotFound) else 400 if isinstance(e, RequestError) else 500
+        yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
+    finally:
+        await events.aclose()
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,544 @@
+"""Batched generation over a Hugging Face causal LM, with LoRA adapters swapped in at run time.
+
+One generation thread owns the model. Requests are queued; the thread takes everything pending (up to
+`max_batch_size` rows, one row per choice), groups it by adapter and runs each group through its own decode loop:
+left-padded prompts, one prefill, then one token per step from the KV cache. Finished rows are dropped from the
+batch (and the cache) as they finish, so a long reply does not make the short ones pay for it.
+
+What comes back is exactly what was sampled: the token ids, and the log-probability of each under the distribution
+it was drawn from. RL training needs both and must never re-tokenize the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import inspect
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_sdk import models
+
+log = logging.getLogger("lightning_sdk.serving")
+
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run; `param` names the offending field (an HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFound(LookupError):
+    """The request named a model or adapter that is not loaded (an HTTP 404)."""
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: int = 0  # alternatives to report per token: the top k of the same distribution
+    seed: int | None = None
+    adapter: str | None = None  # None: the base model, adapters disabled
+
+
+@dataclass
+class Choice:
+    index: int
+    token_ids: list[int]  # every sampled id, the stop/eos token included
+    text: str  # decoded without special tokens, cut before a stop string
+    logprobs: list[float]  # one per token id
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str  # "stop" | "length"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    choices: list[Choice]
+
+
+@dataclass
+class ChoiceDelta:
+    """One streamed step of one choice: the token(s) sampled and the text they made visible."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class _Job:
+    """A request in flight, with its way back to the event loop that submitted it."""
+
+    def __init__(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop, stream: bool):
+        self.req = req
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+        self.events: asyncio.Queue | None = asyncio.Queue() if stream else None
+        self.choices: list[Choice | None] = [None] * req.n
+        self.abandoned = False  # set by the client side when nobody waits for the answer any more
+        self.generator = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.abandoned or self.future.cancelled()
+
+    def emit(self, delta: ChoiceDelta) -> None:
+        if self.events is not None:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, delta)
+
+    def finish(self, result: GenerationResult | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self._resolve, result)
+
+    def _resolve(self, result: GenerationResult | BaseException) -> None:
+        if self.events is not None:
+            self.events.put_nowait(result)  # a result or an error ends the stream
+        else:
+            _set_future(self.future, result)
+
+
+_STOP = object()  # queued by close(): the generation thread ends
+
+
+@dataclass
+class _Control:
+    """Work that must not overlap generation (adapter load/unload), run on the generation thread."""
+
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+@dataclass
+class _Row:
+    job: _Job
+    index: int  # choice index within the job
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""  # decoded so far (kept current only where stop strings or streaming need it)
+    sent: int = 0  # characters of `text` already streamed
+
+    @property
+    def req(self) -> GenerationRequest:
+        return self.job.req
+
+
+class Engine:
+    def __init__(self, model_path: str, *, dtype: str = "auto", quantization: str = "none",
+                 max_batch_size: int = 64, max_model_len: int = 2048, seed: int = 0):
+        t0 = time.monotonic()
+        self.tokenizer = models.load_tokenizer(model_path)
+        # Serve the base exactly as the trainer holds it (4bit for QLoRA), so sampled logprobs match its own.
+        self.model = models.load_causal_lm(model_path, dtype=dtype, quantization=quantization)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.max_batch_size = max_batch_size
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and max_model_len > limit:
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d; using %d",
+                        max_model_len, limit, limit)
+            max_model_len = limit
+        self.max_model_len = max_model_len
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id
+        # transformers 5 renamed `past_key_values` to `cache` (the old name is deprecated): use whichever exists.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._adapters: dict[str, str] = {}  # name -> path; touched on the generation thread only
+        self._adapter_names: tuple[str, ...] = ()  # its snapshot for the event loop, replaced whole
+        self._gen = torch.Generator().manual_seed(seed)
+        self._tok_lock = threading.Lock()  # HF fast tokenizers raise "Already borrowed" under concurrent use
+        self._token_text: dict[int, str] = {}
+        self._queue: queue.Queue[_Job | _Control | object] = queue.Queue()
+        self._backlog: collections.deque[_Job | _Control | object] = collections.deque()
+        self.stats = {"requests": 0, "batches": 0, "max_batch_rows": 0, "generated_tokens": 0}
+        self._thread = threading.Thread(target=self._loop, name="lightning-generate", daemon=True)
+        self._thread.start()
+        log.info("loaded %s in %.1fs (%s, max_model_len %d)", model_path, time.monotonic() - t0,
+                 self.model.dtype, self.max_model_len)
+
+    # ---- used from the event loop ----
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self._adapter_names)
+
+    def encode_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        """Prompt token ids, exactly as the chat template makes them."""
+        try:
+            with self._tok_lock:
+                enc = self.tokenizer.apply_chat_template(
+                    [_normalise_message(m) for m in messages],
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt and not continue_final_message,
+                    continue_final_message=continue_final_message,
+                    tokenize=True,
+                    return_dict=True,  # transformers 5 returns a BatchEncoding either way; ask for it explicitly
+                    **(chat_template_kwargs or {}),
+                )
+        except RequestError:
+            raise
+        except Exception as e:  # template errors (jinja raise_exception, bad roles) are the request's fault
+            raise RequestError(f"cannot apply the chat template: {e}", "messages") from e
+        return list(enc["input_ids"])
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text (special tokens included), as OpenAI logprobs report it."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            with self._tok_lock:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def check(self, req: GenerationRequest) -> None:
+        if not req.prompt_ids:
+            raise RequestError("the prompt is empty", "messages")
+        if req.n > self.max_batch_size:
+            raise RequestError(f"n={req.n} exceeds the server's max_batch_size {self.max_batch_size}", "n")
+        if req.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1 (got {req.max_tokens})", "max_tokens")
+        if len(req.prompt_ids) + req.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(req.prompt_ids)} tokens and max_tokens is {req.max_tokens}: together more "
+                f"than max_model_len {self.max_model_len}; shorten the messages or lower max_tokens", "max_tokens")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
+        if req.adapter is not None and req.adapter not in self._adapter_names:
+            raise ModelNotFound(f"The model `{req.adapter}` does not exist.")
+
+    async def generate(self, req: GenerationRequest) -> GenerationResult:
+        job = self._submit(req, stream=False)
+        return await job.future
+
+    async def stream(self, req: GenerationRequest) -> AsyncIterator[ChoiceDelta | GenerationResult]:
+        """Deltas as they are sampled, then the full result. Leaving early cancels the request."""
+        job = self._submit(req, stream=True)
+        try:
+            while True:
+                item = await job.events.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, GenerationResult):
+                    return
+        finally:
+            job.abandoned = True
+
+    async def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
+        await self._control(lambda: self._load_adapter(name, path, replace))
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._control(lambda: self._unload_adapter(name))
+
+    def close(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout=10)
+
+    def _submit(self, req: GenerationRequest, *, stream: bool) -> _Job:
+        self.check(req)
+        job = _Job(req, asyncio.get_running_loop(), stream)
+        self._queue.put(job)
+        return job
+
+    async def _control(self, fn: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        ctl = _Control(fn, loop, loop.create_future())
+        self._queue.put(ctl)
+        return await ctl.future
+
+    # ---- the generation thread ----
+
+    def _next(self, block: bool) -> _Job | _Control | object | None:
+        if self._backlog:
+            return self._backlog.popleft()
+        try:
+            return self._queue.get(block=block)
+        except queue.Empty:
+            return None
+
+    def _loop(self) -> None:
+        while True:
+            item = self._next(block=True)
+            if item is _STOP:
+                return
+            if isinstance(item, _Control):
+                self._run_control(item)
+                continue
+            # Everything pending joins this batch, up to max_batch_size rows. A control item ends the
+            # batch so that an adapter load/unload happens exactly between the requests around it.
+            batch, rows = [item], item.req.n
+            while rows < self.max_batch_size:
+                nxt = self._next(block=False)
+                if nxt is None:
+                    break
+                if not isinstance(nxt, _Job) or rows + nxt.req.n > self.max_batch_size:
+                    self._backlog.appendleft(nxt)
+                    break
+                batch.append(nxt)
+                rows += nxt.req.n
+            groups: dict[str | None, list[_Job]] = {}
+            for job in batch:
+                if not job.cancelled:
+                    groups.setdefault(job.req.adapter, []).append(job)
+            for adapter, jobs in groups.items():
+                try:
+                    self._run_group(adapter, jobs)
+                except (RequestError, ModelNotFound) as e:  # e.g. the adapter was unloaded while queued
+                    for job in jobs:
+                        job.finish(e)
+                except Exception as e:  # one broken batch must not take the server down
+                    log.exception("generation failed")
+                    for job in jobs:
+                        job.finish(RuntimeError(f"generation failed: {e}"))
+
+    def _run_control(self, ctl: _Control) -> None:
+        try:
+            result = ctl.fn()
+        except Exception as e:
+            ctl.loop.call_soon_threadsafe(_set_future, ctl.future, e)
+        else:
+            ctl.loop.call_soon_threadsafe(_set_future, ctl.future, result)
+
+    def _load_adapter(self, name: str, path: str, replace: bool) -> None:
+        from peft import PeftModel
+
+        if name in self._adapters and not replace:
+            raise RequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        if name in self._adapters:
+            self._unload_adapter(name)
+        try:
+            if isinstance(self.model, PeftModel):
+                self.model.load_adapter(path, adapter_name=name)
+            else:
+                # The first adapter wraps the base model; later ones are added to the same wrapper.
+                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+        except Exception as e:
+            if isinstance(self.model, PeftModel) and name in self.model.peft_config:
+                self.model.delete_adapter(name)  # drop what a half-finished load left behind
+            raise RequestError(f"cannot load lora adapter '{name}' from {path!r}: {e}", "lora_path") from e
+        self.model.eval()
+        self._adapters[name] = path
+        self._adapter_names = tuple(self._adapters)
+        log.info("loaded lora adapter %s from %s", name, path)
+
+    def _unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            raise ModelNotFound(f"The lora adapter '{name}' cannot be found.")
+        if len(self._adapters) == 1:
+            # PEFT refuses to delete the only adapter; take the LoRA layers out instead (no merge).
+            self.model = self.model.unload()
+        else:
+            self.model.delete_adapter(name)
+        del self._adapters[name]
+        self._adapter_names = tuple(self._adapters)
+        log.info("unloaded lora adapter %s", name)
+
+    def _adapter_context(self, adapter: str | None):
+        if adapter is None:
+            return self.model.disable_adapter() if self._adapters else contextlib.nullcontext()
+        if adapter not in self._adapters:
+            raise ModelNotFound(f"The model `{adapter}` does not exist.")
+        self.model.set_adapter(adapter)
+        return contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def _run_group(self, adapter: str | None, jobs: list[_Job]) -> None:
+        rows = [_Row(job, i) for job in jobs for i in range(job.req.n)]
+        self.stats["requests"] += len(jobs)
+        self.stats["batches"] += 1
+        self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], len(rows))
+        longest = max(len(r.req.prompt_ids) for r in rows)
+        ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for b, r in enumerate(rows):  # left padding: every row's next token goes in the last column
+            p = r.req.prompt_ids
+            ids[b, longest - len(p):] = torch.tensor(p)
+            mask[b, longest - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        temps = torch.tensor([r.req.temperature for r in rows], dtype=torch.float32)
+        top_ps = torch.tensor([r.req.top_p for r in rows], dtype=torch.float32)
+        cache = None
+        with self._adapter_context(adapter):
+            while True:
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                 logits_to_keep=1, **{self._cache_kw: cache})
+                cache = out.cache if hasattr(out, "cache") else out.past_key_values
+                tokens, logps, top = self._sample(out.logits[:, -1, :].float(), temps, top_ps, rows)
+                keep = [b for b, r in enumerate(rows)
+                        if not self._append(r, int(tokens[b]), float(logps[b]), top[b] if top else None)]
+                if not keep:
+                    return
+                if len(keep) < len(rows):
+                    index = torch.tensor(keep)
+                    cache.batch_select_indices(index)
+                    rows = [rows[b] for b in keep]
+                    tokens, mask, positions = tokens[index], mask[index], positions[index]
+                    temps, top_ps = temps[index], top_ps[index]
+                ids = tokens.unsqueeze(1)
+                mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+                positions = positions[:, -1:] + 1
+
+    def _sample(self, logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, rows: list[_Row]):
+        """Per-row greedy or temperature/top-p sampling.
+
+        Log-probs are of the temperature-scaled distribution (not renormalised to the top-p nucleus), the one a
+        trainer recomputes from its own logits; greedy rows report the raw log-softmax.
+        """
+        greedy = temps == 0
+        logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(1), dim=-1)
+        probs = logp.exp()
+        order = None
+        if bool((top_ps < 1).any()):
+            probs, order = probs.sort(dim=-1, descending=True)
+            mass_before = probs.cumsum(-1) - probs
+            probs = probs * (mass_before < top_ps.unsqueeze(1))  # the nucleus; its first token always stays
+        cdf = probs.cumsum(-1)
+        # Inverse-CDF sampling with one uniform per row, so a request with a seed draws from its own generator
+        # and gets the same reply whatever else shares the batch.
+        u = torch.rand(len(rows), generator=self._gen)
+        seeded: dict[int, list[int]] = {}
+        for b, r in enumerate(rows):
+            if r.job.generator is not None:
+                seeded.setdefault(id(r.job), []).append(b)
+        for bs in seeded.values():
+            u[bs] = torch.rand(len(bs), generator=rows[bs[0]].job.generator)
+        picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=cdf.shape[1] - 1)
+        if order is not None:
+            picked = order.gather(1, picked)
+        tokens = torch.where(greedy, logits.argmax(-1), picked.squeeze(1))
+        token_logp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        k = max(r.req.top_logprobs for r in rows)
+        top = None
+        if k:
+            values, indices = logp.topk(k, dim=-1)
+            top = [list(zip(indices[b, :r.req.top_logprobs].tolist(), values[b, :r.req.top_logprobs].tolist()))
+                   for b, r in enumerate(rows)]
+        return tokens, token_logp, top
+
+    def _append(self, row: _Row, token: int, logprob: float, top: list[tuple[int, float]] | None) -> bool:
+        """Record one sampled token; True when the row is finished (its job resolved if it was the last)."""
+        if row.job.cancelled:
+            return True  # nobody is waiting for it: drop the row
+        req = row.req
+        self.stats["generated_tokens"] += 1
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        if req.top_logprobs:
+            row.top.append(top or [])
+        finish: str | None = None
+        stop_reason: int | str | None = None
+        if token in self.eos_ids:
+            finish = "stop"
+        elif token in req.stop_token_ids:
+            finish, stop_reason = "stop", token
+        streaming = row.job.events is not None
+        if streaming or req.stop:  # these need the text after every token; the rest decode once at the end
+            checked = len(row.text)
+            row.text = self._decode(row.tokens)
+            hit = _find_stop(row.text, req.stop, checked) if finish is None else None
+            if hit is not None:
+                row.text, stop_reason, finish = row.text[:hit[0]], hit[1], "stop"
+        if finish is None and len(row.tokens) >= req.max_tokens:
+            finish = "length"
+        if finish is not None and not (streaming or req.stop):
+            row.text = self._decode(row.tokens)
+        if streaming:
+            self._stream_step(row, finish, stop_reason)
+        if finish is None:
+            return False
+        row.job.choices[row.index] = Choice(row.index, row.tokens, row.text, row.logprobs,
+                                            row.top if req.top_logprobs else None, finish, stop_reason)
+        if all(c is not None for c in row.job.choices):
+            row.job.finish(GenerationResult(req.prompt_ids, list(row.job.choices)))
+        return True
+
+    def _stream_step(self, row: _Row, finish: str | None, stop_reason: int | str | None) -> None:
+        end = len(row.text)
+        if finish is None:
+            # Hold back what could still turn out to be the start of a stop string, and a trailing
+            # half-decoded character (byte-level tokens can split one).
+            end -= max((len(s) for s in row.req.stop), default=1) - 1
+            while end > row.sent and row.text[end - 1] == "\ufffd":
+                end -= 1
+        text = row.text[row.sent:end] if end > row.sent else ""
+        row.sent = max(row.sent, end)
+        row.job.emit(ChoiceDelta(row.index, [row.tokens[-1]], text, [row.logprobs[-1]],
+                                 [row.top[-1]] if row.req.top_logprobs else None, finish, stop_reason))
+
+    def _decode(self, tokens: list[int]) -> str:
+        with self._tok_lock:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    """Earliest stop string in `text` that ends after `start` (the text before it was already checked)."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def _normalise_message(message: dict) -> dict:
+    """OpenAI content parts -> one string, which is what chat templates expect."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") in ("text", "input_text"):
+                texts.append(part.get("text") or "")
+            elif isinstance(part, str):
+                texts.append(part)
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(f"unsupported content part type {kind!r}; only text parts are", "messages")
+        message = {**message, "content": "".join(texts)}
+    elif content is None:
+        message = {**message, "content": ""}
+    return message
+
+
+def _set_future(future: asyncio.Future, result: Any) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+

@@ -1,0 +1,229 @@
+"""The durable record of a run: tasks, rollouts, spans and rewards in one SQLite file (WAL).
+
+Each write is its own committed transaction, so whatever was written before a crash is still there after it;
+WAL lets `lightning traces` read while a run writes. One connection serves all threads under a lock: the
+writes are small and SQLite serialises writers anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from lightning_sdk.tracing import REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id    TEXT PRIMARY KEY,
+    payload    TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rollouts (
+    rollout_id TEXT PRIMARY KEY,
+    task_id    TEXT NOT NULL,
+    group_id   TEXT NOT NULL,
+    iteration  INTEGER NOT NULL,
+    phase      TEXT NOT NULL,          -- 'train' | 'eval'
+    attempt    INTEGER NOT NULL DEFAULT 1,
+    model      TEXT,
+    status     TEXT NOT NULL,          -- 'running' | 'succeeded' | 'failed' | 'abandoned'
+    output     TEXT,
+    reward     REAL,
+    error      TEXT,
+    traceback  TEXT,
+    started_at REAL NOT NULL,
+    ended_at   REAL
+);
+CREATE INDEX IF NOT EXISTS rollouts_by_iteration ON rollouts (phase, iteration);
+CREATE TABLE IF NOT EXISTS spans (
+    span_id        TEXT PRIMARY KEY,
+    trace_id       TEXT NOT NULL,
+    parent_id      TEXT,
+    rollout_id     TEXT NOT NULL,
+    attempt        INTEGER NOT NULL,
+    component      TEXT,
+    name           TEXT NOT NULL,
+    start_ns       INTEGER NOT NULL,
+    end_ns         INTEGER NOT NULL,
+    status         TEXT NOT NULL,
+    status_message TEXT,
+    attributes     TEXT NOT NULL,
+    events         TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS spans_by_rollout ON spans (rollout_id, start_ns);
+CREATE TABLE IF NOT EXISTS rewards (
+    id         INTEGER PRIMARY KEY AUTOINCREMENT,
+    rollout_id TEXT NOT NULL,
+    span_id    TEXT,
+    name       TEXT NOT NULL,
+    kind       TEXT NOT NULL,          -- 'final' (from @reward) | 'intermediate' (emit_reward)
+    value      REAL NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rewards_by_rollout ON rewards (rollout_id);
+"""
+
+
+@dataclass(frozen=True)
+class RolloutRecord:
+    rollout_id: str
+    task_id: str
+    group_id: str
+    iteration: int
+    phase: str
+    attempt: int
+    model: str | None
+    status: str
+    output: Any
+    reward: float | None
+    error: str | None
+    traceback: str | None
+    started_at: float
+    ended_at: float | None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.ended_at is None else self.ended_at - self.started_at
+
+
+class Store:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives process death
+            self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _write(self, *statements: tuple[str, Iterable[Sequence[Any]]]) -> None:
+        """Run (sql, rows) statements as one committed transaction."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, rows in statements:
+                    self._db.executemany(sql, rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # --------------------------------------------------------------------------------------------- writes
+
+    def add_tasks(self, tasks: Iterable[tuple[str, dict]]) -> None:
+        self._write(("INSERT OR IGNORE INTO tasks (task_id, payload) VALUES (?, ?)",
+                     [(tid, json.dumps(payload, default=str)) for tid, payload in tasks]))
+
+    def start_rollout(self, rollout_id: str, *, task_id: str, group_id: str, iteration: int, phase: str,
+                      attempt: int = 1, model: str | None = None) -> None:
+        self._write((
+            "INSERT INTO rollouts (rollout_id, task_id, group_id, iteration, phase, attempt, model, status, started_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, 'running', ?)",
+            [(rollout_id, task_id, group_id, iteration, phase, attempt, model, time.time())],
+        ))
+
+    def finish_rollout(self, rollout_id: str, *, status: str, output: Any = None, reward: float | None = None,
+                       error: str | None = None, traceback: str | None = None) -> None:
+        now = time.time()
+        self._write(
+            ("UPDATE rollouts SET status=?, output=?, reward=?, error=?, traceback=?, ended_at=? WHERE rollout_id=?",
+             [(status, json.dumps(output, default=str), reward, error, traceback, now, rollout_id)]),
+            ("INSERT INTO rewards (rollout_id, span_id, name, kind, value, created_at)"
+             " VALUES (?, NULL, 'reward', 'final', ?, ?)", [(rollout_id, reward, now)] if reward is not None else []),
+        )
+
+    def abandon_running(self) -> int:
+        """Mark rollouts left 'running' by a killed process; returns how many (their spans stay)."""
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE rollouts SET status='abandoned', error='process ended before the rollout finished',"
+                " ended_at=? WHERE status='running'", (time.time(),))
+            return cur.rowcount
+
+    def write_spans(self, records: Sequence[SpanRecord]) -> None:
+        spans = [(r.span_id, r.trace_id, r.parent_id, r.rollout_id, r.attempt, r.component, r.name, r.start_ns,
+                  r.end_ns, r.status, r.status_message, json.dumps(r.attributes), json.dumps(r.events))
+                 for r in records]
+        rewards = [(r.rollout_id, r.span_id, str(r.attributes.get(REWARD_NAME, "intermediate")), "intermediate",
+                    float(r.attributes[REWARD_VALUE]), r.end_ns / 1e9)
+                   for r in records if r.name == REWARD_SPAN and REWARD_VALUE in r.attributes]
+        self._write(("INSERT OR REPLACE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", spans),
+                    ("INSERT INTO rewards (rollout_id, span_id, name, kind, value, created_at) VALUES (?,?,?,?,?,?)",
+                     rewards))
+
+    # ---------------------------------------------------------------------------------------------- reads
+
+    def spans(self, rollout_id: str) -> list[SpanRecord]:
+        rows = self._read("SELECT * FROM spans WHERE rollout_id=? ORDER BY start_ns, end_ns", (rollout_id,))
+        return [SpanRecord(
+            span_id=r["span_id"], trace_id=r["trace_id"], parent_id=r["parent_id"], rollout_id=r["rollout_id"],
+            attempt=r["attempt"], component=r["component"], name=r["name"], start_ns=r["start_ns"],
+            end_ns=r["end_ns"], status=r["status"], status_message=r["status_message"],
+            attributes=json.loads(r["attributes"]), events=json.loads(r["events"])) for r in rows]
+
+    def rollouts(self, *, phase: str | None = None, iteration: int | None = None, status: str | None = None,
+                 limit: int | None = None, newest_first: bool = False) -> list[RolloutRecord]:
+        where, args = [], []
+        for col, val in (("phase", phase), ("iteration", iteration), ("status", status)):
+            if val is not None:
+                where.append(f"{col}=?")
+                args.append(val)
+        sql = "SELECT * FROM rollouts" + (" WHERE " + " AND ".join(where) if where else "")
+        sql += " ORDER BY started_at DESC, rollout_id DESC" if newest_first else " ORDER BY started_at, rollout_id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [self._rollout(r) for r in self._read(sql, args)]
+
+    def rollout(self, rollout_id: str) -> RolloutRecord | None:
+        rows = self._read("SELECT * FROM rollouts WHERE rollout_id=?", (rollout_id,))
+        return self._rollout(rows[0]) if rows else None
+
+    def task(self, task_id: str) -> dict | None:
+        rows = self._read("SELECT payload FROM tasks WHERE task_id=?", (task_id,))
+        return json.loads(rows[0]["payload"]) if rows else None
+
+    def call_counts(self, rollout_ids: Sequence[str]) -> dict[str, int]:
+        """LLM calls (spans carrying a completion) per rollout."""
+        if not rollout_ids:
+            return {}
+        marks = ",".join("?" * len(rollout_ids))
+        rows = self._read(f"SELECT rollout_id, COUNT(*) AS n FROM spans WHERE rollout_id IN ({marks})"
+                          f" AND name != ? GROUP BY rollout_id", [*rollout_ids, REWARD_SPAN])
+        return {r["rollout_id"]: r["n"] for r in rows}
+
+    def rewards(self, rollout_id: str) -> list[dict]:
+        rows = self._read("SELECT name, kind, value, span_id FROM rewards WHERE rollout_id=? ORDER BY id", (rollout_id,))
+        return [dict(r) for r in rows]
+
+    def count(self, table: str) -> int:
+        if table not in ("tasks", "rollouts", "spans", "rewards"):
+            raise ValueError(f"unknown table {table!r}")
+        return self._read(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"]
+
+    @staticmethod
+    def _rollout(r: sqlite3.Row) -> RolloutRecord:
+        return RolloutRecord(
+            rollout_id=r["rollout_id"], task_id=r["task_id"], group_id=r["group_id"], iteration=r["iteration"],
+            phase=r["phase"], attempt=r["attempt"], model=r["model"], status=r["status"],
+            output=json.loads(r["output"]) if r["output"] is not None else None, reward=r["reward"],
+            error=r["error"], traceback=r["traceback"], started_at=r["started_at"], ended_at=r["ended_at"])

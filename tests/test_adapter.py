@@ -1,0 +1,115 @@
+"""Spans -> transitions: components of interest, intermediate rewards, credit rules, loud capture failures."""
+
+import pytest
+
+from lightning_sdk import credit
+from lightning_sdk.adapter import CaptureError, to_transitions
+from lightning_sdk.store import RolloutRecord, Store
+from lightning_sdk.tracing import (COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS, REWARD_NAME, REWARD_SPAN,
+                                   REWARD_VALUE, SpanRecord)
+
+
+def rollout(reward=1.0, rid="r1"):
+    return RolloutRecord(rollout_id=rid, task_id="t", group_id="0:0", iteration=0, phase="train", attempt=1,
+                         model="m", status="succeeded", output="x", reward=reward, error=None, traceback=None,
+                         started_at=0.0, ended_at=1.0)
+
+
+def llm_span(i, component=None, *, status="OK", prompt=(1, 2), completion=(3, 4), temperature=None):
+    attrs = {"gen_ai.operation.name": "chat", PROMPT_IDS: list(prompt), COMPLETION_IDS: list(completion),
+             COMPLETION_LOGPROBS: [-0.5] * len(completion)}
+    if temperature is not None:
+        attrs["gen_ai.request.temperature"] = temperature
+    if status == "ERROR":
+        attrs = {"gen_ai.operation.name": "chat"}
+    return SpanRecord(span_id=f"s{i}", trace_id="t", parent_id=None, rollout_id="r1", attempt=1, component=component,
+                      name="openai.chat", start_ns=i * 10, end_ns=i * 10 + 5, status=status, status_message=None,
+                      attributes=attrs)
+
+
+def reward_span(i, value, name="step"):
+    return SpanRecord(span_id=f"w{i}", trace_id="t", parent_id=None, rollout_id="r1", attempt=1, component=None,
+                      name=REWARD_SPAN, start_ns=i * 10, end_ns=i * 10 + 1, status="UNSET", status_message=None,
+                      attributes={REWARD_VALUE: value, REWARD_NAME: name})
+
+
+def tool_error(i):
+    return SpanRecord(span_id=f"e{i}", trace_id="t", parent_id=None, rollout_id="r1", attempt=1, component=None,
+                      name="tool.run_sql", start_ns=i * 10, end_ns=i * 10 + 2, status="ERROR", status_message="bad",
+                      attributes={})
+
+
+def test_lightning_rl_gives_every_call_the_episode_reward():
+    spans = [llm_span(0, "writer"), llm_span(1, "checker"), llm_span(2, "rewriter")]
+    out = to_transitions(rollout(0.75), spans)
+    assert [t.reward for t in out] == [0.75, 0.75, 0.75]
+    assert [t.index for t in out] == [0, 1, 2]
+    assert out[0].prompt_ids == (1, 2) and out[0].completion_ids == (3, 4) and out[0].logprobs == (-0.5, -0.5)
+    assert out[0].group_id == "0:0" and out[0].rollout_id == "r1"
+
+
+def test_only_components_of_interest_become_transitions():
+    spans = [llm_span(0, "writer"), llm_span(1, "checker"), llm_span(2, "rewriter"), llm_span(3, "checker")]
+    out = to_transitions(rollout(1.0), spans, components=["writer", "rewriter"])
+    assert [t.component for t in out] == ["writer", "rewriter"]
+    assert [t.span_id for t in out] == ["s0", "s2"]
+
+
+def test_intermediate_rewards_go_to_the_preceding_call():
+    spans = [reward_span(0, 0.1), llm_span(1), reward_span(2, 0.5), reward_span(3, -0.25), llm_span(4),
+             tool_error(5), llm_span(6)]
+    out = to_transitions(rollout(1.0), spans, error_reward=-1.0)
+    # the reward before any call goes to the first call
+    assert [t.reward for t in out] == pytest.approx([1.0 + 0.1 + 0.5 - 0.25, 1.0 - 1.0, 1.0])
+
+
+def test_failed_llm_call_penalises_the_call_before_it_and_is_not_a_transition():
+    spans = [llm_span(0), llm_span(1, status="ERROR"), llm_span(2)]
+    out = to_transitions(rollout(0.0), spans, error_reward=-0.5)
+    assert [t.span_id for t in out] == ["s0", "s2"]
+    assert [t.reward for t in out] == [-0.5, 0.0]
+
+
+def test_intermediate_reward_of_an_untrained_component_is_not_moved_elsewhere():
+    spans = [llm_span(0, "writer"), llm_span(1, "checker"), reward_span(2, -1.0)]
+    out = to_transitions(rollout(1.0), spans, components=["writer"])
+    assert [t.reward for t in out] == [1.0]  # the checker's penalty stays with the checker
+
+
+def test_last_call_rule_and_custom_rule():
+    spans = [llm_span(0), llm_span(1), llm_span(2)]
+    assert [t.reward for t in to_transitions(rollout(2.0), spans, credit=credit.last_call)] == [0.0, 0.0, 2.0]
+    rule = credit.resolve("tests.credit_rules:halves")
+    assert [t.reward for t in to_transitions(rollout(2.0), spans, credit=rule)] == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="rollout.credit"):
+        credit.resolve("nonsense")
+
+
+def test_greedy_calls_train_at_temperature_one():
+    out = to_transitions(rollout(), [llm_span(0, temperature=0.0), llm_span(1, temperature=0.7)])
+    assert [t.temperature for t in out] == [1.0, 0.7]
+
+
+def test_no_captured_call_is_a_loud_error_naming_the_rollout():
+    with pytest.raises(CaptureError, match="rollout r1 .*no LLM call was captured"):
+        to_transitions(rollout(), [reward_span(0, 1.0)])
+
+
+def test_call_without_token_ids_is_a_loud_error():
+    span = llm_span(0)
+    del span.attributes[COMPLETION_IDS]
+    with pytest.raises(CaptureError, match="without token ids"):
+        to_transitions(rollout(), [span])
+
+
+def test_round_trip_through_the_store(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+    store.start_rollout("r1", task_id="t", group_id="0:0", iteration=0, phase="train")
+    spans = [llm_span(0, "writer"), reward_span(1, 0.5)]
+    store.write_spans(spans)
+    store.finish_rollout("r1", status="succeeded", output="x", reward=1.0)
+    rec = store.rollout("r1")
+    out = to_transitions(rec, store.spans("r1"))
+    assert [t.reward for t in out] == [1.5]
+    assert [(r["kind"], r["value"]) for r in store.rewards("r1")] == [("intermediate", 0.5), ("final", 1.0)]
+    assert store.call_counts(["r1"]) == {"r1": 1}

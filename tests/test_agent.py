@@ -1,0 +1,131 @@
+"""@rollout/@reward semantics, and how the worker records rollouts that fail."""
+
+import asyncio
+import math
+
+import pytest
+
+import lightning_sdk as ls
+from lightning_sdk.agent import is_reward, is_rollout
+from lightning_sdk.store import Store
+from lightning_sdk.worker import RolloutJob, run_rollout
+
+LLM = ls.LLM(base_url="http://127.0.0.1:9/v1", api_key="k", model="m")
+
+
+@ls.rollout
+def sync_agent(task, llm):
+    return f"{task['x']}@{llm.model}"
+
+
+@ls.rollout
+async def async_agent(task, llm):
+    await asyncio.sleep(0)
+    return task["x"] * 2
+
+
+@ls.reward
+def exact(task, output):
+    return float(output == task.get("want"))
+
+
+def test_decorated_functions_stay_plain():
+    assert sync_agent({"x": 1}, LLM) == "1@m"
+    assert asyncio.iscoroutinefunction(async_agent)
+    assert asyncio.run(async_agent({"x": 2}, LLM)) == 4
+    assert exact({"want": 3}, 3) == 1.0
+    assert is_rollout(sync_agent) and is_rollout(async_agent) and is_reward(exact)
+    assert not is_reward(sync_agent)
+    assert sync_agent.__name__ == "sync_agent"
+
+
+def test_wrong_signature_is_refused_at_decoration():
+    with pytest.raises(TypeError, match="rollout.*2 positional"):
+        @ls.rollout
+        def no_llm(task):  # pragma: no cover - never called
+            pass
+    with pytest.raises(TypeError, match="reward"):
+        @ls.reward
+        def three(task, output, extra):  # pragma: no cover
+            pass
+
+
+def test_plain_call_exceptions_propagate():
+    @ls.rollout
+    def broken(task, llm):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        broken({}, LLM)
+
+
+def _run(store, fn, reward=exact, task=None, timeout=5.0, rid="r1"):
+    job = RolloutJob(rollout_id=rid, task_id="t", group_id="0:0", task=task or {"x": 1, "want": "1@m"}, iteration=0)
+    return asyncio.run(run_rollout(job, rollout_fn=fn, reward_fn=reward, llm=LLM, store=store, timeout=timeout))
+
+
+def test_worker_records_success_sync_and_async(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+    assert _run(store, sync_agent).reward == 1.0
+    r = _run(store, async_agent, task={"x": 3, "want": 6}, rid="r2")
+    assert r.status == "succeeded" and r.reward == 1.0
+    rec = store.rollout("r2")
+    assert rec.status == "succeeded" and rec.output == 6 and rec.reward == 1.0 and rec.ended_at >= rec.started_at
+    assert [x["kind"] for x in store.rewards("r2")] == ["final"]
+
+
+def test_agent_exception_is_a_failed_rollout_with_traceback(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+
+    @ls.rollout
+    def broken(task, llm):
+        raise KeyError("question")
+
+    r = _run(store, broken)
+    assert r.status == "failed" and r.reward is None
+    rec = store.rollout("r1")
+    assert rec.status == "failed" and "KeyError" in rec.error and "raise KeyError" in rec.traceback
+
+
+def test_hung_agent_times_out(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+
+    @ls.rollout
+    async def hangs(task, llm):
+        await asyncio.sleep(60)
+
+    r = _run(store, hangs, timeout=0.2)
+    assert r.status == "failed" and "rollout.timeout=0.2" in r.error
+    assert store.rollout("r1").status == "failed"
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, None, "1.0", [1.0]])
+def test_bad_reward_names_rollout_and_value(tmp_path, bad):
+    store = Store(tmp_path / "s.sqlite")
+
+    @ls.reward
+    def score(task, output):
+        return bad
+
+    r = _run(store, sync_agent, reward=score, rid="rollout-xyz")
+    assert r.status == "failed"
+    assert "rollout-xyz" in r.error and repr(bad) in r.error and "finite float" in r.error
+    assert store.rollout("rollout-xyz").reward is None
+
+
+def test_async_reward_and_bool_reward(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+
+    @ls.reward
+    async def score(task, output):
+        return output == "1@m"
+
+    assert _run(store, sync_agent, reward=score).reward == 1.0
+
+
+def test_emit_reward_checks_value_even_outside_a_rollout():
+    ls.emit_reward(0.5)  # no rollout: nothing recorded, no error
+    with pytest.raises(ValueError, match="finite number"):
+        ls.emit_reward(float("nan"))
+    with pytest.raises(ValueError):
+        ls.emit_reward("1")

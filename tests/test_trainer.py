@@ -1,0 +1,366 @@
+"""GRPO trainer: the math on hand-computed tensors, then real steps on the builtin tiny model (no mocks)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from lightning_sdk import models, tiny
+from lightning_sdk.adapter import Transition
+from lightning_sdk.config import TrainConfig
+from lightning_sdk.trainer import (
+    GRPOTrainer,
+    _atomic_dir,
+    group_advantages,
+    grpo_loss,
+    lora_targets,
+    resolve_device,
+    token_weights,
+)
+
+torch.set_num_threads(1)  # the CI machine is small and shared
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+
+
+def test_advantages_weigh_rollouts_not_calls():
+    # rollout a: 1 call, reward 1; rollout b: 3 calls, reward 0 each. Per-call mean would be 0.25; per-rollout 0.5.
+    adv = group_advantages([1.0, 0.0, 0.0, 0.0], ["g"] * 4, ["a", "b", "b", "b"], scale="none")
+    assert torch.allclose(adv, torch.tensor([0.5, -0.5, -0.5, -0.5]))
+    # weighted var = 1/2*0.25 + 3*(1/6)*0.25 = 0.25, Bessel over 2 rollouts -> 0.5, std = sqrt(0.5)
+    adv = group_advantages([1.0, 0.0, 0.0, 0.0], ["g"] * 4, ["a", "b", "b", "b"], scale="group")
+    assert torch.allclose(adv, torch.tensor([0.5, -0.5, -0.5, -0.5]) / (math.sqrt(0.5) + 1e-4))
+
+
+def test_advantages_calls_of_one_rollout_can_differ():
+    # rollout c has two calls (intermediate rewards make them 1 and 2); d and e one call each, reward 0.
+    # weights c: 1/6 each, d, e: 1/3 -> baseline (1+2)/6 = 0.5
+    adv = group_advantages([1.0, 2.0, 0.0, 0.0], ["h"] * 4, ["c", "c", "d", "e"], scale="none")
+    assert torch.allclose(adv, torch.tensor([0.5, 1.5, -0.5, -0.5]))
+    var = (1 / 6) * (0.25 + 2.25) + (1 / 3) * 0.25 * 2  # weighted population variance
+    std = math.sqrt(var * 3 / 2)  # Bessel over 3 rollouts
+    adv = group_advantages([1.0, 2.0, 0.0, 0.0], ["h"] * 4, ["c", "c", "d", "e"])
+    assert torch.allclose(adv, torch.tensor([0.5, 1.5, -0.5, -0.5]) / (std + 1e-4))
+
+
+def test_advantages_match_trl_for_one_call_rollouts_and_groups_are_independent():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0])
+    adv = group_advantages(r, ["x"] * 4 + ["y"] * 2, ["1", "2", "3", "4", "5", "6"])
+    x, y = r[:4], r[4:]
+    assert torch.allclose(adv[:4], (x - x.mean()) / (x.std() + 1e-4))  # TRL: unbiased std + 1e-4
+    assert torch.allclose(adv[4:], (y - y.mean()) / (y.std() + 1e-4))
+
+
+def test_advantages_zero_without_signal():
+    # equal rewards (an awkward float, so a float mean would not cancel exactly) and a single-rollout group
+    adv = group_advantages([0.1] * 3 + [1.0, 5.0], ["g"] * 3 + ["solo"] * 2, ["a", "b", "c", "s", "s"])
+    assert torch.equal(adv, torch.zeros(5))
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages([1.0], ["g"], ["a"], scale="batch")
+
+
+# -------------------------------------------------------------------------------------------- token weights
+
+# rollout A: two calls of 2 and 6 tokens; rollout B: one call of 4 tokens; plus an empty completion in B
+N_TOK, RIDS = [2, 6, 4, 0], ["A", "A", "B", "B"]
+
+
+def test_token_weights_rollout_norm():
+    w = token_weights(N_TOK, RIDS, "rollout")
+    assert torch.allclose(w, torch.tensor([1 / 16, 1 / 16, 1 / 8, 0.0]))
+    per_rollout = [(w[:2] * torch.tensor([2.0, 6.0])).sum(), w[2] * 4]
+    assert torch.allclose(torch.stack(per_rollout), torch.tensor([0.5, 0.5]))  # 8 tokens vs 4: same say
+
+
+def test_token_weights_token_and_sequence_norms():
+    assert torch.allclose(token_weights(N_TOK, RIDS, "token"), torch.tensor([1 / 12, 1 / 12, 1 / 12, 0.0]))
+    assert torch.allclose(token_weights(N_TOK, RIDS, "sequence"), torch.tensor([1 / 6, 1 / 18, 1 / 12, 0.0]))
+    w = token_weights(N_TOK, RIDS, "token")
+    assert (w[:2] * torch.tensor([2.0, 6.0])).sum() == pytest.approx(8 / 12)  # "token" lets the long rollout lead
+
+
+@pytest.mark.parametrize("norm", ["rollout", "token", "sequence"])
+def test_token_weights_sum_to_one(norm):
+    w = token_weights(N_TOK, RIDS, norm)
+    assert (w * torch.tensor(N_TOK, dtype=torch.float)).sum() == pytest.approx(1.0)
+
+
+def test_token_weights_reject_bad_input():
+    with pytest.raises(ValueError, match="loss_norm"):
+        token_weights([1], ["a"], "mean")
+    with pytest.raises(ValueError, match="no completion tokens"):
+        token_weights([0, 0], ["a", "b"], "rollout")
+
+
+# ------------------------------------------------------------------------------------------------ grpo loss
+
+
+def test_grpo_loss_clipping_by_hand():
+    ratio = torch.tensor([1.1, 1.5, 0.5, 1.5])
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    w = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    old = torch.full((4,), -2.0)
+    logp = (old + ratio.log()).requires_grad_()
+    loss, st = grpo_loss(logp, old, adv, w, clip_eps=0.2)
+    # per token: -1.1 (inside), -1.2 (A>0, clipped at 1.2), +0.8 (A<0, clipped at 0.8), +1.5 (A<0, r>1: not clipped)
+    assert loss.item() == pytest.approx(0.1 * -1.1 + 0.2 * -1.2 + 0.3 * 0.8 + 0.4 * 1.5)
+    assert st["clip_frac"].item() == pytest.approx(0.2 + 0.3)
+    assert st["ratio"].item() == pytest.approx(0.1 * 1.1 + 0.2 * 1.5 + 0.3 * 0.5 + 0.4 * 1.5)
+    loss.backward()
+    # d/dlogp of -r*A = -r*A: push up where A>0, down where A<0, nothing where clipped
+    assert torch.allclose(logp.grad, torch.tensor([-0.1 * 1.1, 0.0, 0.0, 0.4 * 1.5]))
+    # clip-higher: the 1.5 ratio with A>0 is now inside the region
+    loss, st = grpo_loss(logp.detach(), old, adv, w, clip_eps=0.2, clip_eps_high=0.6)
+    assert loss.item() == pytest.approx(0.1 * -1.1 + 0.2 * -1.5 + 0.3 * 0.8 + 0.4 * 1.5)
+    assert st["clip_frac"].item() == pytest.approx(0.3)
+
+
+def test_grpo_loss_k3_kl():
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    ref = torch.tensor([-1.0 + math.log(2.0), -2.0])  # token 0: ref - logp = ln 2; token 1: equal
+    loss, st = grpo_loss(logp, logp.detach(), torch.zeros(2), torch.tensor([1.0, 0.0]), clip_eps=0.2,
+                         ref_logp=ref, beta=0.5)
+    k3 = 2.0 - math.log(2.0) - 1.0
+    assert st["kl"].item() == pytest.approx(k3)
+    assert loss.item() == pytest.approx(0.5 * k3)
+    loss.backward()
+    # d/dlogp = beta * (1 - exp(ref - logp)) = 0.5 * (1 - 2) < 0: descent raises logp towards the reference
+    assert logp.grad[0].item() == pytest.approx(-0.5)
+    # the KL is zero where the policy equals the reference
+    _, st = grpo_loss(logp.detach(), logp.detach(), torch.zeros(2), torch.tensor([0.0, 1.0]), clip_eps=0.2,
+                      ref_logp=ref, beta=0.5)
+    assert st["kl"].item() == pytest.approx(0.0, abs=1e-7)
+
+
+# ------------------------------------------------------------------------------------- real model: helpers
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return models.resolve("builtin:tiny-arith")
+
+
+@pytest.fixture(scope="module")
+def tok(model_path):
+    t = models.load_tokenizer(model_path)
+    t.padding_side = "left"
+    return t
+
+
+def prompt_ids(tok, a: int, b: int) -> tuple[int, ...]:
+    msgs = [{"role": "user", "content": tiny.question(a, b)}]
+    return tuple(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+def answer_ids(tok, text: str) -> tuple[int, ...]:
+    return tuple(tok(text)["input_ids"]) + (tok.eos_token_id,)
+
+
+def mixed_batch(tok) -> list[Transition]:
+    """Two groups, unequal prompt and completion lengths, a two-call rollout, one single-rollout group."""
+    def t(rid, gid, idx, a, b, text, reward, temp=1.0):
+        return Transition(rid, gid, f"{rid}.{idx}", idx, None, prompt_ids(tok, a, b), answer_ids(tok, text), None,
+                          reward, temp)
+    return [
+        t("r1", "g1", 0, 3, 4, "7", 1.0), t("r2", "g1", 0, 3, 4, "8", 0.0),
+        t("r3", "g1", 0, 3, 4, "a longer wrong reply", 0.0, 0.7),
+        t("r4", "g2", 0, 9, 9, "18", 1.0), t("r4", "g2", 1, 9, 9, "18 again", 1.5), t("r5", "g2", 0, 9, 9, "17", 0.0),
+        t("r6", "solo", 0, 1, 1, "2", 1.0),
+    ]
+
+
+def snapshot(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def cfg(**kw) -> TrainConfig:
+    return TrainConfig(device="cpu", **kw)
+
+
+# ------------------------------------------------------------------------------------------ real model steps
+
+
+@pytest.mark.parametrize("norm", ["rollout", "token", "sequence"])
+def test_gradient_accumulation_is_exact(model_path, tok, norm):
+    # SGD(lr=1) with no clipping makes the parameter change exactly -grad, so we compare gradients through step().
+    deltas, metrics = [], []
+    for mbs in (1, 7):
+        tr = GRPOTrainer(model_path, cfg(micro_batch_size=mbs, loss_norm=norm, max_grad_norm=1e9,
+                                         target_modules=["all-linear", "lm_head"]), seed=0)
+        tr.optimizer = torch.optim.SGD(tr.params, lr=1.0)
+        before = snapshot(tr)
+        metrics.append(tr.step(mixed_batch(tok)))
+        deltas.append({n: p.detach() - before[n] for n, p in tr.model.named_parameters() if p.requires_grad})
+    assert any(d.abs().max() > 0 for d in deltas[0].values())
+    for n in deltas[0]:
+        torch.testing.assert_close(deltas[0][n], deltas[1][n], rtol=1e-4, atol=1e-7)
+    assert metrics[0]["grad_norm"] == pytest.approx(metrics[1]["grad_norm"], rel=1e-4)
+    assert metrics[0]["num_skipped"] == 1 and metrics[0]["num_transitions"] == 6
+
+
+def test_gradient_checkpointing_gives_same_update(model_path, tok):
+    deltas = []
+    for ckpt in (False, True):
+        tr = GRPOTrainer(model_path, cfg(gradient_checkpointing=ckpt, max_grad_norm=1e9), seed=0)
+        tr.optimizer = torch.optim.SGD(tr.params, lr=1.0)
+        before = snapshot(tr)
+        tr.step(mixed_batch(tok))
+        deltas.append(torch.cat([(p.detach() - before[n]).flatten()
+                                 for n, p in tr.model.named_parameters() if p.requires_grad]))
+    assert deltas[0].abs().max() > 0
+    torch.testing.assert_close(deltas[0], deltas[1], rtol=1e-4, atol=1e-7)
+
+
+def test_step_trains_lora_only_and_saved_adapter_reproduces_logits(model_path, tok, tmp_path):
+    from peft import PeftModel
+
+    tr = GRPOTrainer(model_path, cfg(lr=1e-2, epochs=2, beta=0.04, target_modules=["all-linear", "lm_head"]))
+    assert "lm_head" in tr.model.peft_config["default"].target_modules  # "all-linear" + extras expanded
+    before = snapshot(tr)
+    m = tr.step(mixed_batch(tok))
+    for k in ("loss", "grad_norm", "kl", "clip_frac", "ratio", "adv_mean", "adv_std", "reward_mean",
+              "num_transitions", "num_tokens", "seconds", "logprob_gap"):
+        assert isinstance(m[k], float), k
+    assert m["ratio"] != 1.0 and m["kl"] > 0  # epoch 2 sees a moved policy; the reference differs from it
+    lora = [n for n in before if "lora_" in n]
+    assert lora and all(not torch.equal(before[n], tr.model.get_parameter(n)) for n in lora if "lora_B" in n)
+    assert all(torch.equal(before[n], tr.model.get_parameter(n)) for n in before if "lora_" not in n)
+
+    tr.save_adapter(tmp_path / "adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
+    loaded = PeftModel.from_pretrained(models.load_causal_lm(model_path), str(tmp_path / "adapter")).eval()
+    ids = torch.tensor([prompt_ids(tok, 2, 5) + answer_ids(tok, "7")])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, tr.model(input_ids=ids).logits)
+        base = models.load_causal_lm(model_path)(input_ids=ids).logits
+    assert not torch.allclose(base, tr.model(input_ids=ids).logits)
+
+
+def test_state_round_trip_continues_identically(model_path, tok, tmp_path):
+    c = cfg(lr=1e-2, lora_dropout=0.1)  # dropout draws random numbers: the RNG must be restored too
+    a = GRPOTrainer(model_path, c, seed=0)
+    batch = mixed_batch(tok)
+    a.step(batch)
+    a.save_state(tmp_path / "ckpt")
+    a.save_state(tmp_path / "ckpt")  # overwriting a checkpoint works and leaves no temp dirs behind
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    ma = a.step(batch[::-1])
+
+    b = GRPOTrainer(model_path, c, seed=123)  # a different LoRA init, all overwritten by the checkpoint
+    b.load_state(tmp_path / "ckpt")
+    assert b.global_step == 1
+    mb = b.step(batch[::-1])
+    assert mb["loss"] == ma["loss"] and mb["grad_norm"] == ma["grad_norm"] and mb["step"] == 2
+    # identical dropout masks too: b restored the RNG a had when it saved (one process shares the global RNG)
+    for n, p in a.model.named_parameters():
+        assert torch.equal(p, b.model.get_parameter(n)), n
+
+
+def test_interrupted_write_leaves_no_checkpoint(model_path, tmp_path):
+    with pytest.raises(RuntimeError):
+        with _atomic_dir(tmp_path / "ckpt") as tmp:
+            (tmp / "adapter_model.safetensors").write_bytes(b"half")
+            raise RuntimeError("killed mid-write")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "partial").mkdir()
+    tr = GRPOTrainer(model_path, cfg())
+    with pytest.raises(FileNotFoundError, match="not a trainer checkpoint"):
+        tr.load_state(tmp_path / "partial")
+
+
+def test_empty_batch_and_single_rollout_groups(model_path, tok):
+    tr = GRPOTrainer(model_path, cfg())
+    with pytest.raises(ValueError, match="empty batch"):
+        tr.step([])
+    before = snapshot(tr)
+    solo = [t for t in mixed_batch(tok) if t.group_id == "solo"]
+    m = tr.step(solo)
+    assert m["num_transitions"] == 0 and m["num_skipped"] == 1 and tr.global_step == 0
+    assert all(torch.equal(p, before[n]) for n, p in tr.model.named_parameters())
+
+
+def test_targets_and_device(model_path):
+    base = models.load_causal_lm(model_path)
+    assert lora_targets(base, "all-linear") == "all-linear"  # peft's own shorthand: every linear but the head
+    assert lora_targets(base, ["q_proj"]) == ["q_proj"]
+    expanded = lora_targets(base, ["all-linear", "lm_head"])
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"} == set(expanded)
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ----------------------------------------------------------------------------------------------- learning
+
+
+def learn_arithmetic(model_path: str, tok, *, seed: int = 0, steps: int = 60, problems: int = 8, group: int = 8,
+                     **train) -> dict[str, float]:
+    """GRPO on self-sampled completions (HF generate, T=1), reward = exact sum. Returns P(correct) before/after:
+    the model's mean probability of the right answer over all 100 problems (exact, no sampling noise)."""
+    tr = GRPOTrainer(model_path, cfg(**train), seed=seed)
+    rng, eos = random.Random(seed), tok.eos_token_id
+
+    @torch.no_grad()
+    def p_correct() -> float:
+        total = 0.0
+        for a, b in tiny.problems():
+            ans = answer_ids(tok, str(a + b))
+            logits = tr.model(input_ids=torch.tensor([prompt_ids(tok, a, b) + ans])).logits[0, -len(ans) - 1:-1]
+            total += logits.log_softmax(-1).gather(-1, torch.tensor(ans)[:, None]).sum().exp().item()
+        return total / len(tiny.problems())
+
+    @torch.no_grad()
+    def sample(step: int, tasks: list[tuple[int, int]]) -> list[Transition]:
+        enc = tok.pad([{"input_ids": list(prompt_ids(tok, a, b))} for a, b in tasks for _ in range(group)],
+                      return_tensors="pt")
+        out = tr.model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=6,
+                                pad_token_id=tok.pad_token_id, output_scores=True, return_dict_in_generate=True)
+        L = enc["input_ids"].shape[1]
+        logps = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, out.sequences[:, L:, None]).squeeze(-1)
+        ts = []
+        for j, row in enumerate(out.sequences[:, L:].tolist()):
+            (a, b), n = tasks[j // group], (row.index(eos) + 1 if eos in row else len(row))
+            reward = float(tok.decode(row[:n], skip_special_tokens=True).strip() == str(a + b))
+            ids, keep = enc["input_ids"][j].tolist(), enc["attention_mask"][j].tolist()
+            prompt = tuple(x for x, k in zip(ids, keep) if k)
+            ts.append(Transition(f"{step}.{j}", f"{step}.{j // group}", f"{step}.{j}", 0, None, prompt,
+                                 tuple(row[:n]), tuple(logps[j, :n].tolist()), reward))
+        return ts
+
+    before, train_s, gaps = p_correct(), 0.0, []
+    for step in range(steps):
+        m = tr.step(sample(step, [rng.choice(tiny.problems()) for _ in range(problems)]))
+        gaps.append(m["logprob_gap"])
+        train_s += m["seconds"]
+    return {"before": before, "after": p_correct(), "first_gap": gaps[0], "train_s_per_step": train_s / steps}
+
+
+# Found best for the tiny demo: LoRA on lm_head only (rank 8, alpha 64), lr 5e-3. Attention/MLP-only LoRA at
+# 1e-3..5e-3 moved P(correct) by only 0.02-0.05 in 60 steps, and lr 1e-2 on all-linear(+lm_head) collapsed.
+DEMO = dict(lr=5e-3, lora_r=8, lora_alpha=64, target_modules=["lm_head"])
+
+
+def test_grpo_learns_tiny_arithmetic(model_path, tok):
+    """P(correct) 0.21 -> 0.34..0.41 in 60 steps on seeds 0-3 (~0.02 s/step train, ~0.04 s with sampling)."""
+    r = learn_arithmetic(model_path, tok, seed=0, **DEMO)
+    assert r["first_gap"] < 1e-4  # the trainer scores the sampled tokens exactly as generate() sampled them
+    assert r["after"] > r["before"] + 0.08, r
+
+
+# -------------------------------------------------------------------------------------------------- QLoRA
+
+
+def test_qlora_step_on_cpu(model_path, tok):
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes")
+    import bitsandbytes as bnb
+
+    tr = GRPOTrainer(model_path, cfg(lr=1e-2, gradient_checkpointing=True), quantization="4bit")
+    assert isinstance(tr.model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.base_layer"),
+                      bnb.nn.Linear4bit)
+    before = snapshot(tr)
+    m = tr.step(mixed_batch(tok))
+    assert math.isfinite(m["loss"]) and m["grad_norm"] > 0
+    changed = [n for n, p in tr.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed and all("lora_" in n for n in changed)
