@@ -52,11 +52,11 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
     from lightning_sdk.adapter import CaptureError
     from lightning_sdk.data import DatasetError
     from lightning_sdk.models import ModelLoadError
-    from lightning_sdk.runtime import RunError, Runtime
+    from lightning_sdk.runtime import RunError, Runtime, SetupError
 
     try:
         Runtime(cfg, resume=resume, overwrite=overwrite, console=console).run()
-    except (DatasetError, ModelLoadError) as e:
+    except (DatasetError, ModelLoadError, SetupError) as e:
         _fail(console, str(e))
     except (RunError, CaptureError) as e:
         console.print(f"[bold red]run stopped:[/] {e}", highlight=False, soft_wrap=True)

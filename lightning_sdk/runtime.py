@@ -43,13 +43,17 @@ class RunError(RuntimeError):
     """The run cannot go on; the message says why and what to do."""
 
 
+class SetupError(RunError):
+    """Bad input found before anything ran (agent, run directory, backend): the CLI exits 2, as for bad config."""
+
+
 # ------------------------------------------------------------------------------------------- the user's agent
 
 def load_agent(module: str, rollout_name: str | None, reward_name: str | None) -> tuple[Callable, Callable]:
     if module.endswith(".py"):
         path = Path(module)
         if not path.exists():
-            raise RunError(f"agent.module = {module!r}: file not found")
+            raise SetupError(f"agent.module = {module!r}: file not found")
         sys.path.insert(0, str(path.parent))  # let the agent import its sibling modules
         spec = importlib.util.spec_from_file_location(f"lightning_agent_{path.stem}", path)
         mod = importlib.util.module_from_spec(spec)
@@ -62,12 +66,12 @@ def load_agent(module: str, rollout_name: str | None, reward_name: str | None) -
         if name is not None:
             fn = getattr(mod, name, None)
             if fn is None or not test(fn):
-                raise RunError(f"agent.{kind} = {name!r}: {module} has no @{kind} function of that name")
+                raise SetupError(f"agent.{kind} = {name!r}: {module} has no @{kind} function of that name")
             return fn
         found = [v for v in vars(mod).values() if test(v)]
         if len(found) != 1:
             names = ", ".join(f.__name__ for f in found) or "none"
-            raise RunError(f"agent.module = {module!r}: expected exactly one @{kind} function (found: {names}); "
+            raise SetupError(f"agent.module = {module!r}: expected exactly one @{kind} function (found: {names}); "
                            f"name it with agent.{kind}")
         return found[0]
 
@@ -140,7 +144,7 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
         backend = "cpu"
         log.info("serve.backend = 'auto': using the built-in CPU server (the vLLM backend is not available yet)")
     if backend == "vllm":
-        raise RunError("serve.backend = 'vllm': the vLLM backend is not available in this version; use 'cpu'")
+        raise SetupError("serve.backend = 'vllm': the vLLM backend is not available in this version; use 'cpu'")
     return CPUServer(
         model_path, served_model_name=cfg.model.name, host=cfg.serve.host, port=cfg.serve.port,
         api_key=cfg.serve.api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
@@ -219,7 +223,7 @@ class Runtime:
             shutil.rmtree(d)
             existing = False
         if existing and not self.resume:
-            raise RunError(f"run.dir {d} already holds a run; pass --resume to continue it, --overwrite to "
+            raise SetupError(f"run.dir {d} already holds a run; pass --resume to continue it, --overwrite to "
                            f"replace it, or --run-dir for a new one")
         d.mkdir(parents=True, exist_ok=True)
         return latest_checkpoint(d) if self.resume else None
