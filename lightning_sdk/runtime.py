@@ -99,14 +99,18 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def adapter_dir(checkpoint: Path) -> Path:
+    """The checkpoint's PEFT adapter (what `PeftModel.from_pretrained` and the server's hot-load take)."""
+    return checkpoint / "trainer" / "adapter"
+
+
 def write_checkpoint(run_dir: Path, iteration: int, trainer: Any, state: RunState, keep: int = 3) -> Path:
     root = run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter-{iteration:05d}"
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:6]}"
     tmp.mkdir()
-    trainer.save_state(tmp / "trainer")
-    trainer.save_adapter(tmp / "adapter")
+    trainer.save_state(tmp / "trainer")  # holds the PEFT adapter directory too: see adapter_dir()
     (tmp / STATE).write_text(state.to_json())
     tmp.rename(final)
     for old in sorted(root.glob("iter-*"))[:-keep]:
@@ -199,7 +203,7 @@ class Runtime:
             if checkpoint is not None:
                 self.trainer.load_state(checkpoint / "trainer")
                 policy = state.adapter_name
-                self.server.load_adapter(policy, str(checkpoint / "adapter"))
+                self.server.load_adapter(policy, str(adapter_dir(checkpoint)))
                 self.console.print(f"resumed {self.run_dir} after iteration {state.completed} ({checkpoint.name})")
             if eval_tasks and state.baseline_eval is None:
                 state.baseline_eval = self._evaluate(eval_tasks, self.server.served_model_name, "untrained")
@@ -263,7 +267,7 @@ class Runtime:
         state.history.append(row)
         checkpoint = write_checkpoint(self.run_dir, it + 1, self.trainer, state)
         t2 = time.perf_counter()
-        self.server.load_adapter(new_policy, str(checkpoint / "adapter"))
+        self.server.load_adapter(new_policy, str(adapter_dir(checkpoint)))
         if policy != self.server.served_model_name:
             self.server.unload_adapter(policy)
         row["hotload_s"] = time.perf_counter() - t2

@@ -71,7 +71,7 @@ def test_run_trains_writes_everything_and_resumes(project):
     assert len(store.rollouts(phase="eval")) == 10
     assert store.count("spans") >= 42  # one LLM call per rollout
 
-    adapter = run / "checkpoints/iter-00002/adapter"
+    adapter = run / "checkpoints/iter-00002/trainer/adapter"
     assert (adapter / "adapter_config.json").exists()
 
     # The served model changed: the trained adapter gives different log-probs than the base for the same prompt.
