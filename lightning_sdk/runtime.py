@@ -18,7 +18,7 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -85,7 +85,7 @@ class RunState:
     """What a checkpoint remembers besides the weights: finished iterations and their metrics."""
 
     completed: int = 0  # iterations finished and checkpointed
-    history: list[dict[str, Any]] | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
     baseline_eval: float | None = None
     adapter_name: str | None = None
 
@@ -173,7 +173,7 @@ class Runtime:
         eval_tasks = data.load(cfg.data.eval) if cfg.data.eval else []
         self.credit_rule = credit.resolve(cfg.rollout.credit)
         checkpoint = self._prepare_run_dir()
-        state = RunState(history=[])
+        state = RunState()
         if checkpoint is not None:
             state = RunState(**json.loads((checkpoint / STATE).read_text()))
         self.store = Store(self.run_dir / "store.sqlite")

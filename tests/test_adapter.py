@@ -113,3 +113,15 @@ def test_round_trip_through_the_store(tmp_path):
     assert [t.reward for t in out] == [1.5]
     assert [(r["kind"], r["value"]) for r in store.rewards("r1")] == [("intermediate", 0.5), ("final", 1.0)]
     assert store.call_counts(["r1"]) == {"r1": 1}
+
+
+def test_intermediate_rewards_reach_the_advantages():
+    """An emit_reward penalty lowers that call's advantage below its sibling's in the same rollout."""
+    from lightning_sdk.trainer import group_advantages
+
+    penalised = to_transitions(rollout(1.0, rid="r1"), [llm_span(0), reward_span(1, -0.5), llm_span(2)])
+    clean = [t.__class__(**{**t.__dict__, "rollout_id": "r2"})
+             for t in to_transitions(rollout(0.0, rid="r2"), [llm_span(0), llm_span(2)])]
+    ts = penalised + clean
+    adv = group_advantages([t.reward for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts])
+    assert adv[0] < adv[1] and adv[1] > 0 > adv[2] == adv[3]
