@@ -101,7 +101,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def adapter_dir(checkpoint: Path) -> Path:
     """The checkpoint's PEFT adapter (what `PeftModel.from_pretrained` and the server's hot-load take)."""
-    return checkpoint / "trainer" / "adapter"
+    from lightning_sdk.trainer import ADAPTER_SUBDIR
+
+    return checkpoint / "trainer" / ADAPTER_SUBDIR
 
 
 def write_checkpoint(run_dir: Path, iteration: int, trainer: Any, state: RunState, keep: int = 3) -> Path:

@@ -29,6 +29,7 @@ from lightning_sdk import models
 from lightning_sdk.adapter import Transition
 from lightning_sdk.config import TrainConfig
 
+ADAPTER_SUBDIR = "adapter"  # where save_state puts the PEFT adapter inside a trainer checkpoint
 STD_EPS = 1e-4  # added to the group std before dividing (TRL's convention)
 
 # What step() reports when a batch leaves nothing to train on (e.g. every group has a single rollout).
@@ -349,7 +350,7 @@ class GRPOTrainer:
     def save_state(self, path: str | Path) -> None:
         """Everything needed to resume: adapter, optimizer, step counter, RNG. Appears only once complete."""
         with _atomic_dir(path) as tmp:
-            self._save_adapter_files(tmp / "adapter")
+            self._save_adapter_files(tmp / ADAPTER_SUBDIR)
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
@@ -363,7 +364,7 @@ class GRPOTrainer:
         path = Path(path)
         if not (path / "trainer_state.json").exists():
             raise FileNotFoundError(f"{path}: not a trainer checkpoint (no trainer_state.json)")
-        weights = load_file(path / "adapter" / "adapter_model.safetensors", device=self.device)
+        weights = load_file(path / ADAPTER_SUBDIR / "adapter_model.safetensors", device=self.device)
         result = set_peft_model_state_dict(self.model, weights)
         missing = [k for k in result.missing_keys if "lora_" in k]
         if missing:
