@@ -26,6 +26,7 @@ class RunConfig(_Section):
     dir: Path = Path("runs/run")
     iterations: int = Field(10, ge=1)
     seed: int = 0
+    runtime: Literal["embedded", "ray"] = "embedded"  # "ray": rollouts and inference on a Ray cluster ([ray])
 
 
 class AgentConfig(_Section):
@@ -92,6 +93,23 @@ class TrainConfig(_Section):
         return v
 
 
+class RayConfig(_Section):
+    """Used when run.runtime = "ray" (the `[ray]` extra); see docs/scaling.md."""
+
+    address: str | None = Field(None, description="Ray cluster to join ('auto', 'ray://...'); none = start a local one")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local cluster started when address is none")
+    object_store_memory: int | None = Field(None, ge=78_643_200, description="bytes, local cluster (min 75 MiB)")
+    num_workers: int = Field(2, ge=1, description="rollout-worker actors")
+    cpus_per_worker: float = Field(0.5, gt=0)
+    worker_concurrency: int | None = Field(None, ge=1, description="rollouts at once per worker; "
+                                                                   "none = rollout.concurrency / num_workers")
+    servers: int = Field(1, ge=1, description="inference-server actors behind the router")
+    cpus_per_server: float = Field(1.0, gt=0)
+    router_host: str = Field("127.0.0.1", description="where the router listens; a reachable IP on a multi-node "
+                                                      "cluster")
+    max_retries: int = Field(1, ge=0, description="re-runs of a rollout whose worker died")
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     agent: AgentConfig
@@ -100,6 +118,7 @@ class Config(_Section):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
 
 
 def _format(err: ValidationError) -> str:

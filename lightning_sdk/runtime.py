@@ -145,6 +145,13 @@ class TaskFeed:
 def make_server(cfg: Config, model_path: str, log_path: Path):
     from lightning_sdk.serving import CPUServer
 
+    if cfg.run.runtime == "ray":  # server actors behind a router, plus the rollout pool: lightning_sdk/cluster.py
+        try:
+            from lightning_sdk.cluster import RayCluster
+        except ImportError as e:
+            raise SetupError(f"run.runtime = 'ray' needs Ray: pip install 'lightning-sdk[ray]' ({e})") from None
+        return RayCluster(cfg, model_path, log_path.parent)
+
     backend = cfg.serve.backend
     if backend == "auto":
         backend = "cpu"
@@ -297,6 +304,8 @@ class Runtime:
         return out
 
     def _collect(self, jobs: list[RolloutJob], policy: str, label: str) -> list[RolloutResult]:
+        if self.cfg.run.runtime == "ray":
+            return self.server.collect(jobs, policy, store=self.store, label=label, console=self.console)
         llm = LLM(base_url=self.server.base_url, api_key=self.server.api_key or "EMPTY", model=policy)
 
         async def go() -> list[RolloutResult]:

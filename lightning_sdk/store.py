@@ -160,6 +160,13 @@ class Store:
                 " ended_at=? WHERE status='running'", (time.time(),))
             return cur.rowcount
 
+    def abandon(self, rollout_id: str, error: str) -> bool:
+        """Mark one rollout abandoned (its worker died; its spans stay); False if it was never started."""
+        with self._lock:
+            cur = self._db.execute("UPDATE rollouts SET status='abandoned', error=?, ended_at=? WHERE rollout_id=?",
+                                   (error, time.time(), rollout_id))
+            return cur.rowcount > 0
+
     def write_spans(self, records: Sequence[SpanRecord]) -> None:
         spans = [(r.span_id, r.trace_id, r.parent_id, r.rollout_id, r.attempt, r.component, r.name, r.start_ns,
                   r.end_ns, r.status, r.status_message, json.dumps(r.attributes), json.dumps(r.events))

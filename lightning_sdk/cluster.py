@@ -1,0 +1,312 @@
+"""The Ray runtime (`run.runtime = "ray"`): rollout workers and inference servers as Ray actors, one store.
+
+What runs where (docs/scaling.md has the picture):
+- driver (head node): the `Runtime` loop, the trainer, the SQLite store it reads, the router (serving/router.py)
+  and a `_StoreWriter` actor pinned to the head that is the only writer of rollout rows and spans;
+- `_ServerActor`s (spread over nodes): each runs one built-in inference server and registers it with the router;
+- `_RolloutWorker`s (spread over nodes): run the user's `@rollout`/`@reward` with tracing installed. Each span is
+  shipped to the writer as soon as it ends, so what a worker wrote before it died is kept.
+
+If a worker dies mid-collection, its unfinished rollouts are marked abandoned (spans kept) and re-run once more
+on a live worker under a new rollout id with attempt + 1; the dead worker is replaced before the next phase.
+The writer ignores late rows for a rollout it has abandoned, so no rollout is counted twice.
+Ray is imported only here, and only when this runtime is chosen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from lightning_sdk import tracing
+from lightning_sdk.agent import LLM
+from lightning_sdk.config import Config
+from lightning_sdk.serving import ServerError
+from lightning_sdk.serving.router import Router
+from lightning_sdk.store import Store
+from lightning_sdk.worker import RolloutJob, RolloutResult, run_rollout
+
+
+# --------------------------------------------------------------------------------------------------- actors
+
+class _StoreWriter:
+    """Owns the head's write connection for everything workers produce; runs tasks one at a time, in order."""
+
+    def __init__(self, path: str):
+        self.store = Store(path)
+        self.abandoned: set[str] = set()
+
+    def start_rollout(self, rollout_id: str, kw: dict) -> None:
+        if rollout_id not in self.abandoned:
+            self.store.start_rollout(rollout_id, **kw)
+
+    def finish_rollout(self, rollout_id: str, kw: dict) -> None:
+        if rollout_id not in self.abandoned:  # a dead worker's late result must not count
+            self.store.finish_rollout(rollout_id, **kw)
+
+    def write_spans(self, records: list) -> None:
+        self.store.write_spans(records)
+
+    def abandon(self, rollout_id: str, error: str) -> bool:
+        self.abandoned.add(rollout_id)
+        return self.store.abandon(rollout_id, error)
+
+
+class _ShippedStore:
+    """The `Store` surface `run_rollout` and the span processor use, forwarded to the writer actor."""
+
+    def __init__(self, writer: Any):
+        self.writer = writer
+        self._refs: list = []
+
+    def start_rollout(self, rollout_id: str, **kw: Any) -> None:
+        self._refs.append(self.writer.start_rollout.remote(rollout_id, kw))
+
+    def finish_rollout(self, rollout_id: str, **kw: Any) -> None:
+        self._refs.append(self.writer.finish_rollout.remote(rollout_id, kw))
+
+    def write_spans(self, records) -> None:  # from tracing's writer thread: blocking is fine there
+        ray.get(self.writer.write_spans.remote(list(records)))
+
+    async def settle(self) -> None:
+        refs, self._refs = self._refs, []
+        await asyncio.gather(*refs)
+
+
+class _RolloutWorker:
+    def __init__(self, module: str, rollout: str | None, reward: str | None, writer: Any, timeout: float):
+        from lightning_sdk.runtime import load_agent
+
+        self.rollout_fn, self.reward_fn = load_agent(module, rollout, reward)
+        self.sink = _ShippedStore(writer)
+        self.timeout = timeout
+        tracing.install(self.sink)
+
+    async def run(self, job: RolloutJob, base_url: str, api_key: str, model: str) -> RolloutResult:
+        tracing.request_token_ids_from(base_url)
+        result = await run_rollout(job, rollout_fn=self.rollout_fn, reward_fn=self.reward_fn,
+                                   llm=LLM(base_url=base_url, api_key=api_key, model=model), store=self.sink,
+                                   timeout=self.timeout)
+        await asyncio.to_thread(tracing.flush)  # this rollout's spans are in the store before we say done
+        await self.sink.settle()
+        return result
+
+    def ready(self) -> bool:
+        return True
+
+
+class _ServerActor:
+    def __init__(self, model: str, kw: dict, log_path: str, local: bool):
+        from lightning_sdk.serving import CPUServer
+
+        host = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        self.server = CPUServer(model, host=host, log_path=log_path, **kw)
+
+    def start(self) -> str:
+        self.server.start()
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def log_tail(self, n: int) -> str:
+        return self.server.log_tail(n)
+
+
+# ------------------------------------------------------------------------------------------------ the cluster
+
+class RayCluster:
+    """The Ray runtime's inference server (router + server actors) and rollout pool, as the Runtime sees them.
+
+    It satisfies `serving.InferenceServer`, so the runtime hot-loads adapters through it (fanned out by the
+    router), and `collect` replaces the embedded collection loop.
+    """
+
+    def __init__(self, cfg: Config, model_path: str, log_dir: Path):
+        self.cfg, self.rc = cfg, cfg.ray
+        self.model_path, self.log_dir = model_path, Path(log_dir)
+        self.served_model_name = cfg.model.name
+        self.api_key = cfg.serve.api_key
+        self.token = uuid.uuid4().hex[:8]
+        self.router: Router | None = None
+        self.servers: list = []
+        self.workers: list = []
+        self.writer = None
+        self._writer_path: str | None = None
+        self._started_ray = False
+        self._names = itertools.count()
+
+    # ------------------------------------------------------------------ InferenceServer
+    @property
+    def base_url(self) -> str:
+        return self.router.base_url
+
+    def start(self) -> None:
+        from lightning_sdk.runtime import SetupError
+
+        rc = self.rc
+        if not ray.is_initialized():
+            if rc.address:
+                ray.init(address=rc.address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=rc.num_cpus, object_store_memory=rc.object_store_memory, include_dashboard=False,
+                         log_to_driver=False)
+            self._started_ray = True
+        need = rc.servers * rc.cpus_per_server + rc.num_workers * rc.cpus_per_worker
+        have = ray.cluster_resources().get("CPU", 0)
+        if need > have:
+            self.stop()
+            raise SetupError(f"ray: ray.servers x ray.cpus_per_server + ray.num_workers x ray.cpus_per_worker = "
+                             f"{need:g} CPUs, but the Ray cluster has {have:g}; lower them or add nodes")
+        s = self.cfg.serve
+        kw = dict(served_model_name=self.served_model_name, api_key=self.api_key, max_batch_size=s.max_batch_size,
+                  max_model_len=s.max_model_len, dtype=self.cfg.model.dtype, quantization=self.cfg.model.quantization,
+                  threads=max(1, int(rc.cpus_per_server)), startup_timeout=s.startup_timeout)
+        actor = ray.remote(num_cpus=rc.cpus_per_server, scheduling_strategy="SPREAD")(_ServerActor)
+        self.servers = [actor.remote(self.model_path, kw, str(self.log_dir / f"server-{i}.log"), rc.address is None)
+                        for i in range(rc.servers)]
+        try:
+            urls = ray.get([a.start.remote() for a in self.servers])
+        except ray.exceptions.RayError as e:
+            self.stop()
+            raise ServerError(f"an inference server actor failed to start: {e}") from e
+        self.router = Router(urls, host=rc.router_host, api_key=self.api_key)
+        self.router.start()
+
+    def stop(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        if self.servers:  # stop the server subprocesses before their actors go
+            try:
+                ray.get([a.stop.remote() for a in self.servers], timeout=30)
+            except ray.exceptions.RayError:
+                pass
+            for a in self.servers:
+                ray.kill(a)
+            self.servers = []
+        if self.writer is not None:
+            ray.kill(self.writer)
+            self.writer = None
+        if self.router is not None:
+            self.router.stop()
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    def is_alive(self) -> bool:
+        return self.router is not None and self.router._thread is not None and self.router._thread.is_alive()
+
+    def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
+        # Every server reads `path` itself: on several nodes, run.dir must be on storage they all see.
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "load_inplace": replace})
+
+    def unload_adapter(self, name: str) -> None:
+        self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def log_tail(self, n: int = 50) -> str:
+        try:
+            return "\n".join(ray.get([a.log_tail.remote(n) for a in self.servers], timeout=10))
+        except ray.exceptions.RayError as e:
+            return f"(server logs unavailable: {e})"
+
+    def _post(self, route: str, body: dict) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            r = httpx.post(f"{self.router.url}{route}", json=body, headers=headers, timeout=300)
+        except httpx.HTTPError as e:
+            raise ServerError(f"{route}: router unreachable ({e})") from e
+        if r.status_code != 200:
+            raise ServerError(f"{route} failed ({r.status_code}): {r.text[:500]}")
+
+    # ------------------------------------------------------------------ rollouts
+    def _ensure_workers(self, store_path: Path) -> None:
+        rc = self.rc
+        if self.writer is None or self._writer_path != str(store_path):
+            head = ray.get_runtime_context().get_node_id()
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            self.writer = ray.remote(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))(
+                _StoreWriter).remote(str(store_path))
+            self._writer_path = str(store_path)
+            for w in self.workers:
+                ray.kill(w)
+            self.workers, self._worker_names = [], []
+        per = rc.worker_concurrency or max(1, -(-self.cfg.rollout.concurrency // rc.num_workers))
+        actor = ray.remote(num_cpus=rc.cpus_per_worker, max_concurrency=per, max_restarts=0,
+                           scheduling_strategy="SPREAD")(_RolloutWorker)
+        a = self.cfg.agent
+        while len(self.workers) < rc.num_workers:  # tops up workers that died in an earlier phase
+            name = f"lightning-rollout-{self.token}-{next(self._names)}"
+            self.workers.append(actor.options(name=name).remote(a.module, a.rollout, a.reward, self.writer,
+                                                                self.cfg.rollout.timeout))
+            self._worker_names.append(name)
+        ray.get([w.ready.remote() for w in self.workers])
+
+    def collect(self, jobs: list[RolloutJob], policy: str, *, store: Store, label: str,
+                console: Console) -> list[RolloutResult]:
+        self._ensure_workers(store.path)
+        live = list(zip(self.workers, self._worker_names))
+        results: dict[int, RolloutResult] = {}
+        pending: dict[Any, tuple[int, RolloutJob, Any]] = {}
+        turn = itertools.count()
+
+        def submit(i: int, job: RolloutJob, avoid: Any = None) -> None:
+            choices = [w for w, _ in live if w is not avoid] or [w for w, _ in live]
+            if not choices:
+                raise RuntimeError("every rollout worker has died")
+            w = choices[next(turn) % len(choices)]
+            pending[w.run.remote(job, self.base_url, self.api_key or "EMPTY", policy)] = (i, job, w)
+
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=True) as progress:
+            bar = progress.add_task(label, total=len(jobs))
+            for i, job in enumerate(jobs):
+                submit(i, job)
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                for ref in ready:
+                    i, job, w = pending.pop(ref)
+                    try:
+                        results[i] = ray.get(ref)
+                    except ray.exceptions.RayActorError as e:
+                        self._worker_died(w, live, console)
+                        reason = f"rollout worker died: {str(e).splitlines()[0][:200]}"
+                        started = ray.get(self.writer.abandon.remote(job.rollout_id, reason))
+                        if live and not started and job.attempt == 1:
+                            submit(i, job)  # it never began: not an attempt
+                            continue
+                        if live and job.attempt <= self.rc.max_retries:
+                            submit(i, retry(job), avoid=w)
+                            continue
+                        results[i] = RolloutResult(job, "failed", None, None, reason)
+                    except ray.exceptions.RayError as e:
+                        results[i] = RolloutResult(job, "failed", None, None, f"{type(e).__name__}: {e}")
+                    progress.advance(bar)
+        return [results[i] for i in range(len(jobs))]
+
+    def _worker_died(self, w: Any, live: list, console: Console) -> None:
+        for k, (x, name) in enumerate(live):
+            if x is w:
+                del live[k]
+                console.print(f"[yellow]rollout worker {name} died; re-running its rollouts on the others")
+                break
+        for k, x in enumerate(self.workers):
+            if x is w:
+                del self.workers[k]
+                del self._worker_names[k]
+                break
+
+
+def retry(job: RolloutJob) -> RolloutJob:
+    base = job.rollout_id.removesuffix(f"-r{job.attempt}") if job.attempt > 1 else job.rollout_id
+    return dataclasses.replace(job, rollout_id=f"{base}-r{job.attempt + 1}", attempt=job.attempt + 1)

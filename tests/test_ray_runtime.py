@@ -1,0 +1,212 @@
+"""The Ray runtime on a real local Ray instance (2 CPUs, 2 rollout-worker actors), and the router on loopback."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from lightning_sdk import config  # noqa: E402
+from lightning_sdk.runtime import Runtime  # noqa: E402
+from lightning_sdk.store import Store  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = [json.loads(r) for r in (ROOT / "cookbook/arith/data/train.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def ray_local(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ray")
+    # Worker processes inherit the environment Ray starts with: the victim agent reads these.
+    os.environ["LS_TEST_CALLS"] = str(d / "calls.txt")
+    os.environ["LS_TEST_MARKER"] = str(d / "marker.txt")
+    ray.init(num_cpus=2, object_store_memory=80 * 1024 * 1024, include_dashboard=False, log_to_driver=False)
+    yield d
+    ray.shutdown()
+
+
+def make_cfg(tmp_path: Path, *, module: str, tasks: list[dict], iterations: int, group: int) -> config.Config:
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    return config.parse({
+        "run": {"name": "ray", "dir": "run", "iterations": iterations, "runtime": "ray"},
+        "agent": {"module": module},
+        "data": {"train": "train.jsonl", "tasks_per_iteration": len(tasks), "group_size": group},
+        "model": {"name": "builtin:tiny-arith", "dtype": "float32"},
+        "rollout": {"concurrency": 8, "timeout": 120},
+        "train": {"lr": 2e-3, "lora_r": 8, "micro_batch_size": 16},
+        "ray": {"num_workers": 2, "cpus_per_worker": 0.5, "servers": 1, "cpus_per_server": 1.0},
+    }, base=tmp_path)
+
+
+def test_demo_runs_two_iterations_on_ray(ray_local, tmp_path):
+    cfg = make_cfg(tmp_path, module=str(ROOT / "cookbook/arith/agent.py"), tasks=ROWS[:4], iterations=2, group=4)
+    state = Runtime(cfg).run()
+    assert state.completed == 2 and len(state.history) == 2
+    with Store(cfg.run.dir / "store.sqlite") as store:
+        rollouts = store.rollouts(phase="train")
+        assert len(rollouts) == 2 * 16 and {r.status for r in rollouts} == {"succeeded"}
+        assert {r.attempt for r in rollouts} == {1}
+        # one LLM call per rollout, each with the server's token ids: the spans came back from the workers
+        counts = store.call_counts([r.rollout_id for r in rollouts])
+        assert all(counts.get(r.rollout_id) == 1 for r in rollouts)
+        assert all(store.spans(r.rollout_id)[0].attributes.get("lightning.llm.completion_token_ids")
+                   for r in rollouts)
+        assert {r.model for r in rollouts if r.iteration == 1} == {"ray-iter1"}  # hot-loaded through the router
+    rows = [json.loads(x) for x in (cfg.run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert all(r["failed"] == 0 and r["rollouts"] == 16 and r["transitions"] == 16 for r in rows)
+
+
+def test_killed_worker_rollouts_are_retried_and_nothing_is_lost(ray_local, tmp_path):
+    tasks = [dict(t) for t in ROWS[:4]]
+    tasks[1]["victim"] = True
+    cfg = make_cfg(tmp_path, module=str(ROOT / "tests/ray_victim_agent.py"), tasks=tasks, iterations=2, group=4)
+    marker = Path(os.environ["LS_TEST_MARKER"])
+    killed: dict = {}
+
+    def killer():  # kill the worker as soon as the victim rollout says its span is in the store
+        deadline = time.monotonic() + 300
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # the marker is written in two steps
+        name, rollout_id = marker.read_text().split("\n")
+        killed.update(name=name, rollout_id=rollout_id)
+        ray.kill(ray.get_actor(name))
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    state = Runtime(cfg).run()
+    t.join(timeout=10)
+    assert killed and state.completed == 2
+
+    with Store(cfg.run.dir / "store.sqlite") as store:
+        rollouts = store.rollouts(phase="train")
+        by_id = {r.rollout_id: r for r in rollouts}
+        victim = by_id[killed["rollout_id"]]
+        assert victim.status == "abandoned" and victim.attempt == 1 and "worker died" in victim.error
+        assert store.call_counts([victim.rollout_id]) == {victim.rollout_id: 1}  # its span was kept
+        abandoned = [r for r in rollouts if r.status == "abandoned"]
+        for r in abandoned:  # each was re-run once, on another worker, and that attempt counted
+            again = by_id[f"{r.rollout_id}-r2"]
+            assert again.attempt == 2 and again.status == "succeeded" and again.group_id == r.group_id
+        ok = [r for r in rollouts if r.status == "succeeded"]
+        assert len(ok) == 2 * 16 and len({r.rollout_id for r in ok}) == len(ok)
+        for it in (0, 1):  # every GRPO group is whole, with no duplicates
+            groups = [r.group_id for r in ok if r.iteration == it]
+            assert sorted(groups.count(g) for g in set(groups)) == [4] * 4
+        assert {r.status for r in rollouts} <= {"succeeded", "abandoned"}
+        # every LLM call an agent made (logged after its span reached the store) is a span in the store
+        calls = Path(os.environ["LS_TEST_CALLS"]).read_text().split()
+        spans = store.call_counts(list(by_id))
+        assert sum(spans.values()) == len(calls) and all(spans.get(c) == calls.count(c) for c in set(calls))
+    rows = [json.loads(x) for x in (cfg.run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["failed"] == 0 and r["rollouts"] == 16 for r in rows)
+
+
+def test_ray_config_errors_name_the_key(tmp_path):
+    base = {"agent": {"module": "a.py"}, "data": {"train": "t.jsonl"}}
+    with pytest.raises(config.ConfigError, match=r"run\.runtime"):
+        config.parse({**base, "run": {"runtime": "spark"}})
+    with pytest.raises(config.ConfigError, match=r"ray\.num_workers"):
+        config.parse({**base, "ray": {"num_workers": 0}})
+    with pytest.raises(config.ConfigError, match=r"ray\.object_store_memory"):
+        config.parse({**base, "ray": {"object_store_memory": 1000}})
+    with pytest.raises(config.ConfigError, match=r"ray\.adress: unknown key"):
+        config.parse({**base, "ray": {"adress": "auto"}})
+    assert config.parse(base).run.runtime == "embedded"
+
+
+def test_importing_the_sdk_does_not_import_ray():
+    code = ("import sys, lightning_sdk, lightning_sdk.runtime, lightning_sdk.serving.router; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_router_picks_least_loaded_and_fans_out_adapters(tiny_model_path, tmp_path):
+    import torch
+    from openai import OpenAI
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_sdk import models
+    from lightning_sdk.serving import CPUServer
+    from lightning_sdk.serving.router import Router
+
+    servers = [CPUServer(tiny_model_path, served_model_name="tiny", threads=1, log_path=tmp_path / f"s{i}.log")
+               for i in range(2)]
+    for s in servers:
+        s.start()
+    # Backend 0 of the first router accepts a request and holds it open: deterministic load, no timing.
+    held, release = socket.create_server(("127.0.0.1", 0)), threading.Event()
+    conns = []
+
+    def hold():
+        while not release.is_set():
+            try:
+                c, _ = held.accept()
+            except OSError:
+                return
+            conns.append(c)
+
+    threading.Thread(target=hold, daemon=True).start()
+    busy = Router([f"http://127.0.0.1:{held.getsockname()[1]}", servers[0].url])
+    busy.start()
+    router = Router([s.url for s in servers])
+    router.start()
+    try:
+        client = OpenAI(base_url=busy.base_url, api_key="EMPTY", max_retries=0)
+        ask = [{"role": "user", "content": "2+2="}]
+        stats = lambda: httpx.get(f"{busy.url}/router/stats").json()  # noqa: E731
+        stuck = threading.Thread(target=lambda: httpx.post(f"{busy.base_url}/chat/completions", timeout=60,
+                                                           json={"model": "tiny", "messages": ask}), daemon=True)
+        stuck.start()
+        deadline = time.monotonic() + 30
+        while stats()["in_flight"] != [1, 0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats()["in_flight"] == [1, 0]
+        for stream in (False, True):  # the least-loaded server takes both, streamed or not
+            r = client.chat.completions.create(model="tiny", messages=ask, max_tokens=2, stream=stream)
+            assert (list(r)[0].choices is not None) if stream else r.choices[0].message.content is not None
+        assert stats()["served"] == [1, 2]
+        release.set()
+        for c in conns:
+            c.close()
+        held.close()
+        stuck.join(timeout=30)
+        deadline = time.monotonic() + 30
+        while stats()["in_flight"] != [0, 0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats()["in_flight"] == [0, 0]  # a failed upstream releases its slot
+        assert httpx.get(f"{router.url}/health").status_code == 200
+        client = OpenAI(base_url=router.base_url, api_key="EMPTY")
+
+        base = models.load_causal_lm(tiny_model_path)
+        peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.01)
+        peft_model.save_pretrained(tmp_path / "adapter")
+        r = httpx.post(f"{router.url}/v1/load_lora_adapter",
+                       json={"lora_name": "tuned", "lora_path": str(tmp_path / "adapter")}, timeout=120)
+        assert r.status_code == 200, r.text
+        for s in servers:  # every server has it
+            assert {m["id"] for m in httpx.get(f"{s.base_url}/models").json()["data"]} == {"tiny", "tuned"}
+        assert client.chat.completions.create(model="tuned", messages=ask, max_tokens=2).choices
+        bad = httpx.post(f"{router.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"})
+        assert bad.status_code == 400 and "failed on 2 of 2 servers" in bad.json()["error"]["message"]
+        assert httpx.post(f"{router.url}/v1/unload_lora_adapter", json={"lora_name": "tuned"}).status_code == 200
+        for s in servers:
+            assert {m["id"] for m in httpx.get(f"{s.base_url}/models").json()["data"]} == {"tiny"}
+    finally:
+        busy.stop()
+        router.stop()
+        for s in servers:
+            s.stop()
