@@ -17,6 +17,7 @@ import contextvars
 import functools
 import inspect
 import json
+import logging
 import math
 import queue
 import threading
@@ -182,7 +183,7 @@ class StoreSpanProcessor(SpanProcessor):
     def __init__(self, sink: SpanSink, *, max_batch: int = 512):
         self._sink = sink
         self._max_batch = max_batch
-        self._queue: queue.Queue[SpanRecord | None] = queue.Queue()
+        self._queue: queue.Queue[ReadableSpan | None] = queue.Queue()
         self._pending = 0
         self._cond = threading.Condition()
         self.errors: list[str] = []
@@ -200,12 +201,13 @@ class StoreSpanProcessor(SpanProcessor):
             span.set_attribute(COMPONENT, comp)
 
     def on_end(self, span: ReadableSpan) -> None:
-        record = to_record(span)
-        if record is None:
+        # Only the check here: turning the span into a record happens on the writer thread, which mostly runs
+        # while the agent's thread waits for the server, so the agent does not pay for it.
+        if span.attributes is None or ROLLOUT_ID not in span.attributes:
             return
         with self._cond:
             self._pending += 1
-        self._queue.put(record)
+        self._queue.put(span)
 
     def _run(self) -> None:
         while True:
@@ -223,7 +225,7 @@ class StoreSpanProcessor(SpanProcessor):
                     break
                 batch.append(item)
             try:
-                self._sink.write_spans(batch)
+                self._sink.write_spans([r for r in map(to_record, batch) if r is not None])
             except Exception as e:  # keep the writer alive; the runtime reports these loudly
                 self.errors.append(f"{type(e).__name__}: {e}")
             with self._cond:
@@ -486,9 +488,30 @@ _state = _State()
 _install_lock = threading.Lock()
 
 
+def _run_inline(coro: Any) -> None:
+    """Run the instrumentor's request-attribute coroutine to its end without an event loop.
+
+    opentelemetry-instrumentation-openai 0.62 runs it with `asyncio.run` on every *sync* call: a new event loop
+    each time, about 1 ms, ten times the rest of the span's cost. The coroutine only suspends to upload base64
+    images through a user-configured async uploader, which lightning-sdk never configures; if it does suspend,
+    it is closed and the request attributes of that one span are lost (the instrumentor's own errors are
+    swallowed the same way).
+    """
+    try:
+        coro.send(None)
+    except StopIteration:
+        return
+    coro.close()
+    logging.getLogger("lightning_sdk").warning("span request attributes skipped: the instrumentor awaited I/O")
+
+
 def _instrument(provider: TracerProvider) -> None:
     from opentelemetry.instrumentation.openai import OpenAIInstrumentor
+    from opentelemetry.instrumentation.openai.shared import chat_wrappers
     from wrapt import wrap_function_wrapper
+
+    if hasattr(chat_wrappers, "run_async"):
+        chat_wrappers.run_async = _run_inline
 
     # Ours first, so the instrumentor's wrapper ends up outside it and its span is current when ours runs.
     mod = "openai.resources.chat.completions"
