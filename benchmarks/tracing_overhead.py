@@ -9,8 +9,9 @@ body (logprobs and `return_token_ids`, which tracing asks for), so the differenc
 tracing plus the store writer's share of the CPU, not a different server reply. The untraced call goes through
 the original `Completions.create`, saved before instrumentation wraps it.
 
-Prints the mean and median per-call latency of each, the overhead per call (one span each) in microseconds, and
-`ratio=<traced/untraced>` last (means of the paired calls).
+Prints the mean and median per-call latency of each, the overhead per call (one span each) in microseconds, the
+CPU time per span (the calling thread's extra CPU per traced call, and the span writer thread's CPU per span: far
+less noisy than wall time on a shared machine), and `ratio=<traced/untraced>` last (mean wall time per call).
 """
 
 import argparse
@@ -42,19 +43,29 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
     body = dict(model="policy", messages=[{"role": "user", "content": "What is 3 + 4?"}], temperature=1.0,
                 max_tokens=args.max_tokens, logprobs=True, extra_body={"return_token_ids": True})
 
+    cpu = {"plain": [], "spans": []}  # the calling thread's CPU time per call: what the agent's thread pays
+
     def untraced() -> float:
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         plain_create(client.chat.completions, **body)
-        return time.perf_counter() - t0
+        t1, c1 = time.perf_counter(), time.thread_time()
+        cpu["plain"].append(c1 - c0)
+        return t1 - t0
 
     def traced(i: int) -> float:
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         with tracing.rollout_context(f"bench-{i}"):
             client.chat.completions.create(**body)
-        return time.perf_counter() - t0
+        t1, c1 = time.perf_counter(), time.thread_time()
+        cpu["spans"].append(c1 - c0)
+        return t1 - t0
 
     for i in range(args.warmup):
         untraced(), traced(-i - 1)
+    tracing.flush()
+    cpu = {"plain": [], "spans": []}
+    writer = time.pthread_getcpuclockid(tracing._state.processor._thread.ident)
+    writer_cpu0 = time.clock_gettime(writer)
     plain, spans = [], []
     for i in range(args.calls):
         if i % 2:
@@ -66,6 +77,7 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
     t0 = time.perf_counter()
     tracing.flush()
     flush_s = time.perf_counter() - t0
+    writer_cpu = time.clock_gettime(writer) - writer_cpu0
     stored = store.count("spans")
     store.close()
 
@@ -77,4 +89,8 @@ print(f"untraced: mean {statistics.mean(plain) * us:.0f} us, median {statistics.
 print(f"traced:   mean {statistics.mean(spans) * us:.0f} us, median {statistics.median(spans) * us:.0f} us")
 print(f"overhead per call (one span): mean {statistics.mean(diffs) * us:.0f} us, "
       f"median of paired differences {statistics.median(diffs) * us:.0f} us")
+agent_cpu = statistics.mean(cpu["spans"]) - statistics.mean(cpu["plain"])
+print(f"CPU per span: calling thread +{agent_cpu * us:.0f} us (traced {statistics.mean(cpu['spans']) * us:.0f} vs "
+      f"untraced {statistics.mean(cpu['plain']) * us:.0f} us per call), span writer thread "
+      f"{writer_cpu / args.calls * us:.0f} us (records + SQLite, off the calling thread)")
 print(f"ratio={statistics.mean(spans) / statistics.mean(plain):.4f}")
