@@ -58,21 +58,24 @@ async def collect(llm: LLM, concurrency: int, n: int) -> int:
 with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_path=tmp / "server.log") as server:
     tracing.request_token_ids_from(server.base_url)
     llm = LLM(base_url=server.base_url, api_key="EMPTY", model="policy")
-    generated = lambda: httpx.get(f"{server.url}/stats").json()["generated_tokens"]  # noqa: E731
+    stats = lambda: httpx.get(f"{server.url}/stats").json()  # noqa: E731
     rate: dict[int, tuple[float, float]] = {}
     for c in args.concurrency:
         best = (0.0, 0.0)
         for rep in range(args.repeats + 1):  # the first pass warms up
-            g0, t0 = generated(), time.perf_counter()
+            s0, t0 = stats(), time.perf_counter()
             ok = asyncio.run(collect(llm, c, args.rollouts))
-            dt, tokens = time.perf_counter() - t0, generated() - g0
+            dt, s1 = time.perf_counter() - t0, stats()
+            tokens = s1["generated_tokens"] - s0["generated_tokens"]
             if ok != args.rollouts:
                 raise SystemExit(f"{args.rollouts - ok} rollouts failed; see {tmp / 'server.log'}")
             if rep and ok / dt > best[0]:
                 best = (ok / dt, tokens / dt)
         rate[c] = best
+        d = {k: s1[k] - s0[k] for k in ("requests", "batches", "prefills", "joined")}
         print(f"concurrency {c:>3}: {best[0]:6.1f} rollouts/s  {best[1]:7.1f} generated tokens/s "
-              f"(best of {args.repeats}, {args.rollouts} rollouts)")
+              f"(best of {args.repeats}, {args.rollouts} rollouts; last pass: {d['requests']} requests in "
+              f"{d['batches']} batches, {d['prefills']} prefills, {d['joined']} joined a running batch)")
 tracing.flush()
 store.close()
 lo, hi = min(args.concurrency), max(args.concurrency)
