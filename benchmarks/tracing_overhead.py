@@ -11,7 +11,9 @@ the original `Completions.create`, saved before instrumentation wraps it.
 
 Prints the mean and median per-call latency of each, the overhead per call (one span each) in microseconds, the
 CPU time per span (the calling thread's extra CPU per traced call, and the span writer thread's CPU per span: far
-less noisy than wall time on a shared machine), and `ratio=<traced/untraced>` last (mean wall time per call).
+less noisy than wall time on a shared machine), the client-side cost per span with the server's reply replayed
+by an in-process httpx transport (no server: the floor of what tracing adds), and `ratio=<traced/untraced>` last
+(mean wall time per call against the real server).
 """
 
 import argparse
@@ -20,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import openai
 from openai.resources.chat.completions import Completions
 
@@ -79,6 +82,26 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
     flush_s = time.perf_counter() - t0
     writer_cpu = time.clock_gettime(writer) - writer_cpu0
     stored = store.count("spans")
+
+    # The same two paths with the server's reply replayed by an in-process httpx transport: no network, no
+    # server, so the difference is only what the client side of tracing costs (a floor, free of the noise).
+    reply = plain_create(client.chat.completions, **body).model_dump(exclude_unset=True)
+    canned = openai.OpenAI(base_url="http://canned.invalid/v1", api_key="EMPTY", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(
+                               lambda request: httpx.Response(200, json=reply))))
+    tracing.request_token_ids_from("http://canned.invalid/v1")
+    iso = {"plain": [], "spans": []}
+    for i in range(args.calls + args.warmup):
+        for traced_call in ((False, True) if i % 2 else (True, False)):
+            t0 = time.perf_counter()
+            if traced_call:
+                with tracing.rollout_context(f"canned-{i}"):
+                    canned.chat.completions.create(**body)
+            else:
+                plain_create(canned.chat.completions, **body)
+            if i >= args.warmup:
+                iso["spans" if traced_call else "plain"].append(time.perf_counter() - t0)
+    tracing.flush()
     store.close()
 
 us = 1e6
@@ -93,4 +116,7 @@ agent_cpu = statistics.mean(cpu["spans"]) - statistics.mean(cpu["plain"])
 print(f"CPU per span: calling thread +{agent_cpu * us:.0f} us (traced {statistics.mean(cpu['spans']) * us:.0f} vs "
       f"untraced {statistics.mean(cpu['plain']) * us:.0f} us per call), span writer thread "
       f"{writer_cpu / args.calls * us:.0f} us (records + SQLite, off the calling thread)")
+print(f"replayed reply (no server): untraced {statistics.median(iso['plain']) * us:.0f} us, traced "
+      f"{statistics.median(iso['spans']) * us:.0f} us per call (medians): client-side cost "
+      f"{(statistics.median(iso['spans']) - statistics.median(iso['plain'])) * us:.0f} us per span")
 print(f"ratio={statistics.mean(spans) / statistics.mean(plain):.4f}")

@@ -528,7 +528,9 @@ def _instrument(provider: TracerProvider) -> None:
         wrap_function_wrapper(mod, name, _sync_ids_wrapper)
     for name in ("AsyncCompletions.create", "AsyncCompletions.parse"):
         wrap_function_wrapper(mod, name, _async_ids_wrapper)
-    OpenAIInstrumentor().instrument(tracer_provider=provider)
+    # No W3C traceparent header on the agent's requests: the spans stay in our store, no server continues the
+    # trace, and injecting it costs every call.
+    OpenAIInstrumentor(enable_trace_context_propagation=False).instrument(tracer_provider=provider)
 
 
 def describe(record: SpanRecord) -> str:
