@@ -5,8 +5,8 @@
 
 What each side times: one *update* = training on one collected batch of 16 prompts x 8 completions (128
 completions), with the default run's settings (lightning.toml [train]): LoRA r=8 alpha=16 dropout 0 on every
-linear layer but lm_head (TRL refuses LoRA on the head; the demo also trains it), 2 epochs over the batch (TRL num_iterations=2, so both compute the old policy's
-log-probs once with no grad), micro-batches of 64 (TRL per_device_train_batch_size=64, gradient_accumulation_steps
+linear layer but lm_head (TRL refuses LoRA on the head; the demo also trains it), 2 epochs over the batch (TRL num_iterations=2: TRL computes the old policy's
+log-probs in a separate no-grad pass, ours reuses epoch 0's, which are the same without dropout), micro-batches of 64 (TRL per_device_train_batch_size=64, gradient_accumulation_steps
 =2), so 2 AdamW steps per update; lr 2e-3 constant, clip 0.2, beta 0 (no reference model), group-std scaled
 advantages, sequence-mean loss (ours "rollout" with one call per rollout == TRL loss_type "grpo"), fp32, no
 gradient checkpointing, on the CPU with the same torch thread count.
@@ -15,9 +15,9 @@ Generation is not timed on either side: both train on the same fixed completions
 lengths drawn in [L/2, L], an <|im_end|> at the end, rewards 0/1), built from a seed in each process.
   ours: `GRPOTrainer.step(transitions)` (advantages, old log-probs, losses, backward, clipping, AdamW).
   TRL:  its whole training step through `Trainer.train` with `rollout_func` returning the fixed completions
-        instead of generating (so it still tokenizes nothing, but runs its reward function, advantages,
-        old log-probs, loss, backward, clipping, AdamW, and its Trainer/accelerate loop), timed from one update
-        boundary to the next by a callback.
+        instead of generating (so it tokenizes no prompts, but decodes the completions for its reward
+        function and runs the reward function, advantages, loss, backward, clipping, AdamW, and its
+        Trainer/accelerate loop), timed from one update boundary to the next by a callback.
 The first update of each side is a warm-up and is not counted. Each side runs in its own subprocess (peak RSS is
 that process's ru_maxrss, imports included); sides alternate for `--rounds` rounds to cancel drift on a shared
 machine. Prints seconds per update and peak RSS of each, and `ratio=<ours/trl>` (seconds per update) last.
