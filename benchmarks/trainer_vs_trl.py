@@ -5,11 +5,12 @@
 
 What each side times: one *update* = training on one collected batch of 16 prompts x 8 completions (128
 completions), with the default run's settings (lightning.toml [train]): LoRA r=8 alpha=16 dropout 0 on every
-linear layer but lm_head (TRL refuses LoRA on the head; the demo also trains it), 2 epochs over the batch (TRL num_iterations=2: TRL computes the old policy's
-log-probs in a separate no-grad pass, ours reuses epoch 0's, which are the same without dropout), micro-batches of 64 (TRL per_device_train_batch_size=64, gradient_accumulation_steps
-=2), so 2 AdamW steps per update; lr 2e-3 constant, clip 0.2, beta 0 (no reference model), group-std scaled
-advantages, sequence-mean loss (ours "rollout" with one call per rollout == TRL loss_type "grpo"), fp32, no
-gradient checkpointing, on the CPU with the same torch thread count.
+linear layer but lm_head (TRL refuses LoRA on the head; the demo also trains it); 2 epochs over the batch (TRL
+num_iterations=2: TRL computes the old policy's log-probs in a separate no-grad pass, ours reuses epoch 0's, the
+same values without dropout); micro-batches of 64 (TRL per_device_train_batch_size=64,
+gradient_accumulation_steps=2), so 2 AdamW steps per update; lr 2e-3 constant, clip 0.2, beta 0 (no reference
+model), group-std scaled advantages, sequence-mean loss (ours "rollout" with one call per rollout == TRL
+loss_type "grpo"), fp32, no gradient checkpointing, on the CPU with the same torch thread count.
 
 Generation is not timed on either side: both train on the same fixed completions (random non-special tokens,
 lengths drawn in [L/2, L], an <|im_end|> at the end, rewards 0/1), built from a seed in each process.
