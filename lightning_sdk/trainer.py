@@ -263,6 +263,10 @@ class GRPOTrainer:
                               target_modules=lora_targets(base, config.target_modules), task_type="CAUSAL_LM")
             self.model = get_peft_model(base, lora)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Without dropout a training-mode forward computes exactly the log-probs an eval-mode one does.
+        self._train_forward_is_eval = not any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()
+        ) and not any(getattr(base.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout"))
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
 
     def _logprobs(self, b: _Batch) -> torch.Tensor:
@@ -302,9 +306,11 @@ class GRPOTrainer:
                        key=lambda i: len(ts[i].prompt_ids) + len(ts[i].completion_ids))
         chunks = [order[k:k + cfg.micro_batch_size] for k in range(0, len(order), cfg.micro_batch_size)]
         batches = [_collate([ts[i] for i in c], adv[c], w[c], self.device) for c in chunks]
-        # With one epoch the old policy *is* the current one: ratio = exp(logp - logp.detach()) = 1, same gradient,
-        # so only epochs > 1 pay for a separate no-grad pass.
-        olds = self._logprobs_frozen(batches, reference=False) if cfg.epochs > 1 else [None] * len(batches)
+        # The old policy is the one before this update, i.e. the current one during epoch 0, whose ratio is
+        # exp(logp - logp.detach()) = 1 with the same gradient. Epoch 0's own log-probs then serve as the old ones
+        # for later epochs; only a model with dropout (train-mode log-probs differ) pays for a separate no-grad pass.
+        separate = cfg.epochs > 1 and not self._train_forward_is_eval
+        olds = self._logprobs_frozen(batches, reference=False) if separate else [None] * len(batches)
         refs = self._logprobs_frozen(batches, reference=True) if cfg.beta > 0 else [None] * len(batches)
 
         self.model.train()
@@ -312,12 +318,15 @@ class GRPOTrainer:
         gap, gap_n = 0.0, 0
         for epoch in range(cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            for b, old, ref in zip(batches, olds, refs):
+            for i, (b, ref) in enumerate(zip(batches, refs)):
                 logp = self._logprobs(b)
+                if olds[i] is None:  # epoch 0 without a separate pass: this is the old policy
+                    olds[i] = logp.detach()
+                old = olds[i]
                 if epoch == 0:  # no update yet: this is the policy the sampler ran, so compare with its log-probs
                     gap += ((logp.detach() - b.sampler_logp).abs() * b.has_sampler_logp).sum().item()
                     gap_n += int(b.has_sampler_logp.sum())
-                loss, st = grpo_loss(logp, logp.detach() if old is None else old, b.adv, b.weights,
+                loss, st = grpo_loss(logp, old, b.adv, b.weights,
                                      clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, ref_logp=ref,
                                      beta=cfg.beta)
                 loss.backward()  # weights sum to 1 over the whole batch: accumulated grads == full-batch grads

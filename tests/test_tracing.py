@@ -42,6 +42,8 @@ def test_sync_call_is_a_span_with_exact_token_ids(server, store, tiny_model_path
     assert a[COMPONENT] == "writer" == span.component and span.attempt == 2 and span.rollout_id == "r-sync"
     assert a["gen_ai.request.model"] == SERVED and a["gen_ai.usage.output_tokens"] == len(a[COMPLETION_IDS])
     assert "What is 2 + 3?" in str(a)  # the instrumentor recorded the prompt text too
+    # ...and got through the whole response: it fails (silently, at a cost) on a usage without prompt_tokens_details
+    assert a["gen_ai.usage.cache_read.input_tokens"] == 0
     assert span.status != "ERROR" and span.end_ns >= span.start_ns
 
 

@@ -215,6 +215,23 @@ def test_gradient_checkpointing_gives_same_update(model_path, tok):
     torch.testing.assert_close(deltas[0], deltas[1], rtol=1e-4, atol=1e-7)
 
 
+def test_epoch_zero_log_probs_serve_as_the_old_policy(model_path, tok):
+    # Without dropout, reusing epoch 0's log-probs as the old policy's must give the update a separate no-grad
+    # pass gives (the clipped ratio in epoch 1 depends on them).
+    deltas = []
+    for reuse in (True, False):
+        tr = GRPOTrainer(model_path, cfg(lr=0.5, epochs=3, clip_eps=0.05, max_grad_norm=1e9), seed=0)
+        assert tr._train_forward_is_eval
+        tr._train_forward_is_eval = reuse
+        tr.optimizer = torch.optim.SGD(tr.params, lr=0.5)
+        before = snapshot(tr)
+        m = tr.step(mixed_batch(tok))
+        deltas.append(torch.cat([(p.detach() - before[n]).flatten()
+                                 for n, p in tr.model.named_parameters() if p.requires_grad]))
+    assert m["clip_frac"] > 0  # later epochs did clip against the old log-probs
+    torch.testing.assert_close(deltas[0], deltas[1], rtol=1e-4, atol=1e-7)
+
+
 def test_step_trains_lora_only_and_saved_adapter_reproduces_logits(model_path, tok, tmp_path):
     from peft import PeftModel
 

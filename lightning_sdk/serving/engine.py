@@ -1,9 +1,13 @@
 """Batched generation over a Hugging Face causal LM, with LoRA adapters swapped in at run time.
 
-One generation thread owns the model. Requests are queued; the thread takes everything pending (up to
-`max_batch_size` rows, one row per choice), groups it by adapter and runs each group through its own decode loop:
-left-padded prompts, one prefill, then one token per step from the KV cache. Finished rows are dropped from the
-batch (and the cache) as they finish, so a long reply does not make the short ones pay for it.
+One generation thread owns the model and runs continuous batching: a decode loop for one adapter (or the base)
+takes every pending request for it (up to `max_batch_size` rows, one row per choice), prefills them together
+(left-padded prompts), then samples one token per step from the KV cache. Between steps, requests for the same
+adapter that arrived meanwhile join: they are prefilled on their own and their cache rows are merged into the
+running batch (left-padded to a common length, the padding masked out). Finished rows are dropped from the batch
+(and the cache) as they finish, so a long reply makes neither the short ones nor the newcomers wait for it. The
+loop ends when it runs empty, or stops taking newcomers once a request for another adapter or an adapter
+load/unload is waiting, so those are never starved.
 
 What comes back is exactly what was sampled: the token ids, and the log-probability of each under the distribution
 it was drawn from. RL training needs both and must never re-tokenize the text.
@@ -56,6 +60,7 @@ class GenerationRequest:
     top_logprobs: int = 0  # alternatives to report per token: the top k of the same distribution
     seed: int | None = None
     adapter: str | None = None  # None: the base model, adapters disabled
+    ignore_eos: bool = False  # vLLM's sampling flag: go on past end-of-sequence until max_tokens
 
 
 @dataclass
@@ -99,6 +104,10 @@ class _Job:
         self.choices: list[Choice | None] = [None] * req.n
         self.abandoned = False  # set by the client side when nobody waits for the answer any more
         self.generator = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+
+    @property
+    def done(self) -> bool:
+        return all(c is not None for c in self.choices)
 
     @property
     def cancelled(self) -> bool:
@@ -145,6 +154,68 @@ class _Row:
         return self.job.req
 
 
+@dataclass
+class _Batch:
+    """The rows decoding together and their KV cache. `mask` covers the cache's columns (1: a real token);
+    rows are aligned on the right, so a row's padding is on its left and its next token is the next column."""
+
+    rows: list[_Row]
+    cache: Any
+    mask: torch.Tensor  # [B, cache length]
+    positions: torch.Tensor  # [B, 1] (during prefill [B, prompt]) position of each row's last token
+    temps: torch.Tensor  # [B]
+    top_ps: torch.Tensor  # [B]
+    tokens: torch.Tensor | None = None  # [B] the last sampled token of each row: the next step's input
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only these rows; cache columns that are padding for every row left are cut off."""
+        self.rows = [self.rows[b] for b in keep]
+        if not keep:
+            return
+        index = torch.tensor(keep)
+        self.cache.batch_select_indices(index)
+        self.mask, self.positions = self.mask[index], self.positions[index]
+        self.temps, self.top_ps, self.tokens = self.temps[index], self.top_ps[index], self.tokens[index]
+        used = self.mask.any(dim=0).nonzero()
+        start = int(used[0]) if len(used) else 0
+        if start and _mergeable(self.cache):
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[..., start:, :], layer.values[..., start:, :]
+            self.mask = self.mask[:, start:]
+
+    def join(self, other: _Batch) -> _Batch:
+        """This batch with `other`'s rows appended: both caches left-padded to a common length and stacked."""
+        if not (_mergeable(self.cache) and _mergeable(other.cache)):
+            raise RuntimeError("this model's KV cache cannot be merged across batches")
+        length = max(self.mask.shape[1], other.mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, length), _left_pad(theirs.keys, length)])
+            mine.values = torch.cat([_left_pad(mine.values, length), _left_pad(theirs.values, length)])
+        self.mask = torch.cat([_left_pad(self.mask, length, dim=1), _left_pad(other.mask, length, dim=1)])
+        self.rows = self.rows + other.rows
+        for name in ("positions", "temps", "top_ps", "tokens"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        return self
+
+
+def _mergeable(cache: Any) -> bool:
+    """A cache whose layers are plain growing key/value tensors (transformers' DynamicLayer): rows of two such
+    caches can be padded and stacked. Sliding-window, quantized or recurrent layers cannot."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+
+
+def _left_pad(x: torch.Tensor, length: int, dim: int = -2) -> torch.Tensor:
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
 class Engine:
     def __init__(self, model_path: str, *, dtype: str = "auto", quantization: str = "none",
                  max_batch_size: int = 64, max_model_len: int = 2048, seed: int = 0):
@@ -173,7 +244,10 @@ class Engine:
         self._token_text: dict[int, str] = {}
         self._queue: queue.Queue[_Job | _Control | object] = queue.Queue()
         self._backlog: collections.deque[_Job | _Control | object] = collections.deque()
-        self.stats = {"requests": 0, "batches": 0, "max_batch_rows": 0, "generated_tokens": 0}
+        # batches: batches started from nothing; prefills: prompt passes (one per batch plus one per group of
+        # newcomers); joined: requests that joined rows already decoding.
+        self.stats = {"requests": 0, "batches": 0, "prefills": 0, "joined": 0, "max_batch_rows": 0,
+                      "generated_tokens": 0}
         self._thread = threading.Thread(target=self._loop, name="lightning-generate", daemon=True)
         self._thread.start()
         log.info("loaded %s in %.1fs (%s, max_model_len %d)", model_path, time.monotonic() - t0,
@@ -288,33 +362,114 @@ class Engine:
                 return
             if isinstance(item, _Control):
                 self._run_control(item)
+            elif not item.cancelled:
+                self._decode_loop(item)
+
+    def _admit(self, adapter: str | None, rows: int) -> tuple[list[_Job], bool]:
+        """Pending jobs for `adapter` that fit beside `rows` running rows, and whether to go on admitting.
+
+        Anything else that is pending goes back to the front of the backlog in its order. Once something waits
+        that cannot join (another adapter, a control item, a job too big for the room left), the loop admits
+        no more, so that it runs empty and the waiting item goes next. A control item ends the scan: jobs
+        queued after an adapter load/unload must run after it.
+        """
+        admitted: list[_Job] = []
+        held: list[_Job | _Control | object] = []
+        while rows < self.max_batch_size:
+            item = self._next(block=False)
+            if item is None:
+                break
+            if not isinstance(item, _Job):
+                held.append(item)
+                break
+            if item.cancelled:
                 continue
-            # Everything pending joins this batch, up to max_batch_size rows. A control item ends the
-            # batch so that an adapter load/unload happens exactly between the requests around it.
-            batch, rows = [item], item.req.n
-            while rows < self.max_batch_size:
-                nxt = self._next(block=False)
-                if nxt is None:
-                    break
-                if not isinstance(nxt, _Job) or rows + nxt.req.n > self.max_batch_size:
-                    self._backlog.appendleft(nxt)
-                    break
-                batch.append(nxt)
-                rows += nxt.req.n
-            groups: dict[str | None, list[_Job]] = {}
-            for job in batch:
-                if not job.cancelled:
-                    groups.setdefault(job.req.adapter, []).append(job)
-            for adapter, jobs in groups.items():
-                try:
-                    self._run_group(adapter, jobs)
-                except (RequestError, ModelNotFound) as e:  # e.g. the adapter was unloaded while queued
-                    for job in jobs:
-                        job.finish(e)
-                except Exception as e:  # one broken batch must not take the server down
-                    log.exception("generation failed")
-                    for job in jobs:
-                        job.finish(RuntimeError(f"generation failed: {e}"))
+            if item.req.adapter != adapter or rows + item.req.n > self.max_batch_size:
+                held.append(item)
+                continue
+            admitted.append(item)
+            rows += item.req.n
+        self._backlog.extendleft(reversed(held))
+        return admitted, not held
+
+    def _decode_loop(self, first: _Job) -> None:
+        """One continuous-batching loop for `first`'s adapter; resolves every job it took, errors included."""
+        adapter = first.req.adapter
+        taken = [first]
+        try:
+            with torch.inference_mode(), self._adapter_context(adapter):
+                self._run(adapter, first, taken)
+        except (RequestError, ModelNotFound) as e:  # e.g. the adapter was unloaded while queued
+            for job in taken:
+                if not job.done:
+                    job.finish(e)
+        except Exception as e:  # one broken batch must not take the server down
+            log.exception("generation failed")
+            for job in taken:
+                if not job.done:
+                    job.finish(RuntimeError(f"generation failed: {e}"))
+
+    def _run(self, adapter: str | None, first: _Job, taken: list[_Job]) -> None:
+        more, admitting = self._admit(adapter, first.req.n)
+        newcomers = [first, *more]
+        taken += more
+        batch: _Batch | None = None
+        while True:
+            if batch is not None:  # one decode step for the running rows
+                self._forward(batch, batch.tokens.unsqueeze(1))
+                if admitting:
+                    newcomers, admitting = self._admit(adapter, len(batch.rows))
+                    taken += newcomers
+                    self.stats["joined"] += len(newcomers) if batch.rows else 0
+            if newcomers and (batch is None or not batch.rows):
+                self.stats["batches"] += 1  # a batch starts from nothing (newcomers into an emptied one too)
+            if newcomers:
+                fresh = self._prefill(newcomers)
+                newcomers = []
+                if fresh is not None:
+                    batch = fresh if batch is None or not batch.rows else batch.join(fresh)
+                    # A cache that cannot be merged (sliding-window, recurrent layers): newcomers wait for the
+                    # next loop instead.
+                    admitting = admitting and _mergeable(batch.cache)
+            if batch is None or not batch.rows:
+                return
+
+    def _prefill(self, jobs: list[_Job]) -> _Batch | None:
+        """Prompt pass for new jobs, left-padded together; their first token is sampled. None if all finished."""
+        rows = [_Row(job, i) for job in jobs for i in range(job.req.n)]
+        self.stats["requests"] += len(jobs)
+        self.stats["prefills"] += 1
+        longest = max(len(r.req.prompt_ids) for r in rows)
+        ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for b, r in enumerate(rows):  # left padding: every row's next token goes in the last column
+            p = r.req.prompt_ids
+            ids[b, longest - len(p):] = torch.tensor(p)
+            mask[b, longest - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        batch = _Batch(rows, None, mask, positions,
+                       temps=torch.tensor([r.req.temperature for r in rows], dtype=torch.float32),
+                       top_ps=torch.tensor([r.req.top_p for r in rows], dtype=torch.float32))
+        self._forward(batch, ids)
+        return batch if batch.rows else None
+
+    def _forward(self, batch: _Batch, ids: torch.Tensor) -> None:
+        """One model step for the batch (prefill when it has no cache yet), one token sampled per row; finished
+        rows leave the batch."""
+        if batch.cache is not None:  # a decode step: one new column, one position further
+            batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
+            batch.positions = batch.positions[:, -1:] + 1
+        self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], len(batch.rows))
+        out = self.model(input_ids=ids, attention_mask=batch.mask, position_ids=batch.positions, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: batch.cache})
+        batch.cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        batch.positions = batch.positions[:, -1:]
+        tokens, logps, top = self._sample(out.logits[:, -1, :].float(), batch.temps, batch.top_ps, batch.rows)
+        batch.tokens = tokens
+        keep = [b for b, r in enumerate(batch.rows)
+                if not self._append(r, int(tokens[b]), float(logps[b]), top[b] if top else None)]
+        if len(keep) < len(batch.rows):
+            batch.select(keep)
 
     def _run_control(self, ctl: _Control) -> None:
         try:
@@ -366,43 +521,6 @@ class Engine:
         self.model.set_adapter(adapter)
         return contextlib.nullcontext()
 
-    @torch.inference_mode()
-    def _run_group(self, adapter: str | None, jobs: list[_Job]) -> None:
-        rows = [_Row(job, i) for job in jobs for i in range(job.req.n)]
-        self.stats["requests"] += len(jobs)
-        self.stats["batches"] += 1
-        self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], len(rows))
-        longest = max(len(r.req.prompt_ids) for r in rows)
-        ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for b, r in enumerate(rows):  # left padding: every row's next token goes in the last column
-            p = r.req.prompt_ids
-            ids[b, longest - len(p):] = torch.tensor(p)
-            mask[b, longest - len(p):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        temps = torch.tensor([r.req.temperature for r in rows], dtype=torch.float32)
-        top_ps = torch.tensor([r.req.top_p for r in rows], dtype=torch.float32)
-        cache = None
-        with self._adapter_context(adapter):
-            while True:
-                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                                 logits_to_keep=1, **{self._cache_kw: cache})
-                cache = out.cache if hasattr(out, "cache") else out.past_key_values
-                tokens, logps, top = self._sample(out.logits[:, -1, :].float(), temps, top_ps, rows)
-                keep = [b for b, r in enumerate(rows)
-                        if not self._append(r, int(tokens[b]), float(logps[b]), top[b] if top else None)]
-                if not keep:
-                    return
-                if len(keep) < len(rows):
-                    index = torch.tensor(keep)
-                    cache.batch_select_indices(index)
-                    rows = [rows[b] for b in keep]
-                    tokens, mask, positions = tokens[index], mask[index], positions[index]
-                    temps, top_ps = temps[index], top_ps[index]
-                ids = tokens.unsqueeze(1)
-                mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-                positions = positions[:, -1:] + 1
-
     def _sample(self, logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, rows: list[_Row]):
         """Per-row greedy or temperature/top-p sampling.
 
@@ -412,14 +530,9 @@ class Engine:
         greedy = temps == 0
         logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(1), dim=-1)
         probs = logp.exp()
-        order = None
-        if bool((top_ps < 1).any()):
-            probs, order = probs.sort(dim=-1, descending=True)
-            mass_before = probs.cumsum(-1) - probs
-            probs = probs * (mass_before < top_ps.unsqueeze(1))  # the nucleus; its first token always stays
-        cdf = probs.cumsum(-1)
         # Inverse-CDF sampling with one uniform per row, so a request with a seed draws from its own generator
-        # and gets the same reply whatever else shares the batch.
+        # and gets the same reply whatever else shares the batch. Each row's CDF runs over the same token order
+        # whatever its neighbours ask for: vocabulary order, or (top-p rows only) descending probability.
         u = torch.rand(len(rows), generator=self._gen)
         seeded: dict[int, list[int]] = {}
         for b, r in enumerate(rows):
@@ -427,9 +540,13 @@ class Engine:
                 seeded.setdefault(id(r.job), []).append(b)
         for bs in seeded.values():
             u[bs] = torch.rand(len(bs), generator=rows[bs[0]].job.generator)
-        picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=cdf.shape[1] - 1)
-        if order is not None:
-            picked = order.gather(1, picked)
+        picked = _inverse_cdf(probs, u)
+        nucleus = (top_ps < 1).nonzero().squeeze(1)
+        if len(nucleus):
+            sorted_probs, order = probs[nucleus].sort(dim=-1, descending=True)
+            mass_before = sorted_probs.cumsum(-1) - sorted_probs
+            sorted_probs = sorted_probs * (mass_before < top_ps[nucleus].unsqueeze(1))  # its first token stays
+            picked[nucleus] = order.gather(1, _inverse_cdf(sorted_probs, u[nucleus]))
         tokens = torch.where(greedy, logits.argmax(-1), picked.squeeze(1))
         token_logp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         k = max(r.req.top_logprobs for r in rows)
@@ -452,7 +569,7 @@ class Engine:
             row.top.append(top or [])
         finish: str | None = None
         stop_reason: int | str | None = None
-        if token in self.eos_ids:
+        if token in self.eos_ids and not req.ignore_eos:
             finish = "stop"
         elif token in req.stop_token_ids:
             finish, stop_reason = "stop", token
@@ -473,7 +590,7 @@ class Engine:
             return False
         row.job.choices[row.index] = Choice(row.index, row.tokens, row.text, row.logprobs,
                                             row.top if req.top_logprobs else None, finish, stop_reason)
-        if all(c is not None for c in row.job.choices):
+        if row.job.done:
             row.job.finish(GenerationResult(req.prompt_ids, list(row.job.choices)))
         return True
 
@@ -493,6 +610,12 @@ class Engine:
     def _decode(self, tokens: list[int]) -> str:
         with self._tok_lock:
             return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B, 1] index of the token each row's uniform falls on, under its (unnormalised) probabilities."""
+    cdf = probs.cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=cdf.shape[1] - 1)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

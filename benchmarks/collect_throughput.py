@@ -1,0 +1,82 @@
+"""Throughput of the collection phase at 1, 4 and 16 concurrent rollouts on the built-in CPU server.
+
+    python benchmarks/collect_throughput.py --rollouts 96
+
+The default agent (cookbook/arith/agent.py: one async OpenAI chat call per rollout, max_tokens 8) runs the way
+`lightning run` runs it: run_rollout inside a rollout context, spans traced into a SQLite store, rewards scored,
+at most `concurrency` rollouts at once. One server for all settings; each setting runs once to warm up, then
+is timed `--repeats` times (best kept). Generated tokens come from the server's own counter.
+
+Prints rollouts/s and generated tokens/s per concurrency, and `ratio=<rollouts/s at 16 / at 1>` last.
+"""
+
+import argparse
+import asyncio
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from lightning_sdk import data, tracing
+from lightning_sdk.agent import LLM
+from lightning_sdk.runtime import load_agent
+from lightning_sdk.serving import CPUServer
+from lightning_sdk.store import Store
+from lightning_sdk.worker import RolloutJob, run_rollout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+p = argparse.ArgumentParser()
+p.add_argument("--rollouts", type=int, default=96)
+p.add_argument("--repeats", type=int, default=2)
+p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+args = p.parse_args()
+
+rollout_fn, reward_fn = load_agent(str(ROOT / "cookbook/arith/agent.py"), None, None)
+tasks = data.load(ROOT / "cookbook/arith/data/train.jsonl")
+tmp = Path(tempfile.mkdtemp(prefix="ls-collect-bench-"))
+store = Store(tmp / "store.sqlite")
+tracing.install(store)
+
+
+async def collect(llm: LLM, concurrency: int, n: int) -> int:
+    gate = asyncio.Semaphore(concurrency)
+    jobs = [RolloutJob(f"b-{uuid.uuid4().hex[:10]}", data.task_id(t), f"g{i // 8}", t, 0)
+            for i, t in enumerate((tasks * (n // len(tasks) + 1))[:n])]
+
+    async def one(job: RolloutJob):
+        async with gate:
+            return await run_rollout(job, rollout_fn=rollout_fn, reward_fn=reward_fn, llm=llm, store=store,
+                                     timeout=60)
+
+    results = await asyncio.gather(*(one(j) for j in jobs))
+    return sum(r.status == "succeeded" for r in results)
+
+
+with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_path=tmp / "server.log") as server:
+    tracing.request_token_ids_from(server.base_url)
+    llm = LLM(base_url=server.base_url, api_key="EMPTY", model="policy")
+    stats = lambda: httpx.get(f"{server.url}/stats").json()  # noqa: E731
+    rate: dict[int, tuple[float, float]] = {}
+    for c in args.concurrency:
+        best = (0.0, 0.0)
+        for rep in range(args.repeats + 1):  # the first pass warms up
+            s0, t0 = stats(), time.perf_counter()
+            ok = asyncio.run(collect(llm, c, args.rollouts))
+            dt, s1 = time.perf_counter() - t0, stats()
+            tokens = s1["generated_tokens"] - s0["generated_tokens"]
+            if ok != args.rollouts:
+                raise SystemExit(f"{args.rollouts - ok} rollouts failed; see {tmp / 'server.log'}")
+            if rep and ok / dt > best[0]:
+                best = (ok / dt, tokens / dt)
+        rate[c] = best
+        d = {k: s1[k] - s0[k] for k in ("requests", "batches", "prefills", "joined")}
+        print(f"concurrency {c:>3}: {best[0]:6.1f} rollouts/s  {best[1]:7.1f} generated tokens/s "
+              f"(best of {args.repeats}, {args.rollouts} rollouts; last pass: {d['requests']} requests in "
+              f"{d['batches']} batches, {d['prefills']} prefills, {d['joined']} joined a running batch)")
+tracing.flush()
+store.close()
+lo, hi = min(args.concurrency), max(args.concurrency)
+print(f"ratio={rate[hi][0] / rate[lo][0]:.2f}  (rollouts/s at concurrency {hi} / at {lo})")
