@@ -276,7 +276,10 @@ class GRPOTrainer:
                 base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=config.gradient_checkpointing,
                                                        gradient_checkpointing_kwargs=ckpt)
             elif config.gradient_checkpointing:
-                base.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt)
+                if hasattr(base, "activation_checkpointing_enable"):
+                    base.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt)
+                else:  # transformers < 5.20 (what vllm 0.32, the [gpu] extra, allows) has only the older name
+                    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
             base.config.use_cache = False
             lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                               target_modules=lora_targets(base, config.target_modules), task_type="CAUSAL_LM")
