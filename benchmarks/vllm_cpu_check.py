@@ -13,7 +13,6 @@ must make the first gap the smaller one.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -26,10 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import lightning_sdk.serving.vllm as vllm_backend  # noqa: E402
-from lightning_sdk import config, models  # noqa: E402
+from lightning_sdk import models  # noqa: E402
 from lightning_sdk.config import TrainConfig  # noqa: E402
 from lightning_sdk.runtime import Runtime  # noqa: E402
 from lightning_sdk.trainer import GRPOTrainer  # noqa: E402
+
+from gpu_smoke import smoke_config  # noqa: E402  (benchmarks/, this script's folder)
 
 TEMPERATURE = 0.7
 
@@ -85,19 +86,12 @@ def check_server(path: str, work: Path) -> None:
 
 
 def run(quantization: str, work: Path) -> None:
-    rows = (ROOT / "cookbook/arith/data/train.jsonl").read_text().splitlines()
-    (work / "train.jsonl").write_text("\n".join(rows[::5]) + "\n")
-    shutil.copy(ROOT / "cookbook/arith/agent.py", work / "agent.py")
-    cfg = config.parse({
-        "run": {"name": "vcpu", "dir": "run", "iterations": 2},
-        "agent": {"module": "agent.py"},
-        "data": {"train": "train.jsonl", "tasks_per_iteration": 8, "group_size": 4},
-        "model": {"name": "builtin:tiny-arith", "dtype": "bfloat16", "quantization": quantization},
-        "serve": {"backend": "vllm", "max_model_len": 512, "startup_timeout": 400, "sleep_level": 0},
-        "rollout": {"concurrency": 32},
-        "train": {"lr": 1e-3, "lora_r": 8, "target_modules": "all-linear", "importance_sampling_cap": 2.0,
-                  "device": "cpu"},
-    }, base=work)
+    """The GPU smoke run's config (benchmarks/gpu_smoke.py), scaled to two CPU cores and without sleep mode."""
+    cfg = smoke_config(work / "run")
+    cfg.model.quantization = quantization
+    cfg.serve.sleep_level, cfg.serve.extra_args = 0, []
+    cfg.data.tasks_per_iteration, cfg.data.group_size, cfg.rollout.concurrency = 8, 4, 32
+    cfg.train.device, cfg.train.lr, cfg.train.lora_r, cfg.train.gradient_checkpointing = "cpu", 1e-3, 8, False
     t = time.perf_counter()
     state = Runtime(cfg).run()
     print(f"RESULT quantization={quantization}: {state.completed} iterations in {time.perf_counter() - t:.0f} s")
