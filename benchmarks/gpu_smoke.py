@@ -77,7 +77,7 @@ def smoke_config(run_dir: Path) -> config.Config:
 def main() -> int:
     why_not = vllm_unavailable_reason()
     if why_not:
-        print(f"gpu_smoke: cannot run: {why_not}", file=sys.stderr)
+        print(f"gpu_smoke: cannot run: {why_not} (see docs/gpu.md: pip install -e '.[gpu]')", file=sys.stderr)
         return 2
     import torch
 

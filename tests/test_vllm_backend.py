@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -106,6 +107,24 @@ def test_auto_falls_back_to_the_cpu_server_and_says_why(tmp_path, caplog):
 def test_vllm_backend_without_vllm_is_a_setup_error(tmp_path):
     with pytest.raises(SetupError, match=r"serve.backend = 'vllm'.*pip install 'lightning-sdk\[gpu\]'"):
         make_server(make_cfg(tmp_path, backend="vllm"), "/models/qwen", tmp_path / "server.log")
+
+
+def test_cli_names_the_backend_and_the_extra(tmp_path):
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "lightning.toml").write_text(f"""
+[agent]
+module = "{root / 'cookbook/arith/agent.py'}"
+[data]
+train = "{root / 'cookbook/arith/data/train.jsonl'}"
+[serve]
+backend = "vllm"
+""")
+    out = subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "run"], cwd=tmp_path, text=True,
+                         capture_output=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "serve.backend = 'vllm'" in out.stdout and "pip install 'lightning-sdk[gpu]'" in out.stdout
 
 
 # ------------------------------------------------------------------------- the process, against the stand-in

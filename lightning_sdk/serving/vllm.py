@@ -31,13 +31,12 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 MANAGED_FLAGS = ("--host", "--port", "--served-model-name", "--api-key", "--enable-lora", "--max-lora-rank",
                  "--max-loras", "--dtype", "--max-model-len", "--gpu-memory-utilization", "--enable-sleep-mode",
                  "--logprobs-mode", "--generation-config")
-INSTALL_HINT = "pip install 'lightning-sdk[gpu]' (in its own virtual environment: see docs/gpu.md)"
 
 
 def vllm_unavailable_reason() -> str | None:
     """Why vLLM cannot serve here (None when it can): it needs the package and a CUDA GPU."""
     if importlib.util.find_spec("vllm") is None:
-        return f"the vllm package is not installed ({INSTALL_HINT})"
+        return "the vllm package is not installed"
     import torch
 
     if not torch.cuda.is_available():
