@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from lightning_sdk import config as config_mod
@@ -16,7 +17,8 @@ EXIT_USAGE = 2  # click's convention for bad input
 
 
 def _fail(console: Console, message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # escape: messages quote things like "pip install 'lightning-sdk[gpu]'", which rich would take for markup
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(EXIT_USAGE)
 
 
@@ -59,7 +61,7 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
     except (DatasetError, ModelLoadError, SetupError) as e:
         _fail(console, str(e))
     except (RunError, CaptureError) as e:
-        console.print(f"[bold red]run stopped:[/] {e}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]run stopped:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)
 
 

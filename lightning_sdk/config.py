@@ -57,6 +57,22 @@ class ServeConfig(_Section):
     max_batch_size: int = Field(64, ge=1)
     max_model_len: int = Field(2048, ge=16)
     startup_timeout: float = Field(120.0, gt=0)
+    # backend = "vllm" only (docs/gpu.md):
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of GPU memory vLLM may take")
+    sleep_level: Literal[0, 1] = Field(1, description="vLLM sleep mode during the update phase: 1 = offload "
+                                                      "weights, free the KV cache; 0 = stay awake")
+    max_loras: int = Field(2, ge=1, description="LoRA adapters vLLM holds on the GPU at once")
+    extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` flags, e.g. --enforce-eager")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_managed(cls, v):
+        from lightning_sdk.serving.vllm import MANAGED_FLAGS
+
+        taken = [a for a in v if a.split("=")[0] in MANAGED_FLAGS]
+        if taken:
+            raise ValueError(f"{taken} are set from other keys (serve.*, model.*, train.lora_r); remove them")
+        return v
 
 
 class RolloutConfig(_Section):
@@ -83,6 +99,10 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(32, ge=1, description="transitions per forward/backward (gradient accumulation)")
     max_grad_norm: float = Field(1.0, gt=0)
     gradient_checkpointing: bool = False
+    importance_sampling_cap: float | None = Field(
+        None, ge=1, description="truncated importance sampling against the sampler (TRL's vLLM importance-sampling "
+                                "correction): each token's loss x min(exp(trainer - sampler logprob), cap); "
+                                "none = off. Try 2 with vLLM, where the two differ (docs/gpu.md)")
     device: str = "auto"
 
     @field_validator("target_modules")

@@ -18,6 +18,8 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +32,7 @@ from lightning_sdk import adapter, credit, data, models, tracing
 from lightning_sdk.agent import LLM, is_reward, is_rollout
 from lightning_sdk.config import Config
 from lightning_sdk.metrics import MetricsLog
+from lightning_sdk.serving import SleepableServer
 from lightning_sdk.store import Store
 from lightning_sdk.worker import RolloutJob, RolloutResult, run_rollout
 
@@ -153,16 +156,55 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
         return RayCluster(cfg, model_path, log_path.parent)
 
     backend = cfg.serve.backend
-    if backend == "auto":
-        backend = "cpu"
-        log.info("serve.backend = 'auto': using the built-in CPU server (the vLLM backend is not available yet)")
+    if backend != "cpu":
+        from lightning_sdk.serving.vllm import vllm_unavailable_reason
+
+        why_not = vllm_unavailable_reason()
+        if backend == "auto":
+            backend = "cpu" if why_not else "vllm"
+            log.info("serve.backend = 'auto': using %s", f"the built-in CPU server ({why_not})" if why_not
+                     else "vLLM (CUDA GPU and vllm found)")
+        elif why_not:
+            raise SetupError(f"serve.backend = 'vllm': {why_not}. Install the GPU extra with "
+                             f"`pip install 'lightning-sdk[gpu]'` (its own environment, docs/gpu.md) on a CUDA "
+                             f"machine, or set serve.backend = 'cpu'")
     if backend == "vllm":
-        raise SetupError("serve.backend = 'vllm': the vLLM backend is not available in this version; use 'cpu'")
+        return vllm_server(cfg, model_path, log_path)
     return CPUServer(
         model_path, served_model_name=cfg.model.name, host=cfg.serve.host, port=cfg.serve.port,
         api_key=cfg.serve.api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
         dtype=cfg.model.dtype, startup_timeout=cfg.serve.startup_timeout, log_path=log_path,
     )
+
+
+def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
+    """vLLM serving the bf16 base (also for QLoRA: the nf4 copy is the trainer's) with room for rank lora_r."""
+    from lightning_sdk.serving.vllm import VLLMServer
+
+    s = cfg.serve
+    return VLLMServer(model_path, served_model_name=cfg.model.name, lora_r=cfg.train.lora_r, host=s.host,
+                      port=s.port, api_key=s.api_key, max_loras=s.max_loras, dtype=cfg.model.dtype,
+                      max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
+                      sleep_level=s.sleep_level, extra_args=s.extra_args, startup_timeout=s.startup_timeout,
+                      log_path=log_path, **kw)
+
+
+@contextmanager
+def gpu_handover(server: Any, timings: dict[str, float]) -> Iterator[None]:
+    """Around the update phase: a server that can sleep (vLLM) frees its GPU memory for the trainer, then wakes.
+
+    Records sleep_s and wake_s in `timings`; a server without sleep support (the CPU server) is left alone.
+    """
+    if not (isinstance(server, SleepableServer) and server.can_sleep):
+        yield
+        return
+    t = time.perf_counter()
+    server.sleep()
+    timings["sleep_s"] = time.perf_counter() - t
+    yield
+    t = time.perf_counter()
+    server.wake_up()
+    timings["wake_s"] = time.perf_counter() - t
 
 
 class Runtime:
@@ -257,10 +299,12 @@ class Runtime:
             raise RunError(f"iteration {it}: {failed} of {len(results)} rollouts failed; not training on the rest. "
                            f"First errors: {errors}. See `lightning traces --run-dir {self.run_dir}`.")
         transitions = self._transitions(ok)
-        t1 = time.perf_counter()
-        with self.console.status(f"iteration {it + 1}/{cfg.run.iterations} update: {len(transitions)} transitions"):
+        handover: dict[str, float] = {}  # sleep_s / wake_s: the server's GPU memory goes to the trainer meanwhile
+        with self.console.status(f"iteration {it + 1}/{cfg.run.iterations} update: {len(transitions)} transitions"), \
+                gpu_handover(self.server, handover):
+            t1 = time.perf_counter()
             train_metrics = self.trainer.step(transitions)
-        update_s = time.perf_counter() - t1
+            update_s = time.perf_counter() - t1
         rewards = [r.reward for r in ok]
         mean = sum(rewards) / len(rewards)
         row = {
@@ -268,7 +312,7 @@ class Runtime:
             "reward_std": (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
             "rollouts": len(results), "failed": failed, "transitions": len(transitions),
             "completion_tokens": sum(len(t.completion_ids) for t in transitions),
-            "collect_s": collect_s, "update_s": update_s,
+            "collect_s": collect_s, "update_s": update_s, **handover,
             **{f"train.{k}": v for k, v in train_metrics.items()},
         }
         new_policy = f"{cfg.run.name}-iter{it + 1}"

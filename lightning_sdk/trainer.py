@@ -114,13 +114,16 @@ def grpo_loss(
     clip_eps_high: float | None = None,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-level clipped GRPO objective, weighted: sum(weights * (-min(r*A, clip(r)*A) + beta*KL)).
+    """Token-level clipped GRPO objective, weighted: sum(weights * (-is_w * min(r*A, clip(r)*A) + beta*KL)).
 
     All tensors broadcast to one shape (e.g. [batch, tokens], adv [batch, 1]); padding has weight 0. KL is the k3
-    estimator exp(ref-logp) - (ref-logp) - 1 (>= 0, unbiased, low variance). Stats are weighted sums like the loss
+    estimator exp(ref-logp) - (ref-logp) - 1 (>= 0, unbiased, low variance). is_weight (no gradient; see
+    sampler_is_weight) scales the policy term only, not the KL, as in TRL. Stats are weighted sums like the loss
     (means when weights sum to 1; they add up over micro-batches): clip_frac is the share of tokens whose gradient
-    the clip removed, ratio the mean ratio, kl the mean KL (only when ref_logp is given).
+    the clip removed, ratio the mean ratio, kl the mean KL (only when ref_logp is given), is_weight the mean
+    importance weight (only when given).
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logp - old_logp)
@@ -133,12 +136,28 @@ def grpo_loss(
         "clip_frac": (weights * was_clipped).sum().detach(),
         "ratio": (weights * ratio).sum().detach(),
     }
+    if is_weight is not None:
+        per_token = per_token * is_weight
+        stats["is_weight"] = (weights * is_weight).sum().detach()
     if ref_logp is not None:
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1.0
         per_token = per_token + beta * kl
         stats["kl"] = (weights * kl).sum().detach()
     return (weights * per_token).sum(), stats
+
+
+def sampler_is_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor, has_sampler_logp: torch.Tensor,
+                      cap: float) -> torch.Tensor:
+    """Truncated importance weights min(exp(old_logp - sampler_logp), cap) per token, 1 where the sampler gave none.
+
+    The tokens were drawn from the sampler's distribution (vLLM: other kernels, maybe another precision than the
+    trainer's nf4 base), while the GRPO ratio starts from the trainer's old log-probs; this reweights each token
+    towards the trainer's policy, truncated at `cap` to bound the variance (TRL's vLLM importance-sampling
+    correction, truncated mode).
+    """
+    w = torch.exp(old_logp.detach() - sampler_logp).clamp(max=cap)
+    return torch.where(has_sampler_logp, w, torch.ones_like(w))
 
 
 # ------------------------------------------------------------------------------------------------------ batching
@@ -257,7 +276,10 @@ class GRPOTrainer:
                 base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=config.gradient_checkpointing,
                                                        gradient_checkpointing_kwargs=ckpt)
             elif config.gradient_checkpointing:
-                base.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt)
+                if hasattr(base, "activation_checkpointing_enable"):
+                    base.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt)
+                else:  # transformers < 5.20 (what vllm 0.32, the [gpu] extra, allows) has only the older name
+                    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
             base.config.use_cache = False
             lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                               target_modules=lora_targets(base, config.target_modules), task_type="CAUSAL_LM")
@@ -326,15 +348,19 @@ class GRPOTrainer:
                 if epoch == 0:  # no update yet: this is the policy the sampler ran, so compare with its log-probs
                     gap += ((logp.detach() - b.sampler_logp).abs() * b.has_sampler_logp).sum().item()
                     gap_n += int(b.has_sampler_logp.sum())
-                loss, st = grpo_loss(logp, old, b.adv, b.weights,
-                                     clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, ref_logp=ref,
-                                     beta=cfg.beta)
+                is_w = (None if cfg.importance_sampling_cap is None else
+                        sampler_is_weight(old, b.sampler_logp, b.has_sampler_logp, cfg.importance_sampling_cap))
+                loss, st = grpo_loss(logp, old, b.adv, b.weights, clip_eps=cfg.clip_eps,
+                                     clip_eps_high=cfg.clip_eps_high, ref_logp=ref, beta=cfg.beta, is_weight=is_w)
                 loss.backward()  # weights sum to 1 over the whole batch: accumulated grads == full-batch grads
                 totals.update({"loss": loss.item(), **{k: v.item() for k, v in st.items()}})
             totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
             self.optimizer.step()
         self.model.eval()
         self.global_step += 1
+        if self.device.startswith("cuda"):
+            # Hand the allocator's cached blocks back, so a sleeping inference server on this GPU can wake into them.
+            torch.cuda.empty_cache()
 
         kept = adv[order]
         m.update({k: v / cfg.epochs for k, v in totals.items()})

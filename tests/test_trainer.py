@@ -18,6 +18,7 @@ from lightning_sdk.trainer import (
     grpo_loss,
     lora_targets,
     resolve_device,
+    sampler_is_weight,
     token_weights,
 )
 
@@ -134,6 +135,32 @@ def test_grpo_loss_k3_kl():
     _, st = grpo_loss(logp.detach(), logp.detach(), torch.zeros(2), torch.tensor([0.0, 1.0]), clip_eps=0.2,
                       ref_logp=ref, beta=0.5)
     assert st["kl"].item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_sampler_importance_weights_by_hand():
+    old = torch.tensor([-1.0, -2.0, -1.0, -1.0])
+    sampler = torch.tensor([-1.5, -1.0, -3.0, -1.0])
+    has = torch.tensor([True, True, True, False])
+    w = sampler_is_weight(old, sampler, has, cap=2.0)
+    # exp(0.5) = 1.649 kept; exp(-1) = 0.368 kept (truncation caps only from above); exp(2) = 7.39 capped at 2;
+    # no sampler log-prob: weight 1
+    assert torch.allclose(w, torch.tensor([math.exp(0.5), math.exp(-1.0), 2.0, 1.0]))
+
+
+def test_grpo_loss_importance_weight_scales_the_policy_term_not_the_kl():
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    ref = torch.tensor([-1.0 + math.log(2.0), -2.0])
+    adv = torch.tensor([1.0, -1.0])
+    w = torch.tensor([0.5, 0.5])
+    is_w = torch.tensor([2.0, 0.25])
+    loss, st = grpo_loss(logp, logp.detach(), adv, w, clip_eps=0.2, ref_logp=ref, beta=0.5, is_weight=is_w)
+    k3 = 2.0 - math.log(2.0) - 1.0
+    # ratio 1: policy term -A per token, times its weight; the KL (token 0 only) unweighted
+    assert loss.item() == pytest.approx(0.5 * (-1.0 * 2.0 + 0.5 * k3) + 0.5 * (1.0 * 0.25))
+    assert st["is_weight"].item() == pytest.approx(0.5 * 2.0 + 0.5 * 0.25)
+    loss.backward()
+    # d/dlogp: -A * is_w * w (+ the KL's beta * (1 - 2) * w on token 0)
+    assert torch.allclose(logp.grad, torch.tensor([0.5 * (-2.0 - 0.5), 0.5 * 0.25]))
 
 
 # ------------------------------------------------------------------------------------- real model: helpers
@@ -364,6 +391,20 @@ def test_grpo_learns_tiny_arithmetic(model_path, tok):
     r = learn_arithmetic(model_path, tok, seed=0, **DEMO)
     assert r["first_gap"] < 1e-4  # the trainer scores the sampled tokens exactly as generate() sampled them
     assert r["after"] > r["before"] + 0.08, r
+
+
+def test_importance_sampling_cap_reweights_the_update(model_path, tok):
+    """Sampler log-probs far below the trainer's: every weight is truncated at the cap, so with beta = 0 the
+    gradient is exactly cap times the uncorrected one; with the option off the sampler's log-probs only feed
+    logprob_gap."""
+    import dataclasses
+
+    batch = [dataclasses.replace(t, logprobs=[-30.0] * len(t.completion_ids)) for t in mixed_batch(tok)]
+    plain = GRPOTrainer(model_path, cfg()).step(batch)
+    capped = GRPOTrainer(model_path, cfg(importance_sampling_cap=3.0)).step(batch)
+    assert "is_weight" not in plain and capped["is_weight"] == pytest.approx(3.0)
+    assert capped["grad_norm"] == pytest.approx(3.0 * plain["grad_norm"], rel=1e-4)
+    assert capped["logprob_gap"] == pytest.approx(plain["logprob_gap"]) and plain["logprob_gap"] > 10
 
 
 # -------------------------------------------------------------------------------------------------- QLoRA

@@ -1,0 +1,164 @@
+"""An OpenAI-compatible inference server run as a managed subprocess on a local port.
+
+What every backend shares: start the command with its log in a file, wait for `/health` (failing fast, with
+the exit code and the log's tail, when the process dies while starting), hot-load LoRA adapters through the
+`/v1/load_lora_adapter` routes vLLM defined, and stop cleanly (terminate, then kill). A backend says only how
+its process is started: `command()` and `environment()`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+import httpx
+
+
+class ServerError(RuntimeError):
+    """The inference server failed to start, died, or refused an adapter operation."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """Base of the subprocess servers. `with Server(...) as server:` starts and stops it."""
+
+    name = "inference server"  # for error messages
+    stop_timeout = 10.0  # seconds between terminate and kill
+
+    def __init__(self, *, served_model_name: str, host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None, startup_timeout: float = 120, log_path: str | Path | None = None):
+        self.served_model_name = served_model_name
+        self.host = host
+        self.port = port
+        self.api_key = api_key
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(log_path) if log_path else None
+        self._proc: subprocess.Popen | None = None
+
+    # ------------------------------------------------------------------------------- what a backend defines
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str]:
+        """Variables added to this process's environment for the child (an API key goes here, never in argv)."""
+        return {}
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def start(self) -> None:
+        if self.is_alive():
+            return
+        if self.port == 0:
+            self.port = free_port(self.host)  # a tiny race with other processes, acceptable for a local server
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="lightning-serve-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.environment())
+        with open(self.log_path, "ab") as log:
+            # Own process group: stop() can then reach the workers a server forks (vLLM's engine core).
+            self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:  # includes Ctrl-C while waiting: never leave the child behind
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                code = self._proc.returncode if self._proc else None
+                raise ServerError(f"{self.name} exited with code {code} while starting; "
+                                  f"log {self.log_path}:\n{self.log_tail(40)}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise ServerError(f"{self.name} not healthy after {self.startup_timeout:.0f}s; "
+                          f"log {self.log_path}:\n{self.log_tail(40)}")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self._signal(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal(proc, signal.SIGKILL)  # whatever of its group is left, the leader included
+        proc.wait()
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, n: int = 50) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+
+    # -------------------------------------------------------------------------------------------- adapters
+
+    def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
+        body = {"lora_name": name, "lora_path": str(path)}
+        if replace:  # vLLM added load_inplace later; leave it out when it is not needed
+            body["load_inplace"] = True
+        self._request("POST", "/v1/load_lora_adapter", json=body)
+
+    def unload_adapter(self, name: str) -> None:
+        self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    def _request(self, method: str, route: str, **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            r = httpx.request(method, f"{self.url}{route}", headers=headers, timeout=300, **kw)
+        except httpx.HTTPError as e:
+            raise ServerError(f"{route}: {self.name} unreachable ({e})") from e
+        if r.status_code != 200:
+            try:
+                message = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = r.text
+            raise ServerError(f"{route} failed ({r.status_code}): {message}")
+        return r
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

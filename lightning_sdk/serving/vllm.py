@@ -1,0 +1,130 @@
+"""vLLM's OpenAI server as a managed subprocess: the GPU inference backend (`serve.backend = "vllm"`).
+
+It speaks the API the runtime already uses with the built-in server: chat completions that return the exact
+`prompt_token_ids` / `choices[].token_ids` (requested with `return_token_ids`, vLLM >= 0.10.2) and the sampled
+tokens' log-probs (`logprobs: true`), plus LoRA hot-loading through `/v1/load_lora_adapter`, which vLLM serves
+only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set. Sleep mode (`/sleep`, `/wake_up`, served only with
+VLLM_SERVER_DEV_MODE=1) hands the GPU memory to the trainer during the update phase.
+
+Two flags keep the sampler's log-probs comparable with the trainer's, which scores the sampled tokens under
+softmax(logits / temperature):
+- `--logprobs-mode processed_logprobs`: vLLM's default reports the log-probs of the raw logits, before the
+  temperature is applied.
+- `--generation-config vllm`: otherwise vLLM takes default sampling parameters (top_k, top_p, repetition
+  penalty) from the model's generation_config.json, and the sampled distribution is not the one trained on.
+
+This module never imports vllm: it only runs it, in its own process (and maybe its own virtual environment).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_sdk.serving.process import ServerError, ServerProcess
+
+# The LoRA ranks vLLM accepts for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Flags VLLMServer sets itself; serve.extra_args must not repeat them.
+MANAGED_FLAGS = ("--host", "--port", "--served-model-name", "--api-key", "--enable-lora", "--max-lora-rank",
+                 "--max-loras", "--dtype", "--max-model-len", "--gpu-memory-utilization", "--enable-sleep-mode",
+                 "--logprobs-mode", "--generation-config")
+
+
+def vllm_unavailable_reason() -> str | None:
+    """Why vLLM cannot serve here (None when it can): it needs the package and a CUDA GPU."""
+    if importlib.util.find_spec("vllm") is None:
+        return "the vllm package is not installed"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to torch"
+    return None
+
+
+def max_lora_rank(lora_r: int) -> int:
+    """The smallest rank vLLM accepts for --max-lora-rank that holds an adapter of rank lora_r."""
+    for rank in LORA_RANKS:
+        if rank >= lora_r:
+            return rank
+    raise ServerError(f"train.lora_r = {lora_r}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}")
+
+
+def vllm_command(model: str, *, served_model_name: str, host: str, port: int, lora_r: int, max_loras: int = 2,
+                 dtype: str = "auto", max_model_len: int = 2048, gpu_memory_utilization: float = 0.5,
+                 sleep: bool = True, extra_args: Sequence[str] = (),
+                 launcher: Sequence[str] | None = None) -> list[str]:
+    """The `vllm serve` command line. `launcher` replaces the program (default: this interpreter running vLLM's
+    CLI, so the vllm of the current environment runs, whatever is first on PATH)."""
+    launcher = list(launcher) if launcher else [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+    cmd = [*launcher, model, "--served-model-name", served_model_name, "--host", host, "--port", str(port),
+           "--dtype", dtype, "--max-model-len", str(max_model_len),
+           "--gpu-memory-utilization", f"{gpu_memory_utilization:g}",
+           "--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_r)), "--max-loras", str(max_loras),
+           "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+    if sleep:
+        cmd.append("--enable-sleep-mode")
+    return cmd + list(extra_args)
+
+
+def vllm_environment(api_key: str | None, *, sleep: bool = True) -> dict[str, str]:
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    if sleep:
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep and /wake_up are development endpoints
+    if api_key:
+        env["VLLM_API_KEY"] = api_key  # not argv: the key must not show up in `ps`
+    return env
+
+
+class VLLMServer(ServerProcess):
+    """vLLM serving `model` plus hot-loaded LoRA adapters; `sleep()` / `wake_up()` free and restore its GPU memory."""
+
+    name = "vLLM server"
+    stop_timeout = 30.0  # the engine core process needs a moment to release the GPU
+
+    def __init__(self, model: str, *, served_model_name: str, lora_r: int, host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None, max_loras: int = 2, dtype: str = "auto", max_model_len: int = 2048,
+                 gpu_memory_utilization: float = 0.5, sleep_level: int = 1, extra_args: Sequence[str] = (),
+                 startup_timeout: float = 600, log_path: str | Path | None = None,
+                 launcher: Sequence[str] | None = None):
+        super().__init__(served_model_name=served_model_name, host=host, port=port, api_key=api_key,
+                         startup_timeout=startup_timeout, log_path=log_path)
+        if sleep_level not in (0, 1):
+            # Level 2 also discards the weights, which would then have to be reloaded before serving again.
+            raise ValueError(f"sleep_level {sleep_level!r}: expected 0 (never sleep) or 1")
+        self.model = model
+        self.lora_r = lora_r
+        self.max_loras = max_loras
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.sleep_level = sleep_level
+        self.extra_args = list(extra_args)
+        self.launcher = launcher
+
+    @property
+    def can_sleep(self) -> bool:
+        return self.sleep_level > 0
+
+    def command(self) -> list[str]:
+        return vllm_command(self.model, served_model_name=self.served_model_name, host=self.host, port=self.port,
+                            lora_r=self.lora_r, max_loras=self.max_loras, dtype=self.dtype,
+                            max_model_len=self.max_model_len, gpu_memory_utilization=self.gpu_memory_utilization,
+                            sleep=self.can_sleep, extra_args=self.extra_args, launcher=self.launcher)
+
+    def environment(self) -> dict[str, str]:
+        return vllm_environment(self.api_key, sleep=self.can_sleep)
+
+    def sleep(self) -> None:
+        """Offload the weights to CPU memory and drop the KV cache (level 1); no request may be in flight."""
+        if not self.can_sleep:
+            raise ServerError("this vLLM server was started without sleep mode (serve.sleep_level = 0)")
+        self._request("POST", "/sleep", params={"level": self.sleep_level})
+
+    def wake_up(self) -> None:
+        self._request("POST", "/wake_up")
+
+    def is_sleeping(self) -> bool:
+        return bool(self._request("GET", "/is_sleeping").json()["is_sleeping"])
