@@ -56,7 +56,7 @@ def _build_tiny(name: str) -> str:
         key = f"{teacher.key}-{hashlib.sha1(path.read_bytes()).hexdigest()[:10]}"
         samples = staticmethod(teacher.samples)
 
-    return str(tiny.ensure_built(Keyed(), steps=int(getattr(mod, "steps", 300))))
+    return str(tiny.ensure_built(Keyed(), steps=int(getattr(mod, "steps", 300)), batch=int(getattr(mod, "batch", 128))))
 
 
 def load_tokenizer(name_or_path: str):

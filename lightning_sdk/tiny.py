@@ -80,7 +80,7 @@ def cache_dir(key: str | None = None) -> Path:
     return Path(root) / "models" / (key or f"{NAME}-v{VERSION}")
 
 
-def ensure_built(teacher: Teacher | None = None, *, steps: int = 300) -> Path:
+def ensure_built(teacher: Teacher | None = None, *, steps: int = 300, batch: int = 128) -> Path:
     """Path of the built model, building it once (safe when several processes ask at the same time).
 
     Without a teacher it is the builtin tiny-arith; with one, a tiny model of the same shape taught by it.
@@ -94,7 +94,7 @@ def ensure_built(teacher: Teacher | None = None, *, steps: int = 300) -> Path:
         if not (target / "config.json").exists():
             tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
             try:
-                build(tmp, teacher=teacher, steps=steps)
+                build(tmp, teacher=teacher, steps=steps, batch=batch)
                 tmp.rename(target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -136,7 +136,7 @@ class _ArithTeacher:
                 for a, b in batch]
 
 
-def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int = 320):
+def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int = 320, split_digits: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -144,7 +144,10 @@ def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int 
         corpus = [_chat(question(a, b), f.format(a + b)) for a, b in problems() for f in REPLY_FORMATS]
     corpus = corpus + ["The quick brown fox jumps over the lazy dog. 0123456789 +-*/=()?!.,:;'\"\n"] * 4
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Teacher models see numbers digit by digit, so copying one from the prompt is the same tokens again.
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -165,7 +168,7 @@ def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int 
     return fast
 
 
-def build(out: Path, *, seed: int = 0, steps: int = 300, teacher: Teacher | None = None) -> Path:
+def build(out: Path, *, seed: int = 0, steps: int = 300, batch: int = 128, teacher: Teacher | None = None) -> Path:
     """Build tokenizer + model into `out` (a Hugging Face model directory), taught by `teacher` (default: arith)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -176,7 +179,7 @@ def build(out: Path, *, seed: int = 0, steps: int = 300, teacher: Teacher | None
         tok = build_tokenizer(out)
     else:  # its own vocabulary, from its own prompts and replies
         corpus = [p + r + "<|im_end|>\n" for p, r in teacher.samples(random.Random(seed + 1), 1000)]
-        tok = build_tokenizer(out, corpus, vocab_size=512)
+        tok = build_tokenizer(out, corpus, vocab_size=512, split_digits=True)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     teacher = teacher or _ArithTeacher()
@@ -200,7 +203,7 @@ def build(out: Path, *, seed: int = 0, steps: int = 300, teacher: Teacher | None
     model.train()
     for _ in range(steps):
         texts, prefixes = [], []
-        for prefix, reply in teacher.samples(rng, 128):
+        for prefix, reply in teacher.samples(rng, batch):
             prefixes.append(len(tok(prefix)["input_ids"]))
             texts.append(prefix + f"{reply}<|im_end|>\n")
         enc = tok(texts, return_tensors="pt", padding=True)
@@ -219,6 +222,7 @@ def build(out: Path, *, seed: int = 0, steps: int = 300, teacher: Teacher | None
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(out)
     (out / "lightning_sdk_build.json").write_text(
-        json.dumps({"name": f"tiny-{teacher.key}", "version": VERSION, "seed": seed, "steps": steps}, indent=2)
+        json.dumps({"name": f"tiny-{teacher.key}", "version": VERSION, "seed": seed, "steps": steps,
+                    "batch": batch}, indent=2)
     )
     return out
