@@ -17,6 +17,7 @@ import contextvars
 import functools
 import inspect
 import json
+import logging
 import math
 import queue
 import threading
@@ -502,9 +503,20 @@ _state = _State()
 _install_lock = threading.Lock()
 
 
+class _DropSentinelWarnings(logging.Filter):
+    """The instrumentor copies request kwargs onto spans, including openai's `omit`/`NOT_GIVEN` sentinels (which
+    e.g. the Agents SDK passes); OpenTelemetry drops those values with one warning each, on every call."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("openai.Omit" in message or "openai.NotGiven" in message)
+
+
 def _instrument(provider: TracerProvider) -> None:
     from opentelemetry.instrumentation.openai import OpenAIInstrumentor
     from wrapt import wrap_function_wrapper
+
+    logging.getLogger("opentelemetry.attributes").addFilter(_DropSentinelWarnings())
 
     # Ours first, so the instrumentor's wrapper ends up outside it and its span is current when ours runs.
     mod = "openai.resources.chat.completions"
