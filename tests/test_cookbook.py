@@ -125,3 +125,15 @@ def test_failed_autogen_tool_call_is_a_negative_intermediate_reward(server, stor
     assert [s.status for s in tools] == ["UNSET", "ERROR"] and "cannot evaluate" in tools[1].status_message
     [t] = adapter.to_transitions(store.rollout("r1"), spans, error_reward=-0.5)
     assert t.reward == pytest.approx(1.0 - 0.5)
+
+
+def test_eval_without_a_checkpoint_or_eval_data_is_a_clear_error(tmp_path):
+    toml = small_run("calc", tmp_path)
+    env = {**os.environ, "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "eval", "-c", str(toml), "--trained"],
+                         cwd=tmp_path, env=env, text=True, capture_output=True, timeout=60)
+    assert out.returncode == 2 and "no checkpoint in" in out.stdout and "lightning run" in out.stdout
+    toml.write_text(toml.read_text().replace('eval = "test.jsonl"\n', ""))
+    out = subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "eval", "-c", str(toml)],
+                         cwd=tmp_path, env=env, text=True, capture_output=True, timeout=60)
+    assert out.returncode == 2 and "data.eval is not set" in out.stdout
