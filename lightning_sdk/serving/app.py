@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from lightning_sdk.serving import toolcalls
 from lightning_sdk.serving.engine import (
     MAX_TOP_LOGPROBS,
     ChoiceDelta,
@@ -32,7 +33,6 @@ from lightning_sdk.serving.engine import (
     ModelNotFound,
     RequestError,
 )
-from lightning_sdk.serving import toolcalls
 
 log = logging.getLogger("lightning_sdk.serving")
 
