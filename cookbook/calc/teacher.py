@@ -78,4 +78,4 @@ class CalcTeacher:
 
 
 teacher = CalcTeacher()
-steps, batch = 400, 32  # ~120-token conversations: a smaller batch keeps the build to about a minute
+steps, batch = 400, 32  # ~120-token conversations: a smaller batch keeps the build to a minute or two
