@@ -1,4 +1,5 @@
-"""`lightning`: the command line. `lightning run` trains; `lightning traces` shows what the store holds."""
+"""`lightning`: the command line. `lightning run` trains, `lightning eval` scores a policy on held-out tasks,
+`lightning traces` shows what the store holds."""
 
 from __future__ import annotations
 
@@ -63,6 +64,57 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
     except (RunError, CaptureError) as e:
         console.print(f"[bold red]run stopped:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)
+
+
+@main.command("eval")
+@click.option("-c", "--config", "config_path", default="lightning.toml", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path), help="The run's configuration.")
+@click.option("--trained", is_flag=True, help="Score the adapter of the run's latest checkpoint (in run.dir).")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Score this checkpoint (checkpoints/iter-N) or PEFT adapter directory.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Override run.dir.")
+@click.option("--data", "data_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Held-out tasks (default: data.eval).")
+@click.option("--limit", type=click.IntRange(min=1), help="Score only the first N tasks.")
+def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Path | None,
+          data_path: Path | None, limit: int | None) -> None:
+    """Score a policy on held-out tasks: the base model, or a trained adapter (--trained / --checkpoint)."""
+    console = Console()
+    if trained and checkpoint is not None:
+        _fail(console, "--trained and --checkpoint exclude each other")
+    try:
+        cfg = config_mod.load(config_path)
+    except config_mod.ConfigError as e:
+        _fail(console, str(e))
+    if run_dir is not None:
+        cfg.run.dir = run_dir
+    from lightning_sdk import data
+    from lightning_sdk.data import DatasetError
+    from lightning_sdk.models import ModelLoadError
+    from lightning_sdk.runtime import RunError, Runtime, SetupError, adapter_dir, latest_checkpoint
+
+    path = data_path or cfg.data.eval
+    if path is None:
+        _fail(console, f"{config_path}: data.eval is not set; name the held-out tasks with --data")
+    adapter = None
+    if trained:
+        checkpoint = latest_checkpoint(Path(cfg.run.dir))
+        if checkpoint is None:
+            _fail(console, f"--trained: no checkpoint in {Path(cfg.run.dir) / 'checkpoints'}; run `lightning run` first")
+    if checkpoint is not None:
+        adapter = checkpoint if (checkpoint / "adapter_config.json").exists() else adapter_dir(checkpoint)
+        if not (adapter / "adapter_config.json").exists():
+            _fail(console, f"--checkpoint {checkpoint}: neither a PEFT adapter directory nor a checkpoint holding one")
+    try:
+        tasks = data.load(path)[:limit]
+        score = Runtime(cfg, console=console).evaluate(tasks, adapter)
+    except (DatasetError, ModelLoadError, SetupError) as e:
+        _fail(console, str(e))
+    except RunError as e:
+        console.print(f"[bold red]eval stopped:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    policy = f"adapter {adapter}" if adapter is not None else f"base {cfg.model.name}"
+    console.print(f"held-out score {score:.3f} over {len(tasks)} tasks ({policy})", highlight=False, soft_wrap=True)
 
 
 @main.command()

@@ -44,7 +44,7 @@ class DataConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: str = "builtin:tiny-arith"
+    name: str = "builtin:tiny-arith"  # or a hub id, a model directory, or tiny:<teacher.py> (see models.resolve)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["none", "4bit"] = "none"
 
@@ -166,6 +166,8 @@ def parse(data: dict, *, base: Path | None = None) -> Config:
         cfg.run.dir = rel(cfg.run.dir)
         cfg.data.train = rel(cfg.data.train)
         cfg.data.eval = rel(cfg.data.eval)
+        if cfg.model.name.startswith("tiny:") and not Path(cfg.model.name[5:]).is_absolute():
+            cfg.model.name = f"tiny:{base / cfg.model.name[5:]}"
         if cfg.agent.module.endswith(".py") and not Path(cfg.agent.module).is_absolute():
             cfg.agent.module = str(base / cfg.agent.module)
     return cfg

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 BUILTIN = "builtin:"
+TINY = "tiny:"  # tiny:<teacher.py>: a tiny model pretrained offline on what that file's `teacher` says
 
 
 class ModelLoadError(RuntimeError):
@@ -15,7 +16,8 @@ class ModelLoadError(RuntimeError):
 def resolve(name: str) -> str:
     """Turn a configured model name into something `from_pretrained` takes.
 
-    `builtin:tiny-arith` is built locally on first use; an existing directory is used as it is; anything else is
+    `builtin:tiny-arith` is built locally on first use, and so is `tiny:<path/teacher.py>` (the same tiny model
+    shape, pretrained on the `teacher` that file defines; see `tiny.Teacher`); an existing directory is used as it is; anything else is
     a hub id, which loads from the local Hugging Face cache (or the hub, where one is reachable).
     """
     if name.startswith(BUILTIN):
@@ -24,12 +26,37 @@ def resolve(name: str) -> str:
         if name[len(BUILTIN):] != tiny.NAME:
             raise ModelLoadError(f"model {name!r}: unknown builtin model; expected {BUILTIN}{tiny.NAME}")
         return str(tiny.ensure_built())
+    if name.startswith(TINY):
+        return _build_tiny(name)
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"model {name!r}: directory has no config.json; expected a Hugging Face model directory")
         return str(path.resolve())
     return name
+
+
+def _build_tiny(name: str) -> str:
+    import hashlib
+    import importlib.util
+
+    from lightning_sdk import tiny
+
+    path = Path(name[len(TINY):]).expanduser()
+    if path.suffix != ".py" or not path.exists():
+        raise ModelLoadError(f"model {name!r}: expected tiny:<path to a .py file that defines `teacher`>")
+    spec = importlib.util.spec_from_file_location(f"lightning_teacher_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    teacher = getattr(mod, "teacher", None)
+    if teacher is None or not callable(getattr(teacher, "samples", None)) or not isinstance(getattr(teacher, "key", None), str):
+        raise ModelLoadError(f"model {name!r}: {path} must define `teacher` with a `key` and `samples(rng, n)`")
+
+    class Keyed:  # the file's content is part of the cache key: an edited teacher builds a new model
+        key = f"{teacher.key}-{hashlib.sha1(path.read_bytes()).hexdigest()[:10]}"
+        samples = staticmethod(teacher.samples)
+
+    return str(tiny.ensure_built(Keyed(), steps=int(getattr(mod, "steps", 300)), batch=int(getattr(mod, "batch", 128))))
 
 
 def load_tokenizer(name_or_path: str):

@@ -16,6 +16,7 @@ import logging
 import random
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -270,6 +271,35 @@ class Runtime:
         self._print_table(state, final)
         self.final_eval = final
         return state
+
+    def evaluate(self, tasks: list[dict], adapter: Path | None = None) -> float:
+        """Score the base model, or the base with `adapter` (a PEFT directory), on `tasks`: `lightning eval`.
+
+        Its spans go to a throwaway store, so evaluating never touches a run's own store or checkpoints.
+        """
+        cfg = self.cfg
+        self.rollout_fn, self.reward_fn = load_agent(cfg.agent.module, cfg.agent.rollout, cfg.agent.reward)
+        model_path = models.resolve(cfg.model.name)
+        with tempfile.TemporaryDirectory(prefix="lightning-eval-") as tmp:
+            self.store = Store(Path(tmp) / "store.sqlite")
+            self.store.add_tasks((data.task_id(t), t) for t in tasks)
+            tracing.install(self.store)
+            self._loop = asyncio.Runner()
+            with self.console.status("starting the inference server"):
+                self.server = make_server(cfg, model_path, Path(tmp) / "server.log")
+                self.server.start()
+            try:
+                tracing.request_token_ids_from(self.server.base_url)
+                policy = self.server.served_model_name
+                if adapter is not None:
+                    policy = f"{cfg.run.name}-eval"
+                    self.server.load_adapter(policy, str(adapter))
+                return self._evaluate(tasks, policy, "trained" if adapter is not None else "untrained")
+            finally:
+                self.server.stop()
+                self._loop.close()
+                tracing.flush()
+                self.store.close()
 
     def _prepare_run_dir(self) -> Path | None:
         d = self.run_dir

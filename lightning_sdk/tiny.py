@@ -14,20 +14,42 @@ The build is seeded and takes seconds on a CPU; the result is an ordinary Huggin
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Protocol
 
 NAME = "tiny-arith"
-VERSION = 2  # bump when the recipe changes, so stale caches are rebuilt
+VERSION = 3  # bump when the recipe changes, so stale caches are rebuilt
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
+# ChatML, with tools the Qwen2.5 way: offered tools in the system turn, calls as <tool_call>{json}</tool_call> in
+# the assistant turn, results as <tool_response> in a user turn. The tool list is compact (name, parameters,
+# description) rather than full JSON schemas, because the tiny models have only 512 positions.
+CHAT_TEMPLATE = (  # no "{%-" and no newline right after "%}": both would eat the template's own newlines
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n' }}{% endif %}"
+    "# Tools{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
+    "{{ '\n' + f.name }}({% for p in (f.parameters or {}).properties or {} %}{{ ', ' if not loop.first }}{{ p }}"
+    "{% endfor %}): {{ f.description or '' }}{% endfor %}"
+    "{{ '\n' }}Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>{{ '\n' }}"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>{{ '\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'assistant' %}<|im_start|>assistant\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}{% set f = call.function if call.function is defined else call %}"
+    "{{ '\n' if message['content'] or not loop.first }}<tool_call>\n"
+    "{\"name\": \"{{ f.name }}\", \"arguments\": {{ f.arguments | tojson }}}\n</tool_call>{% endfor %}"
+    "<|im_end|>{{ '\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>{{ '\n' }}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>{{ '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -41,14 +63,29 @@ def problems() -> list[tuple[int, int]]:
     return [(a, b) for a in range(10) for b in range(10)]
 
 
-def cache_dir() -> Path:
+class Teacher(Protocol):
+    """What a tiny model is pretrained on: replies to prompts, the prompts already rendered by CHAT_TEMPLATE.
+
+    `samples(rng, n)` gives n (prompt text, reply text) pairs; the model learns the reply (then <|im_end|>).
+    `key` names the recipe in the cache: change it when the recipe changes.
+    """
+
+    key: str
+
+    def samples(self, rng: random.Random, n: int) -> list[tuple[str, str]]: ...
+
+
+def cache_dir(key: str | None = None) -> Path:
     root = os.environ.get("LIGHTNING_SDK_CACHE") or Path.home() / ".cache" / "lightning_sdk"
-    return Path(root) / "models" / f"{NAME}-v{VERSION}"
+    return Path(root) / "models" / (key or f"{NAME}-v{VERSION}")
 
 
-def ensure_built() -> Path:
-    """Path of the built model, building it once (safe when several processes ask at the same time)."""
-    target = cache_dir()
+def ensure_built(teacher: Teacher | None = None, *, steps: int = 300, batch: int = 128) -> Path:
+    """Path of the built model, building it once (safe when several processes ask at the same time).
+
+    Without a teacher it is the builtin tiny-arith; with one, a tiny model of the same shape taught by it.
+    """
+    target = cache_dir(f"tiny-{teacher.key}-v{VERSION}" if teacher is not None else None)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -57,7 +94,7 @@ def ensure_built() -> Path:
         if not (target / "config.json").exists():
             tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
             try:
-                build(tmp)
+                build(tmp, teacher=teacher, steps=steps, batch=batch)
                 tmp.rename(target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -75,17 +112,45 @@ def _chat(q: str, answer: str) -> str:
     return f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
 
 
-def build_tokenizer(out: Path):
+def render(messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True) -> str:
+    """CHAT_TEMPLATE applied without a tokenizer (teachers need prompts before the tokenizer exists)."""
+    return _template().render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
+
+
+@functools.cache
+def _template():
+    import jinja2
+
+    # The settings transformers renders chat templates with.
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
+    return env.from_string(CHAT_TEMPLATE)
+
+
+class _ArithTeacher:
+    key = NAME
+
+    def samples(self, rng: random.Random, n: int) -> list[tuple[str, str]]:
+        batch = [rng.choice(problems()) for _ in range(n)]
+        return [(f"<|im_start|>user\n{question(a, b)}<|im_end|>\n<|im_start|>assistant\n", _teacher_answer(rng, a, b))
+                for a, b in batch]
+
+
+def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int = 320, split_digits: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = [_chat(question(a, b), f.format(a + b)) for a, b in problems() for f in REPLY_FORMATS]
-    corpus += ["The quick brown fox jumps over the lazy dog. 0123456789 +-*/=()?!.,:;'\"\n"] * 4
+    if corpus is None:
+        corpus = [_chat(question(a, b), f.format(a + b)) for a, b in problems() for f in REPLY_FORMATS]
+    corpus = corpus + ["The quick brown fox jumps over the lazy dog. 0123456789 +-*/=()?!.,:;'\"\n"] * 4
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Teacher models see numbers digit by digit, so copying one from the prompt is the same tokens again.
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -103,16 +168,21 @@ def build_tokenizer(out: Path):
     return fast
 
 
-def build(out: Path, *, seed: int = 0, steps: int = 300) -> Path:
-    """Build tokenizer + model into `out` (a Hugging Face model directory)."""
+def build(out: Path, *, seed: int = 0, steps: int = 300, batch: int = 128, teacher: Teacher | None = None) -> Path:
+    """Build tokenizer + model into `out` (a Hugging Face model directory), taught by `teacher` (default: arith)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out)
+    if teacher is None:
+        tok = build_tokenizer(out)
+    else:  # its own vocabulary, from its own prompts and replies
+        corpus = [p + r + "<|im_end|>\n" for p, r in teacher.samples(random.Random(seed + 1), 1000)]
+        tok = build_tokenizer(out, corpus, vocab_size=512, split_digits=True)
     torch.manual_seed(seed)
     rng = random.Random(seed)
+    teacher = teacher or _ArithTeacher()
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=128,
@@ -130,15 +200,12 @@ def build(out: Path, *, seed: int = 0, steps: int = 300) -> Path:
     model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
-    all_problems = problems()
     model.train()
     for _ in range(steps):
-        batch = [rng.choice(all_problems) for _ in range(128)]
         texts, prefixes = [], []
-        for a, b in batch:
-            prefix = f"<|im_start|>user\n{question(a, b)}<|im_end|>\n<|im_start|>assistant\n"
+        for prefix, reply in teacher.samples(rng, batch):
             prefixes.append(len(tok(prefix)["input_ids"]))
-            texts.append(prefix + f"{_teacher_answer(rng, a, b)}<|im_end|>\n")
+            texts.append(prefix + f"{reply}<|im_end|>\n")
         enc = tok(texts, return_tensors="pt", padding=True)
         labels = enc["input_ids"].clone()
         labels[enc["attention_mask"] == 0] = -100
@@ -155,7 +222,7 @@ def build(out: Path, *, seed: int = 0, steps: int = 300) -> Path:
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(out)
     (out / "lightning_sdk_build.json").write_text(
-        json.dumps({"name": NAME, "version": VERSION, "seed": seed, "steps": steps,
-                    "reply_formats": list(REPLY_FORMATS)}, indent=2)
+        json.dumps({"name": f"tiny-{teacher.key}", "version": VERSION, "seed": seed, "steps": steps,
+                    "batch": batch}, indent=2)
     )
     return out

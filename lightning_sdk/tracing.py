@@ -443,8 +443,10 @@ def request_token_ids_from(base_url: str) -> None:
 def install(sink: SpanSink) -> StoreSpanProcessor:
     """Instrument the OpenAI client (once per process) and send rollout spans to `sink`.
 
-    A private TracerProvider is used, so a user's own OpenTelemetry setup is neither replaced nor flooded.
-    Calling it again swaps the sink (a new run in the same process).
+    The OpenAI instrumentor gets a private TracerProvider, so a user's own OpenTelemetry setup is neither
+    replaced nor flooded. Agent frameworks that trace themselves through the *global* provider (AutoGen records
+    each tool execution as an `execute_tool` span, ERROR when the tool raised) reach the store too: see
+    `_adopt_global`. Calling it again swaps the sink (a new run in the same process).
     """
     with _install_lock:
         if _state.processor is not None:
@@ -455,9 +457,23 @@ def install(sink: SpanSink) -> StoreSpanProcessor:
             # A provider keeps its processors for life: route through one whose target can be swapped.
             _state.provider.add_span_processor(_state.forward)
             _instrument(_state.provider)
+            _adopt_global(_state.provider)
         _state.forward.target = processor
         _state.processor = processor
         return processor
+
+
+def _adopt_global(provider: TracerProvider) -> None:
+    """Let spans that frameworks send to the global provider reach the store (only those inside a rollout are kept).
+
+    With no global provider set, ours becomes it; with the application's own SDK provider, ours is added to its
+    processors and its exporters keep working as before.
+    """
+    current = trace.get_tracer_provider()
+    if isinstance(current, trace.ProxyTracerProvider):
+        trace.set_tracer_provider(provider)
+    elif isinstance(current, TracerProvider) and current is not provider:
+        current.add_span_processor(_state.forward)
 
 
 def flush(timeout_s: float = 30.0) -> None:
@@ -514,6 +530,15 @@ def _run_inline(coro: Any) -> None:
     logging.getLogger("lightning_sdk").warning("span request attributes skipped: the instrumentor awaited I/O")
 
 
+class _DropSentinelWarnings(logging.Filter):
+    """The instrumentor copies request kwargs onto spans, including openai's `omit`/`NOT_GIVEN` sentinels (which
+    e.g. the Agents SDK passes); OpenTelemetry drops those values with one warning each, on every call."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("openai.Omit" in message or "openai.NotGiven" in message)
+
+
 def _instrument(provider: TracerProvider) -> None:
     from opentelemetry.instrumentation.openai import OpenAIInstrumentor
     from opentelemetry.instrumentation.openai.shared import chat_wrappers
@@ -521,6 +546,7 @@ def _instrument(provider: TracerProvider) -> None:
 
     if hasattr(chat_wrappers, "run_async"):
         chat_wrappers.run_async = _run_inline
+    logging.getLogger("opentelemetry.attributes").addFilter(_DropSentinelWarnings())
 
     # Ours first, so the instrumentor's wrapper ends up outside it and its span is current when ours runs.
     mod = "openai.resources.chat.completions"

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from lightning_sdk.serving import toolcalls
 from lightning_sdk.serving.engine import (
     MAX_TOP_LOGPROBS,
     ChoiceDelta,
@@ -63,7 +64,7 @@ class ChatCompletionRequest(_Lenient):
     stream_options: StreamOptions | None = None
     seed: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None  # accepted; tool calls are not parsed out of the text yet
+    tool_choice: Any = None  # checked, not enforced (no constrained decoding): see serving/toolcalls.py
     return_token_ids: bool | None = None  # accepted; ids are always returned
     add_generation_prompt: bool = True  # vLLM extras for chat templates
     continue_final_message: bool = False
@@ -180,6 +181,11 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
+        try:
+            parse_calls = toolcalls.check_tools(body.tools, body.tool_choice)
+            body.messages = toolcalls.prompt_messages(body.messages)
+        except toolcalls.ToolCallError as e:
+            raise APIError(400, str(e), e.param) from e
         req = _to_generation_request(engine, body, served_model_name)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model}
         if body.stream:
@@ -189,13 +195,14 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
                 first = await anext(events)  # let errors found before the first token still be a plain HTTP error
             except (RequestError, ModelNotFound) as e:
                 raise _as_api_error(e) from e
-            return StreamingResponse(_sse(engine, body, req, meta, first, events, include_usage),
+            shaper = toolcalls.StreamShaper(req.n, parse_calls)
+            return StreamingResponse(_sse(engine, body, req, meta, first, events, include_usage, shaper),
                                      media_type="text/event-stream")
         try:
             result = await engine.generate(req)
         except (RequestError, ModelNotFound) as e:
             raise _as_api_error(e) from e
-        return _completion(engine, body, meta, result)
+        return _completion(engine, body, meta, result, parse_calls)
 
     app.include_router(v1)
     return app
@@ -273,27 +280,29 @@ def _usage(result: GenerationResult) -> dict:
             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
-def _completion(engine: Engine, body: ChatCompletionRequest, meta: dict, result: GenerationResult) -> dict:
+def _completion(engine: Engine, body: ChatCompletionRequest, meta: dict, result: GenerationResult,
+                parse_calls: bool = False) -> dict:
+    shaped = [toolcalls.message(c.text, c.finish_reason, parse_calls) for c in result.choices]
     return {
         **meta,
         "object": "chat.completion",
         "system_fingerprint": None,
         "choices": [{
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+            "message": message,
             "logprobs": _logprobs(engine, body, c.token_ids, c.logprobs, c.top_logprobs),
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": c.stop_reason,
             "token_ids": c.token_ids,
-        } for c in result.choices],
+        } for c, (message, finish_reason) in zip(result.choices, shaped)],
         "usage": _usage(result),
         "prompt_token_ids": result.prompt_ids,
     }
 
 
 async def _sse(engine: Engine, body: ChatCompletionRequest, req: GenerationRequest, meta: dict,
-               first: ChoiceDelta | GenerationResult, events: AsyncIterator, include_usage: bool
-               ) -> AsyncIterator[str]:
+               first: ChoiceDelta | GenerationResult, events: AsyncIterator, include_usage: bool,
+               shaper: toolcalls.StreamShaper) -> AsyncIterator[str]:
     def chunk(choices: list[dict], **extra: Any) -> str:
         return f"data: {json.dumps({**meta, 'object': 'chat.completion.chunk', 'choices': choices, **extra})}\n\n"
 
@@ -306,11 +315,12 @@ async def _sse(engine: Engine, body: ChatCompletionRequest, req: GenerationReque
         item = first
         while not isinstance(item, GenerationResult):
             d: ChoiceDelta = item
+            delta, finish_reason = shaper.delta(d.index, d.text, d.finish_reason)
             yield chunk([{
                 "index": d.index,
-                "delta": {"content": d.text},
+                "delta": delta,
                 "logprobs": _logprobs(engine, body, d.token_ids, d.logprobs, d.top_logprobs),
-                "finish_reason": d.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": d.stop_reason,
                 "token_ids": d.token_ids,
             }])

@@ -1,0 +1,139 @@
+"""The cookbook's three agents, in their real frameworks, trained unchanged: a short `lightning run` of each
+(one iteration, few tasks, small groups) as a subprocess, then what its store shows."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_sdk import adapter, config
+from lightning_sdk.store import Store
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def lightning(*args, cwd, timeout=300):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "lightning_sdk.cli", *args], cwd=cwd, env=env, text=True,
+                         capture_output=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def small_run(example: str, tmp: Path, *, tasks: int = 3, eval_tasks: int = 3) -> Path:
+    """The example's own lightning.toml, shrunk: a few tasks, one iteration of groups of 3."""
+    src = ROOT / "cookbook" / example
+    text = (src / "lightning.toml").read_text()
+    for line in (src / "data/train.jsonl").read_text().splitlines()[:tasks]:
+        (tmp / "train.jsonl").open("a").write(line + "\n")
+    for line in (src / "data/test.jsonl").read_text().splitlines()[:eval_tasks]:
+        (tmp / "test.jsonl").open("a").write(line + "\n")
+    text = text.replace('module = "agent.py"', f'module = "{src / "agent.py"}"')
+    text = text.replace('name = "tiny:teacher.py"', f'name = "tiny:{src / "teacher.py"}"')
+    text = text.replace('train = "data/train.jsonl"', 'train = "train.jsonl"')
+    text = text.replace('eval = "data/test.jsonl"', 'eval = "test.jsonl"')
+    text = re.sub(r"iterations = \d+", "iterations = 1", text)
+    text = re.sub(r"tasks_per_iteration = \d+", f"tasks_per_iteration = {tasks}", text)
+    text = re.sub(r"group_size = \d+", "group_size = 3", text)
+    (tmp / "lightning.toml").write_text(text)
+    return tmp / "lightning.toml"
+
+
+def transitions_of(cfg_path: Path) -> tuple[Store, list, list]:
+    cfg = config.load(cfg_path)
+    store = Store(cfg.run.dir / "store.sqlite")
+    rollouts = store.rollouts(phase="train")
+    out = [t for r in rollouts if r.status == "succeeded"
+           for t in adapter.to_transitions(r, store.spans(r.rollout_id), components=cfg.rollout.components,
+                                           error_reward=cfg.rollout.error_reward)]
+    return store, rollouts, out
+
+
+def test_calc_autogen_trains_and_evals(tmp_path):
+    toml = small_run("calc", tmp_path, eval_tasks=2)
+    out = lightning("run", "-c", str(toml), cwd=tmp_path)
+    assert "eval (untrained" in out and "eval (trained" in out
+    store, rollouts, transitions = transitions_of(toml)
+    assert len(rollouts) == 9 and all(r.status == "succeeded" for r in rollouts)
+    names = {s.name for r in rollouts for s in store.spans(r.rollout_id)}
+    assert "invoke_agent calc" in names  # AutoGen's own spans reach the store beside the LLM calls
+    assert transitions and all(t.completion_ids for t in transitions)
+    # `lightning eval` scores the base and the trained adapter on the held-out tasks.
+    base = lightning("eval", "-c", str(toml), "--limit", "1", cwd=tmp_path)
+    trained = lightning("eval", "-c", str(toml), "--trained", cwd=tmp_path)
+    assert re.search(r"held-out score \d\.\d{3} over 1 tasks \(base ", base)
+    assert re.search(r"held-out score \d\.\d{3} over 2 tasks \(adapter .*iter-00001", trained)
+
+
+def test_sql_langgraph_trains_only_writer_and_rewriter(tmp_path):
+    toml = small_run("sql", tmp_path, eval_tasks=2)
+    lightning("run", "-c", str(toml), cwd=tmp_path)
+    store, rollouts, transitions = transitions_of(toml)
+    assert rollouts and all(r.status == "succeeded" for r in rollouts)
+    calls = [s for r in rollouts for s in store.spans(r.rollout_id) if adapter.is_llm_call(s)]
+    assert {"writer", "checker"} <= {s.component for s in calls}  # every LangGraph node's call is traced
+    trained = {t.span_id for t in transitions}
+    assert {t.component for t in transitions} <= {"writer", "rewriter"} and transitions
+    assert all(s.span_id not in trained for s in calls if s.component == "checker")
+    assert trained == {s.span_id for s in calls if s.component in ("writer", "rewriter") and not s.is_error}
+
+
+def test_rag_agents_sdk_trains(tmp_path):
+    toml = small_run("rag", tmp_path, eval_tasks=2)
+    lightning("run", "-c", str(toml), cwd=tmp_path)
+    store, rollouts, transitions = transitions_of(toml)
+    assert rollouts and all(r.status == "succeeded" for r in rollouts)
+    assert all(0.0 <= r.reward <= 1.0 for r in rollouts)
+    assert transitions and all(t.prompt_ids and t.completion_ids for t in transitions)
+
+
+def test_failed_autogen_tool_call_is_a_negative_intermediate_reward(server, store):
+    """A calculator call with a bad expression, run by AutoGen's own tool machinery after a real LLM call: its
+    ERROR span reaches the store by itself and costs the call before it `error_reward`."""
+    import asyncio
+    import importlib.util
+
+    import openai
+    from autogen_core import CancellationToken
+    from autogen_core.tools import FunctionTool
+
+    from lightning_sdk import tracing
+
+    spec = importlib.util.spec_from_file_location("calc_agent", ROOT / "cookbook/calc/agent.py")
+    calc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calc)
+    tool = FunctionTool(calc.calculator, description="calculator")
+    tracing.request_token_ids_from(server.base_url)
+    client = openai.OpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0)
+    store.start_rollout("r1", task_id="t", group_id="0:0", iteration=0, phase="train")
+    with tracing.rollout_context("r1"):
+        client.chat.completions.create(model=server.served_model_name, max_tokens=4,
+                                       messages=[{"role": "user", "content": "What is 2 + 3?"}])
+        assert asyncio.run(tool.run_json({"expression": "2+3"}, CancellationToken())) == "5"
+        with pytest.raises(ValueError, match="cannot evaluate"):
+            asyncio.run(tool.run_json({"expression": "2*"}, CancellationToken()))
+    store.finish_rollout("r1", status="succeeded", output="5", reward=1.0)
+    tracing.flush()
+    spans = store.spans("r1")
+    tools = [s for s in spans if s.name == "execute_tool calculator"]
+    assert [s.status for s in tools] == ["UNSET", "ERROR"] and "cannot evaluate" in tools[1].status_message
+    [t] = adapter.to_transitions(store.rollout("r1"), spans, error_reward=-0.5)
+    assert t.reward == pytest.approx(1.0 - 0.5)
+
+
+def test_eval_without_a_checkpoint_or_eval_data_is_a_clear_error(tmp_path):
+    toml = small_run("calc", tmp_path)
+    env = {**os.environ, "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "eval", "-c", str(toml), "--trained"],
+                         cwd=tmp_path, env=env, text=True, capture_output=True, timeout=60)
+    assert out.returncode == 2 and "no checkpoint in" in out.stdout and "lightning run" in out.stdout
+    toml.write_text(toml.read_text().replace('eval = "test.jsonl"\n', ""))
+    out = subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "eval", "-c", str(toml)],
+                         cwd=tmp_path, env=env, text=True, capture_output=True, timeout=60)
+    assert out.returncode == 2 and "data.eval is not set" in out.stdout

@@ -1,0 +1,144 @@
+"""Tool calls in chat completions: the parser on its own, then the real server through the real openai client.
+
+The server tests use the calc cookbook's tiny model (`tiny:cookbook/calc/teacher.py`), which was taught to call
+the calculator in the Qwen2.5 `<tool_call>` format, so tool calls come out of real sampling.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from lightning_sdk import models
+from lightning_sdk.serving import CPUServer
+from lightning_sdk.serving.toolcalls import ToolCallParser, parse
+
+torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parents[1]
+TEACHER = f"tiny:{ROOT / 'cookbook/calc/teacher.py'}"
+SYSTEM = "Solve the problem. Use the calculator, then give the number."
+QUESTION = "Ann has 12 boxes with 8 pencils in each. How many pencils does Ann have?"
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator",
+    "description": "Evaluate an arithmetic expression with + - * / and parentheses, e.g. 12*3-5.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+}}]
+
+
+def test_parse_splits_content_and_calls():
+    content, calls = parse('Let me see. <tool_call>\n{"name": "calc", "arguments": {"x": "1+2"}}\n</tool_call>')
+    assert content == "Let me see."
+    assert [c["function"] for c in calls] == [{"name": "calc", "arguments": '{"x": "1+2"}'}]
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert parse("just text") == ("just text", [])
+    # Not a call: stays content, word for word. An unterminated but complete call at the end still counts.
+    assert parse("<tool_call>{oops}</tool_call> x") == ("<tool_call>{oops}</tool_call> x", [])
+    content, calls = parse('<tool_call>{"name": "c", "arguments": "{\\"y\\": 2}"}')
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"y": 2}
+
+
+def test_streamed_parse_equals_whole_parse():
+    text = ('Hi <tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+            '<tool_call>{"name": "b", "arguments": {}}</tool_call> <tool')
+    p, pieces = ToolCallParser(), []
+    for ch in text:  # one character at a time: the worst case for held-back prefixes
+        pieces.append(p.feed(ch)[0])
+    pieces.append(p.finish()[0])
+    content, calls = parse(text)
+    assert "".join(pieces) == content == "Hi \n <tool"
+    assert [c["function"] for c in p.calls] == [c["function"] for c in calls]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = models.resolve(TEACHER)
+    with CPUServer(path, served_model_name="calc", threads=1, max_model_len=512,
+                   log_path=tmp_path_factory.mktemp("srv") / "server.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return models.load_tokenizer(models.resolve(TEACHER))
+
+
+def ask(client, **kw):
+    return client.chat.completions.create(model="calc", messages=[
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}], max_tokens=40, **kw)
+
+
+def test_server_returns_tool_calls_with_exact_token_ids(client, tokenizer):
+    out = ask(client, tools=TOOLS, n=8, temperature=1.0, seed=1)
+    called = [c for c in out.choices if c.message.tool_calls]
+    assert called, [c.message.content for c in out.choices]  # the tiny model was taught to call the tool
+    for c in out.choices:
+        text = tokenizer.decode(c.token_ids, skip_special_tokens=True)  # what was sampled, unchanged
+        content, calls = parse(text)
+        assert c.message.content == content
+        assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []] == \
+               [(t["function"]["name"], t["function"]["arguments"]) for t in calls]
+        assert c.finish_reason == ("tool_calls" if calls and c.finish_reason != "length" else c.finish_reason)
+    call = called[0].message.tool_calls[0]
+    assert call.function.name == "calculator" and "expression" in json.loads(call.function.arguments)
+    assert called[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_leaves_the_text_alone(client, tokenizer):
+    out = ask(client, tools=TOOLS, tool_choice="none", n=4, seed=1)
+    for c in out.choices:
+        assert not c.message.tool_calls and c.finish_reason != "tool_calls"
+        assert c.message.content == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_streamed_tool_calls_match_the_plain_reply(client):
+    plain = ask(client, tools=TOOLS, temperature=0)
+    chunks = list(ask(client, tools=TOOLS, temperature=0, stream=True))
+    ids = [i for ch in chunks for c in ch.choices for i in (c.model_extra.get("token_ids") or [])]
+    assert ids == plain.choices[0].token_ids
+    content = "".join(c.delta.content or "" for ch in chunks for c in ch.choices)
+    calls = [t for ch in chunks for c in ch.choices for t in (c.delta.tool_calls or [])]
+    assert (content or None) == plain.choices[0].message.content
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == \
+           [(i, t.function.name, t.function.arguments) for i, t in enumerate(plain.choices[0].message.tool_calls)]
+    finish = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+    assert finish == [plain.choices[0].finish_reason]
+
+
+def test_tool_messages_are_rendered_into_the_prompt(client, tokenizer):
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "calculator", "arguments": json.dumps({"expression": "12*8"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "96"},
+    ]
+    out = client.chat.completions.create(model="calc", messages=messages, max_tokens=12, temperature=0)
+    prompt = tokenizer.decode(out.model_extra["prompt_token_ids"])
+    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*8"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n96\n</tool_response>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_bad_tool_requests_are_400_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError, match="not in `tools`") as e:
+        ask(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError, match="needs at least one tool"):
+        ask(client, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="tools\\[0\\]"):
+        ask(client, tools=[{"type": "function", "function": {"description": "no name"}}])
+    bad_args = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": "{not json"}}]}]
+    with pytest.raises(openai.BadRequestError, match="arguments is not valid JSON") as e:
+        client.chat.completions.create(model="calc", messages=bad_args, max_tokens=4)
+    assert e.value.body["param"] == "messages.1.tool_calls.0.function.arguments"
