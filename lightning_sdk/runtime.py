@@ -206,7 +206,7 @@ class Runtime:
 
         # One event loop for the whole run: clients an agent leaves open still close on the loop that made them.
         self._loop = asyncio.Runner()
-        self._server_generation, self._server_restarts = 0, 0
+        self._server_generation, self._server_restarts, self._server_gone = 0, 0, None
         with self.console.status("starting the inference server"):
             self.server = make_server(cfg, model_path, self.run_dir / "server.log")
             try:
@@ -285,9 +285,15 @@ class Runtime:
         state.history.append(row)
         checkpoint = write_checkpoint(self.run_dir, it + 1, self.trainer, state)
         t2 = time.perf_counter()
-        self.server.load_adapter(new_policy, str(adapter_dir(checkpoint)))
-        if policy != self.server.served_model_name:
-            self.server.unload_adapter(policy)
+        try:
+            self.server.load_adapter(new_policy, str(adapter_dir(checkpoint)))
+        except ServerError:
+            if self._server_up():
+                raise
+            self._restart_server(new_policy)  # it died during the update; it comes back with the new adapter
+        else:
+            if policy != self.server.served_model_name:
+                self.server.unload_adapter(policy)
         row["hotload_s"] = time.perf_counter() - t2
         self.metrics.log(row)
         self.console.print(f"iteration {it + 1}: reward {mean:.3f}  ({len(ok)} rollouts, {len(transitions)} "
@@ -374,6 +380,8 @@ class Runtime:
         return True
 
     def _restart_server(self, policy: str) -> None:
+        if self._server_gone is not None:  # other rollouts saw it die too: one failed restart is enough
+            raise self._server_gone
         self._server_restarts += 1
         if self._server_restarts > MAX_SERVER_RESTARTS:
             raise RunError(f"the inference server died {self._server_restarts} times; not restarting it again. "
@@ -387,7 +395,8 @@ class Runtime:
                 # A trained policy is always the adapter of the newest checkpoint (hot-loaded right after it).
                 self.server.load_adapter(policy, str(adapter_dir(latest_checkpoint(self.run_dir))))
         except ServerError as e:
-            raise RunError(f"the inference server died and did not come back: {e}") from None
+            self._server_gone = RunError(f"the inference server died and did not come back: {e}")
+            raise self._server_gone from None
         self._server_generation += 1
 
     def _evaluate(self, tasks: list[dict], policy: str, label: str) -> float:

@@ -91,9 +91,7 @@ def test_agent_and_reward_faults_are_failed_rollouts_and_the_run_goes_on(tmp_pat
     cfg = make_project(tmp_path, rows, run='name = "faults"\ndir = "run"\niterations = 1',
                        data='train = "train.jsonl"\ntasks_per_iteration = 8\ngroup_size = 2\nshuffle = false',
                        rollout="concurrency = 16\ntimeout = 6.0")
-    t0 = time.perf_counter()
     state = Runtime(cfg, console=Console(file=io.StringIO())).run()
-    print(f"faulty run: {time.perf_counter() - t0:.1f}s")
     assert state.completed == 1
 
     run = tmp_path / "run"
@@ -130,3 +128,105 @@ def test_rows_without_the_field_the_agent_reads_stop_the_run_naming_task_and_fie
     with pytest.raises(RunError, match=r"16 of 16 rollouts failed.*KeyError: 'question' \(task \w+ has no field "
                                        r"'question'; its fields: 'prompt', 'answer'"):
         Runtime(cfg, console=Console(file=io.StringIO())).run()
+
+
+def _spans_of_iteration(db: Path, iteration: int) -> int:
+    if not db.exists():
+        return 0
+    c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        return c.execute("SELECT COUNT(*) FROM spans JOIN rollouts USING (rollout_id) WHERE rollouts.iteration = ? "
+                         "AND rollouts.phase = 'train'", (iteration,)).fetchone()[0]
+    except sqlite3.OperationalError:  # the schema is not there yet
+        return 0
+    finally:
+        c.close()
+
+
+def _wait(condition, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_server_killed_mid_collection_is_restarted_then_one_that_cannot_come_back_ends_the_run(tmp_path):
+    rows = [task(a, 2) for a in range(1, 5)]
+    cfg = make_project(tmp_path, rows, calls=3, pause=0.2, run='name = "faults"\ndir = "run"\niterations = 3',
+                       data='train = "train.jsonl"\ntasks_per_iteration = 2\ngroup_size = 4\nshuffle = false',
+                       rollout="concurrency = 8\ntimeout = 120.0",
+                       train="lora_r = 4\nmicro_batch_size = 4\nepochs = 4")  # an update long enough to kill in
+    out = io.StringIO()
+    rt = Runtime(cfg, console=Console(file=out, width=200))
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["state"] = rt.run()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = e
+
+    db = tmp_path / "run/store.sqlite"
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    blocker = socket.socket()
+    try:
+        # Kill 1: SIGKILL the server while iteration 2 (index 1, policy = the iter-1 adapter) is collecting.
+        _wait(lambda: _spans_of_iteration(db, 1) >= 2, "iteration 1 collection")
+        first_pid = rt.server._proc.pid
+        os.kill(first_pid, signal.SIGKILL)
+
+        # Kill 2, during that iteration's update: SIGKILL it again and take its port, so no restart can bind.
+        _wait(lambda: _collected(db, 1, 8), "iteration 1 update")
+        second_pid, port = rt.server._proc.pid, rt.server.port
+        assert second_pid != first_pid
+        os.kill(second_pid, signal.SIGKILL)
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _wait(lambda: _bind(blocker, port), "the dead server's port to be free", timeout=30)
+        blocker.listen()
+        thread.join(timeout=240)
+        assert not thread.is_alive()
+    finally:
+        blocker.close()
+
+    error = outcome.get("error")
+    assert isinstance(error, RunError), outcome
+    assert "did not come back" in str(error) and "address already in use" in str(error)  # the server log's tail
+    assert (tmp_path / "run/checkpoints/iter-00002").exists()  # the update finished; the hot-load found it dead
+    assert "the inference server died; restarting it" in out.getvalue()
+
+    store = Store(db)
+    it1 = store.rollouts(phase="train", iteration=1)
+    retries = [r for r in it1 if r.attempt == 2]
+    originals = {r.rollout_id: r for r in it1 if r.attempt == 1}
+    assert retries, "no rollout was in flight when the server was killed"
+    for r in retries:  # re-run once on the restarted server, which had the current adapter loaded again
+        assert r.rollout_id.endswith("-r2") and r.status == "succeeded" and r.model == "faults-iter1"
+        old = originals[r.rollout_id.removesuffix("-r2")]
+        assert old.status == "abandoned" and f"re-run as {r.rollout_id}" in old.error
+    assert all(r.status == "succeeded" for r in it1 if r.attempt == 1 and r.rollout_id + "-r2" not in
+               {x.rollout_id for x in retries})
+    assert store.rollouts(phase="train", iteration=2) == []  # noticed at the hot-load, before any new rollout
+    (row,) = [r for r in json.loads((tmp_path / "run/checkpoints/iter-00002/state.json").read_text())["history"]
+              if r["iteration"] == 1]
+    assert row["rollouts"] == 8 and row["failed"] == 0
+    print(f"server kill: {len(retries)} in-flight rollouts re-run after the restart, all succeeded")
+
+
+def _collected(db: Path, iteration: int, n: int) -> bool:
+    c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        done, running = c.execute("SELECT COUNT(*) FILTER (WHERE status = 'succeeded'), COUNT(*) FILTER (WHERE "
+                                  "status = 'running') FROM rollouts WHERE iteration = ? AND phase = 'train'",
+                                  (iteration,)).fetchone()
+    finally:
+        c.close()
+    return done >= n and running == 0
+
+
+def _bind(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False

@@ -148,6 +148,8 @@ class CPUServer:
         self._post("/v1/unload_lora_adapter", {"lora_name": name})
 
     def _post(self, route: str, body: dict) -> None:
+        if self._proc is not None and not self.is_alive():  # fail fast: someone else may hold the port by now
+            raise ServerError(f"{route}: the inference server exited with code {self._proc.returncode}")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
             r = httpx.post(f"{self.url}{route}", json=body, headers=headers, timeout=120)
