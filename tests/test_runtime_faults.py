@@ -85,31 +85,35 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_agent_and_reward_faults_are_failed_rollouts_and_the_run_goes_on(tmp_path):
+def test_agent_and_reward_faults_are_failed_rollouts_the_run_goes_on_until_most_fail(tmp_path):
     rows = [task(1, 2, "raise"), task(2, 2), task(3, 2, "nan"), task(4, 2), task(1, 3, "hang"), task(2, 3, "none"),
-            task(3, 3, "string"), task(4, 3)]
-    cfg = make_project(tmp_path, rows, run='name = "faults"\ndir = "run"\niterations = 1',
+            task(3, 3, "string"), task(4, 3)]  # iteration 1: half of the rollouts fail, in five different ways
+    rows += [{"prompt": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(8)]  # iteration 2: all fail
+    cfg = make_project(tmp_path, rows, run='name = "faults"\ndir = "run"\niterations = 2',
                        data='train = "train.jsonl"\ntasks_per_iteration = 8\ngroup_size = 2\nshuffle = false',
-                       rollout="concurrency = 16\ntimeout = 6.0")
-    state = Runtime(cfg, console=Console(file=io.StringIO())).run()
-    assert state.completed == 1
+                       rollout="concurrency = 16\ntimeout = 20.0")  # generous: a loaded CI machine
+    with pytest.raises(RunError, match=r"iteration 1: 16 of 16 rollouts failed; not training on the rest.*"
+                                       r"KeyError: 'question' \(task \w+ has no field 'question'; its fields: "
+                                       r"'prompt', 'answer'"):
+        Runtime(cfg, console=Console(file=io.StringIO())).run()
 
     run = tmp_path / "run"
+    assert (run / "checkpoints/iter-00001").exists() and not (run / "checkpoints/iter-00002").exists()
     (m,) = metrics(run)
     assert m["failed"] == 8 and m["rollouts"] == 16
     assert m["transitions"] == 8  # failed rollouts are left out of training; the rest of the batch is trained
 
     store = Store(run / "store.sqlite")
     by_fault: dict[str | None, set[str]] = {}
-    for r in store.rollouts(phase="train"):
+    for r in store.rollouts(phase="train", iteration=0):
         fault = store.task(r.task_id).get("fault")
         by_fault.setdefault(fault, set()).add(r.status)
         if r.status == "failed":
             assert r.error and r.traceback and r.reward is None
     assert by_fault == {None: {"succeeded"}, "none": {"succeeded"}, "raise": {"failed"}, "nan": {"failed"},
                         "hang": {"failed"}, "string": {"failed"}}
-    errors = {store.task(r.task_id).get("fault"): r.error for r in store.rollouts(status="failed")}
-    assert "agent blew up" in errors["raise"] and "rollout.timeout=6.0" in errors["hang"]
+    errors = {store.task(r.task_id).get("fault"): r.error for r in store.rollouts(status="failed", iteration=0)}
+    assert "agent blew up" in errors["raise"] and "rollout.timeout=20.0" in errors["hang"]
     assert "nan" in errors["nan"] and "'1.0' (str)" in errors["string"] and "finite float" in errors["string"]
 
 
@@ -120,14 +124,6 @@ def test_reward_error_with_stop_ends_the_run_naming_rollout_and_value(tmp_path):
         Runtime(cfg, console=Console(file=io.StringIO())).run()
     assert not (tmp_path / "run/checkpoints").exists() or not any((tmp_path / "run/checkpoints").iterdir())
     assert len(Store(tmp_path / "run/store.sqlite").rollouts(status="failed")) == 4  # recorded before stopping
-
-
-def test_rows_without_the_field_the_agent_reads_stop_the_run_naming_task_and_field(tmp_path):
-    rows = [{"prompt": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(4)]
-    cfg = make_project(tmp_path, rows)
-    with pytest.raises(RunError, match=r"16 of 16 rollouts failed.*KeyError: 'question' \(task \w+ has no field "
-                                       r"'question'; its fields: 'prompt', 'answer'"):
-        Runtime(cfg, console=Console(file=io.StringIO())).run()
 
 
 def _spans_of_iteration(db: Path, iteration: int) -> int:
