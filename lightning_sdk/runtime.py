@@ -287,9 +287,9 @@ class Runtime:
         t2 = time.perf_counter()
         try:
             self.server.load_adapter(new_policy, str(adapter_dir(checkpoint)))
-        except ServerError:
+        except ServerError as e:
             if self._server_up():
-                raise
+                raise RunError(f"hot-loading {new_policy} from {checkpoint} failed: {e}") from None
             self._restart_server(new_policy)  # it died during the update; it comes back with the new adapter
         else:
             if policy != self.server.served_model_name:
