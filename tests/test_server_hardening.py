@@ -56,6 +56,8 @@ def test_binds_loopback_by_default(server):
 
 def test_bad_requests_get_openai_shaped_4xx(http):
     assert_openai_error(http.post("/v1/chat/completions", json=VALID), 401)
+    assert_openai_error(http.post("/v1/chat/completions", content=b"{oops"), 401)  # auth before parsing
+    assert_openai_error(http.post("/v1/chat/completions", content=b"x" * (DEFAULT_MAX_BODY_BYTES + 1)), 401)
     assert_openai_error(http.post("/v1/chat/completions", content=b'{"model": "policy", "messages": [',
                                   headers={**AUTH, "Content-Type": "application/json"}), 400)
     for huge in (10**6, 2**63, 10**30):
@@ -129,6 +131,7 @@ def test_fuzz_1000_malformed_requests_leave_it_serving(http):
         r = http.request(method, path, content=body, headers={**headers, "Content-Type": "application/json"})
         seen[r.status_code] = seen.get(r.status_code, 0) + 1
         assert r.status_code < 500, (body, r.text)
+        assert (r.status_code == 401) == (headers != AUTH)  # without the key nothing else is looked at
         if r.status_code >= 400:
             assert_openai_error(r, r.status_code)
 

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -137,6 +137,23 @@ class BodyLimit:
                              None)(scope, receive, send)
 
 
+class KeyCheck:
+    """ASGI middleware: /v1 needs `Authorization: Bearer KEY`, checked before the body is read or parsed, so a
+    caller without the key gets 401 and learns nothing else. Like vLLM, /health stays open for liveness probes."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(header, self.expected):
+                log.warning("%s %s -> 401", scope.get("method"), scope["path"])
+                response = error_response(401, "Unauthorized: missing or wrong API key (Authorization: Bearer ...)")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -180,14 +197,7 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
         log.exception("%s %s failed", request.method, request.url.path)
         return error_response(500, str(e) or type(e).__name__)
 
-    async def check_key(request: Request) -> None:
-        # Like vLLM, only the /v1 API needs the key; /health stays open for liveness probes.
-        if api_key is not None:
-            header = request.headers.get("authorization", "")
-            if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
-                raise APIError(401, "Unauthorized: missing or wrong API key (Authorization: Bearer ...)")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    v1 = APIRouter(prefix="/v1")
 
     @app.get("/health")
     async def health() -> dict:
@@ -247,6 +257,8 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
 
     app.include_router(v1)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(KeyCheck, api_key=api_key)  # added last = runs first: before the body is even read
     return app
 
 
