@@ -186,8 +186,8 @@ def score(task, output):
 
 job = RolloutJob(rollout_id="r", task_id="t", group_id="g", task={{}}, iteration=0)
 llm = ls.LLM(base_url="http://127.0.0.1:9/v1", api_key="k", model="m")
-r = asyncio.run(run_rollout(job, rollout_fn=hangs, reward_fn=score, llm=llm, store=Store({str(tmp_path / 's.sqlite')!r}),
-                            timeout=0.3))
+store = Store({str(tmp_path / 's.sqlite')!r})
+r = asyncio.run(run_rollout(job, rollout_fn=hangs, reward_fn=score, llm=llm, store=store, timeout=0.3))
 print("status", r.status)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)

@@ -64,7 +64,8 @@ def score(task, output):
 '''
 
 
-def make_project(tmp_path: Path, rows: list[dict], *, calls: int = 1, pause: float = 0.0, **sections: str) -> config.Config:
+def make_project(tmp_path: Path, rows: list[dict], *, calls: int = 1, pause: float = 0.0,
+                 **sections: str) -> config.Config:
     (tmp_path / "agent.py").write_text(AGENT.replace("CALLS", str(calls)).replace("PAUSE", str(pause)))
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tables = {"run": 'name = "faults"\ndir = "run"\niterations = 2', "agent": 'module = "agent.py"',
