@@ -41,6 +41,8 @@ class DataConfig(_Section):
     tasks_per_iteration: int = Field(16, ge=1)
     group_size: int = Field(8, ge=2, description="rollouts per task: the GRPO group")
     shuffle: bool = True
+    required_fields: list[str] = Field(default_factory=list, description="fields every row must have (the ones "
+                                       "the agent reads): checked for each row when the dataset loads")
 
 
 class ModelConfig(_Section):
@@ -81,6 +83,9 @@ class RolloutConfig(_Section):
     components: list[str] = Field(default_factory=list, description="LLM-call components to train; empty = all")
     error_reward: float = Field(-1.0, description="intermediate reward added for each failed LLM/tool call")
     credit: str = Field("lightning_rl", description="credit-assignment rule: a builtin name or 'module:function'")
+    on_reward_error: Literal["skip", "stop"] = Field(
+        "skip", description="a @reward that raises or returns no finite number: 'skip' fails that rollout (it is "
+                            "left out of training), 'stop' ends the run after the phase, naming rollout and value")
 
 
 class TrainConfig(_Section):

@@ -11,7 +11,8 @@ class DatasetError(ValueError):
     pass
 
 
-def load(path: str | Path) -> list[dict]:
+def load(path: str | Path, required_fields: list[str] | tuple[str, ...] = ()) -> list[dict]:
+    """The rows of a dataset; `required_fields` (data.required_fields) must be in every row."""
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"dataset {path}: file not found")
@@ -37,6 +38,11 @@ def load(path: str | Path) -> list[dict]:
         raise DatasetError(f"dataset {path}: expected a .jsonl or .parquet file")
     if not rows:
         raise DatasetError(f"dataset {path}: no tasks")
+    for n, row in enumerate(rows, 1):
+        missing = [f for f in required_fields if f not in row]
+        if missing:
+            raise DatasetError(f"dataset {path}, row {n}: no field {missing[0]!r} (data.required_fields = "
+                               f"{list(required_fields)}; the row has {sorted(row)})")
     return rows
 
 

@@ -9,6 +9,7 @@ killed run from its last complete update and never repeats one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -33,9 +35,11 @@ from lightning_sdk import adapter, credit, data, models, tracing
 from lightning_sdk.agent import LLM, is_reward, is_rollout
 from lightning_sdk.config import Config
 from lightning_sdk.metrics import MetricsLog
-from lightning_sdk.serving import SleepableServer
+from lightning_sdk.serving import ServerError, SleepableServer
 from lightning_sdk.store import Store
 from lightning_sdk.worker import RolloutJob, RolloutResult, run_rollout
+
+MAX_SERVER_RESTARTS = 3  # per run: a server that keeps dying is a bug to fix, not to retry forever
 
 log = logging.getLogger("lightning_sdk")
 
@@ -221,9 +225,10 @@ class Runtime:
     def run(self) -> RunState:
         cfg = self.cfg
         rollout_fn, reward_fn = load_agent(cfg.agent.module, cfg.agent.rollout, cfg.agent.reward)
-        train_tasks = data.load(cfg.data.train)
-        eval_tasks = data.load(cfg.data.eval) if cfg.data.eval else []
+        train_tasks = data.load(cfg.data.train, cfg.data.required_fields)
+        eval_tasks = data.load(cfg.data.eval, cfg.data.required_fields) if cfg.data.eval else []
         self.credit_rule = credit.resolve(cfg.rollout.credit)
+        model_path = models.resolve(cfg.model.name)  # before the run directory: bad input writes nothing
         checkpoint = self._prepare_run_dir()
         state = RunState()
         if checkpoint is not None:
@@ -239,14 +244,17 @@ class Runtime:
         self.feed = TaskFeed(train_tasks, cfg.data.tasks_per_iteration, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         self.rollout_fn, self.reward_fn = rollout_fn, reward_fn
 
-        model_path = models.resolve(cfg.model.name)
         from lightning_sdk.trainer import GRPOTrainer
 
         # One event loop for the whole run: clients an agent leaves open still close on the loop that made them.
         self._loop = asyncio.Runner()
+        self._server_generation, self._server_restarts, self._server_gone = 0, 0, None
         with self.console.status("starting the inference server"):
             self.server = make_server(cfg, model_path, self.run_dir / "server.log")
-            self.server.start()
+            try:
+                self.server.start()
+            except ServerError as e:
+                raise RunError(f"the inference server did not start: {e}") from None
         try:
             tracing.request_token_ids_from(self.server.base_url)
             self.trainer = GRPOTrainer(model_path, cfg.train, quantization=cfg.model.quantization,
@@ -350,9 +358,15 @@ class Runtime:
         state.history.append(row)
         checkpoint = write_checkpoint(self.run_dir, it + 1, self.trainer, state)
         t2 = time.perf_counter()
-        self.server.load_adapter(new_policy, str(adapter_dir(checkpoint)))
-        if policy != self.server.served_model_name:
-            self.server.unload_adapter(policy)
+        try:
+            self.server.load_adapter(new_policy, str(adapter_dir(checkpoint)))
+        except ServerError as e:
+            if self._server_up():
+                raise RunError(f"hot-loading {new_policy} from {checkpoint} failed: {e}") from None
+            self._restart_server(new_policy)  # it died during the update; it comes back with the new adapter
+        else:
+            if policy != self.server.served_model_name:
+                self.server.unload_adapter(policy)
         row["hotload_s"] = time.perf_counter() - t2
         self.metrics.log(row)
         self.console.print(f"iteration {it + 1}: reward {mean:.3f}  ({len(ok)} rollouts, {len(transitions)} "
@@ -379,8 +393,28 @@ class Runtime:
 
     def _collect(self, jobs: list[RolloutJob], policy: str, label: str) -> list[RolloutResult]:
         if self.cfg.run.runtime == "ray":
-            return self.server.collect(jobs, policy, store=self.store, label=label, console=self.console)
+            results = self.server.collect(jobs, policy, store=self.store, label=label, console=self.console)
+        else:
+            results = self._collect_embedded(jobs, policy, label)
+        bad = [r for r in results if r.failed_in == "reward"]
+        if bad and self.cfg.rollout.on_reward_error == "stop":
+            raise RunError(f"{len(bad)} rollout(s) got no usable reward and rollout.on_reward_error = 'stop'; "
+                           f"first: {bad[0].error}")
+        return results
+
+    def _collect_embedded(self, jobs: list[RolloutJob], policy: str, label: str) -> list[RolloutResult]:
         llm = LLM(base_url=self.server.base_url, api_key=self.server.api_key or "EMPTY", model=policy)
+        restart_lock = asyncio.Lock()
+
+        async def server_lost(generation: int) -> bool:
+            """After a failed rollout: did the server die under it? If it is down, restart it (once for all)."""
+            async with restart_lock:
+                if self._server_generation != generation:
+                    return True  # it died and came back while this rollout ran
+                if await asyncio.to_thread(self._server_up):
+                    return False
+                await asyncio.to_thread(self._restart_server, policy)
+                return True
 
         async def go() -> list[RolloutResult]:
             gate = asyncio.Semaphore(self.cfg.rollout.concurrency)
@@ -388,16 +422,55 @@ class Runtime:
                           TimeElapsedColumn(), console=self.console, transient=True) as progress:
                 bar = progress.add_task(label, total=len(jobs))
 
-                async def one(job: RolloutJob) -> RolloutResult:
+                async def attempt(job: RolloutJob) -> RolloutResult:
                     async with gate:
-                        result = await run_rollout(job, rollout_fn=self.rollout_fn, reward_fn=self.reward_fn,
-                                                   llm=llm, store=self.store, timeout=self.cfg.rollout.timeout)
+                        return await run_rollout(job, rollout_fn=self.rollout_fn, reward_fn=self.reward_fn,
+                                                 llm=llm, store=self.store, timeout=self.cfg.rollout.timeout)
+
+                async def one(job: RolloutJob) -> RolloutResult:
+                    generation = self._server_generation
+                    result = await attempt(job)
+                    if result.status == "failed" and await server_lost(generation):
+                        # Not the agent's fault: run it once more on the restarted server, as a new attempt.
+                        retry = dataclasses.replace(job, rollout_id=f"{job.rollout_id}-r2", attempt=2)
+                        self.store.abandon(job.rollout_id, f"the inference server died during the rollout; re-run "
+                                                           f"as {retry.rollout_id} ({result.error})")
+                        result = await attempt(retry)
                     progress.advance(bar)
                     return result
 
                 return await asyncio.gather(*(one(j) for j in jobs))
 
         return self._loop.run(go())
+
+    def _server_up(self) -> bool:
+        if not self.server.is_alive():
+            return False
+        try:  # a process that is alive but refuses connections is as good as dead; a slow answer is not
+            httpx.get(self.server.base_url.removesuffix("/v1") + "/health", timeout=30)
+        except httpx.TransportError as e:
+            return isinstance(e, httpx.TimeoutException)
+        return True
+
+    def _restart_server(self, policy: str) -> None:
+        if self._server_gone is not None:  # other rollouts saw it die too: one failed restart is enough
+            raise self._server_gone
+        self._server_restarts += 1
+        if self._server_restarts > MAX_SERVER_RESTARTS:
+            raise RunError(f"the inference server died {self._server_restarts} times; not restarting it again. "
+                           f"Log {self.run_dir / 'server.log'}:\n{self.server.log_tail(40)}")
+        self.console.print(f"[yellow]the inference server died; restarting it (restart {self._server_restarts} of "
+                           f"at most {MAX_SERVER_RESTARTS}) and re-running the rollouts it took down")
+        try:
+            self.server.stop()
+            self.server.start()
+            if policy != self.server.served_model_name:
+                # A trained policy is always the adapter of the newest checkpoint (hot-loaded right after it).
+                self.server.load_adapter(policy, str(adapter_dir(latest_checkpoint(self.run_dir))))
+        except ServerError as e:
+            self._server_gone = RunError(f"the inference server died and did not come back: {e}")
+            raise self._server_gone from None
+        self._server_generation += 1
 
     def _evaluate(self, tasks: list[dict], policy: str, label: str) -> float:
         phase_it = 0 if label == "untrained" else self.cfg.run.iterations

@@ -1,14 +1,19 @@
 """Rollout workers: run one episode of the user's agent inside its rollout context, score it, record it.
 
 An agent that raises, hangs past the timeout, or whose reward is not a finite number becomes a *failed*
-rollout with the error and traceback in the store; it never reaches training and never stops the run.
+rollout with the error and traceback in the store; it never reaches training and never stops the run (the
+runtime decides about runs: see `rollout.on_reward_error` and the majority-failed stop). An agent that returns
+nothing (None) is not a failure by itself: None goes to `@reward` like any output, and the rollout fails only if
+the reward cannot score it. See docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import math
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,6 +41,7 @@ class RolloutResult:
     reward: float | None
     output: Any = None
     error: str | None = None
+    failed_in: str | None = None  # 'rollout' | 'reward': which user function failed
 
 
 class RewardError(ValueError):
@@ -54,27 +60,78 @@ def check_reward(value: Any, rollout_id: str) -> float:
 async def _call(fn: Callable, *args: Any) -> Any:
     if inspect.iscoroutinefunction(fn):
         return await fn(*args)
-    # to_thread copies the context, so spans made in the thread still carry the rollout id.
-    result = await asyncio.to_thread(fn, *args)
+    result = await _in_thread(fn, *args)
     return await result if inspect.isawaitable(result) else result
+
+
+def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if future.done():  # the rollout timed out meanwhile: nobody waits for this thread any more
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+async def _in_thread(fn: Callable, *args: Any) -> Any:
+    """Run a sync function in a thread of its own, with the caller's context (so spans carry the rollout id).
+
+    Not the loop's default pool: Python cannot kill a thread, so a sync agent that hangs past rollout.timeout
+    keeps its thread; in a bounded pool such threads would starve later rollouts, and at exit the pool joins
+    its threads, so one hung agent would keep the run from ever ending. A daemon thread costs neither.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    ctx = contextvars.copy_context()
+
+    def target() -> None:
+        try:
+            value, error = ctx.run(fn, *args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting rollout
+            value, error = None, e
+        try:
+            loop.call_soon_threadsafe(_settle, future, value, error)
+        except RuntimeError:  # the loop is closed: the run ended while this thread hung
+            pass
+
+    threading.Thread(target=target, name=f"lightning-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await future
+
+
+def _describe(e: BaseException, job: RolloutJob) -> str:
+    error = f"{type(e).__name__}: {e}"
+    key = e.args[0] if isinstance(e, KeyError) and e.args else None
+    if isinstance(key, str) and key not in job.task:  # the usual cause: a dataset row without the field
+        fields = ", ".join(map(repr, job.task)) or "none"
+        error += (f" (task {job.task_id} has no field {key!r}; its fields: {fields}. List the fields the agent "
+                  f"reads in data.required_fields to check every row when the dataset loads)")
+    return error
 
 
 async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Callable, llm: LLM, store: Store,
                       timeout: float) -> RolloutResult:
     store.start_rollout(job.rollout_id, task_id=job.task_id, group_id=job.group_id, iteration=job.iteration,
                         phase=job.phase, attempt=job.attempt, model=llm.model)
-    output = None
+    output, stage = None, "rollout"
     try:
         with tracing.rollout_context(job.rollout_id, job.attempt):
             try:
                 output = await asyncio.wait_for(_call(rollout_fn, job.task, llm), timeout)
             except asyncio.TimeoutError:
                 raise TimeoutError(f"rollout {job.rollout_id} took longer than rollout.timeout={timeout}s") from None
-        value = check_reward(await _call(reward_fn, job.task, output), job.rollout_id)
+        stage = "reward"
+        try:
+            raw = await asyncio.wait_for(_call(reward_fn, job.task, output), timeout)
+        except asyncio.TimeoutError:
+            raise RewardError(f"@reward for rollout {job.rollout_id} took longer than rollout.timeout="
+                              f"{timeout}s") from None
+        value = check_reward(raw, job.rollout_id)
     except Exception as e:
-        error = f"{type(e).__name__}: {e}"
+        error = _describe(e, job)
+        if stage == "reward" and not isinstance(e, RewardError):
+            error = f"@reward raised {error} for rollout {job.rollout_id}"
         store.finish_rollout(job.rollout_id, status="failed", output=output, error=error,
                              traceback=traceback.format_exc())
-        return RolloutResult(job, "failed", None, output, error)
+        return RolloutResult(job, "failed", None, output, error, failed_in=stage)
     store.finish_rollout(job.rollout_id, status="succeeded", output=output, reward=value)
     return RolloutResult(job, "succeeded", value, output)

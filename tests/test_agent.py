@@ -129,3 +129,117 @@ def test_emit_reward_checks_value_even_outside_a_rollout():
         ls.emit_reward(float("nan"))
     with pytest.raises(ValueError):
         ls.emit_reward("1")
+
+
+# ------------------------------------------------------------------------------ faults injected into the agent
+
+def _job(rid, task=None):
+    return RolloutJob(rollout_id=rid, task_id="t", group_id="0:0", task=task or {"x": 1, "want": "1@m"},
+                      iteration=0)
+
+
+def test_hung_sync_agents_neither_starve_the_rest_nor_block_the_run(tmp_path):
+    """A sync agent that never returns keeps its thread (Python cannot kill one), but nothing waits for it."""
+    import threading
+
+    store = Store(tmp_path / "s.sqlite")
+    forever = threading.Event()
+
+    @ls.rollout
+    def hangs(task, llm):
+        forever.wait()
+
+    async def phase():
+        hung = [run_rollout(_job(f"hung{i}"), rollout_fn=hangs, reward_fn=exact, llm=LLM, store=store, timeout=0.3)
+                for i in range(40)]  # far more than the loop's default thread pool holds
+        failed = await asyncio.gather(*hung)
+        ok = await asyncio.gather(*(run_rollout(_job(f"ok{i}"), rollout_fn=sync_agent, reward_fn=exact, llm=LLM,
+                                                store=store, timeout=5) for i in range(10)))
+        return failed, ok
+
+    runner = asyncio.Runner()
+    failed, ok = runner.run(phase())
+    runner.close()  # with the default executor this would join the 40 hung threads: forever
+    assert all(r.status == "failed" and "rollout.timeout=0.3" in r.error for r in failed)
+    assert all(r.status == "succeeded" and r.reward == 1.0 for r in ok)
+    assert len(store.rollouts(status="failed")) == 40 and len(store.rollouts(status="succeeded")) == 10
+    forever.set()
+
+
+def test_hung_sync_agent_does_not_keep_the_process_alive(tmp_path):
+    import subprocess
+    import sys
+
+    script = f"""
+import asyncio, threading
+import lightning_sdk as ls
+from lightning_sdk.store import Store
+from lightning_sdk.worker import RolloutJob, run_rollout
+
+@ls.rollout
+def hangs(task, llm):
+    threading.Event().wait()
+
+@ls.reward
+def score(task, output):
+    return 0.0
+
+job = RolloutJob(rollout_id="r", task_id="t", group_id="g", task={{}}, iteration=0)
+llm = ls.LLM(base_url="http://127.0.0.1:9/v1", api_key="k", model="m")
+store = Store({str(tmp_path / 's.sqlite')!r})
+r = asyncio.run(run_rollout(job, rollout_fn=hangs, reward_fn=score, llm=llm, store=store, timeout=0.3))
+print("status", r.status)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "status failed" in out.stdout
+
+
+def test_agent_returning_none_is_scored_by_reward(tmp_path):
+    """The rule: None is an output like any other; the rollout fails only if @reward cannot score it."""
+    store = Store(tmp_path / "s.sqlite")
+
+    @ls.rollout
+    def nothing(task, llm):
+        return None
+
+    @ls.reward
+    def tolerant(task, output):
+        return 0.0 if output is None else 1.0
+
+    @ls.reward
+    def strict(task, output):
+        return float(output.strip() == "1")
+
+    r = _run(store, nothing, reward=tolerant, rid="none-ok")
+    assert r.status == "succeeded" and r.reward == 0.0 and store.rollout("none-ok").output is None
+    r = _run(store, nothing, reward=strict, rid="none-bad")
+    assert r.status == "failed" and r.failed_in == "reward"
+    assert r.error.startswith("@reward raised AttributeError") and "none-bad" in r.error
+    assert "output.strip()" in store.rollout("none-bad").traceback
+
+
+def test_reward_exception_and_hang_are_reward_failures(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+
+    @ls.reward
+    def raises(task, output):
+        raise ZeroDivisionError("no score")
+
+    @ls.reward
+    async def hangs(task, output):
+        await asyncio.sleep(60)
+
+    r = _run(store, sync_agent, reward=raises, rid="rw-raise")
+    assert r.failed_in == "reward" and "ZeroDivisionError: no score" in r.error and "rw-raise" in r.error
+    r = _run(store, sync_agent, reward=hangs, rid="rw-hang", timeout=0.3)
+    assert r.failed_in == "reward" and "@reward for rollout rw-hang took longer" in r.error
+    r = _run(store, async_agent, rid="agent-fails", task={"y": 1})
+    assert r.failed_in == "rollout"
+
+
+def test_missing_task_field_is_named(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+    r = _run(store, sync_agent, task={"question": "q"}, rid="r-key")
+    assert r.status == "failed"
+    assert "task t has no field 'x'" in r.error and "'question'" in r.error and "data.required_fields" in r.error

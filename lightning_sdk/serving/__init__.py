@@ -61,7 +61,7 @@ class CPUServer(ServerProcess):
         cmd = [sys.executable, "-m", "lightning_sdk.serving", "--model", self.model,
                "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
                "--max-batch-size", str(self.max_batch_size), "--max-model-len", str(self.max_model_len),
-               "--dtype", self.dtype, "--quantization", self.quantization]
+               "--dtype", self.dtype, "--quantization", self.quantization, "--parent-pid", str(os.getpid())]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
         return cmd

@@ -5,6 +5,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import threading
+import time
+
+
+def _exit_with_parent(pid: int) -> None:
+    """A runtime killed with SIGKILL cannot stop its server: leave by ourselves, freeing the port and memory."""
+    while os.getppid() == pid:
+        time.sleep(0.5)
+    logging.getLogger("lightning_sdk.serving").warning("parent process %d is gone: shutting down", pid)
+    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
+    time.sleep(15)
+    os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,9 +35,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="none", choices=["none", "4bit"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the runtime) is gone")
+    p.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 16 MiB)")
     args = p.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.parent_pid:
+        threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
     import torch
     import uvicorn
 
@@ -36,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     engine = Engine(models.resolve(args.model), dtype=args.dtype, quantization=args.quantization,
                     max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, seed=args.seed)
-    app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key)
+    app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+                     **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False,
                 timeout_graceful_shutdown=5)
 

@@ -18,9 +18,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from lightning_sdk.serving import toolcalls
@@ -37,7 +38,9 @@ from lightning_sdk.serving.engine import (
 log = logging.getLogger("lightning_sdk.serving")
 
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any chat request that fits max_model_len
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError"}
+_ERROR_TYPES[413] = "RequestTooLargeError"
 
 
 class _Lenient(BaseModel):
@@ -96,7 +99,64 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = None) -> FastAPI:
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets an OpenAI-shaped 413 before anything parses it.
+
+    A declared Content-Length is refused at once; a chunked body is read here up to the limit and replayed.
+    """
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._refuse(scope, receive, send)
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        pending = iter(messages)
+
+        async def replay() -> dict:
+            return next(pending, None) or await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        log.warning("%s %s -> 413: body over %d bytes", scope.get("method"), scope.get("path"), self.limit)
+        await error_response(413, f"the request body is larger than the server's limit of {self.limit} bytes",
+                             None)(scope, receive, send)
+
+
+class KeyCheck:
+    """ASGI middleware: /v1 needs `Authorization: Bearer KEY`, checked before the body is read or parsed, so a
+    caller without the key gets 401 and learns nothing else. Like vLLM, /health stays open for liveness probes."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(header, self.expected):
+                log.warning("%s %s -> 401", scope.get("method"), scope["path"])
+                response = error_response(401, "Unauthorized: missing or wrong API key (Authorization: Bearer ...)")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -128,19 +188,17 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
         log.warning("%s %s -> 400: %s", request.method, request.url.path, message)
         return error_response(400, message, param)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes and wrong methods get the OpenAI error shape too, not Starlette's {"detail": ...}.
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers)
+
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
         return error_response(500, str(e) or type(e).__name__)
 
-    async def check_key(request: Request) -> None:
-        # Like vLLM, only the /v1 API needs the key; /health stays open for liveness probes.
-        if api_key is not None:
-            header = request.headers.get("authorization", "")
-            if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
-                raise APIError(401, "Unauthorized: missing or wrong API key (Authorization: Bearer ...)")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    v1 = APIRouter(prefix="/v1")
 
     @app.get("/health")
     async def health() -> dict:
@@ -205,6 +263,9 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
         return _completion(engine, body, meta, result, parse_calls)
 
     app.include_router(v1)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(KeyCheck, api_key=api_key)  # added last = runs first: before the body is even read
     return app
 
 

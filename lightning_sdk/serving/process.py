@@ -143,6 +143,8 @@ class ServerProcess:
         self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
     def _request(self, method: str, route: str, **kw) -> httpx.Response:
+        if self._proc is not None and not self.is_alive():  # fail fast: someone else may hold the port by now
+            raise ServerError(f"{route}: the {self.name} exited with code {self._proc.returncode}")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
             r = httpx.request(method, f"{self.url}{route}", headers=headers, timeout=300, **kw)

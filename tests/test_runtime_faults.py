@@ -1,0 +1,229 @@
+"""Faults injected for real into an in-process `Runtime` on the tiny model: agents that raise, hang or return
+nothing, rewards that are not numbers, rows without the field the agent reads, and an inference server killed
+with SIGKILL mid-collection (restarted, its rollouts re-run once) or killed for good (the run ends, log shown).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from lightning_sdk import config
+from lightning_sdk.runtime import RunError, Runtime
+from lightning_sdk.store import Store
+
+AGENT = '''
+import asyncio, threading
+from openai import AsyncOpenAI
+import lightning_sdk as ls
+
+FOREVER = threading.Event()
+
+async def ask(task, llm):
+    async with AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
+        text = ""
+        for _ in range(CALLS):
+            out = await client.chat.completions.create(model=llm.model, max_tokens=4,
+                messages=[{"role": "user", "content": task["question"]}])
+            text = out.choices[0].message.content or ""
+            await asyncio.sleep(PAUSE)
+    return text
+
+@ls.rollout
+def solve(task, llm):
+    fault = task.get("fault")
+    text = asyncio.run(ask(task, llm))  # a sync agent: it runs in a thread of its own
+    if fault == "raise":
+        raise RuntimeError("agent blew up on " + task["question"])
+    if fault == "hang":
+        FOREVER.wait()
+    if fault == "none":
+        return None
+    return text
+
+@ls.reward
+def score(task, output):
+    fault = task.get("fault")
+    if fault == "nan":
+        return float("nan")
+    if fault == "string":
+        return "1.0"
+    if output is None:
+        return 0.0  # the documented rule: None is scored like any output
+    return float(output.strip() == task["answer"])
+'''
+
+
+def make_project(tmp_path: Path, rows: list[dict], *, calls: int = 1, pause: float = 0.0,
+                 **sections: str) -> config.Config:
+    (tmp_path / "agent.py").write_text(AGENT.replace("CALLS", str(calls)).replace("PAUSE", str(pause)))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tables = {"run": 'name = "faults"\ndir = "run"\niterations = 2', "agent": 'module = "agent.py"',
+              "data": "train = \"train.jsonl\"\ntasks_per_iteration = 4\ngroup_size = 4\nshuffle = false",
+              "model": 'dtype = "float32"', "rollout": "concurrency = 16\ntimeout = 5.0",
+              "train": "lora_r = 4\nmicro_batch_size = 16"}
+    tables.update(sections)
+    (tmp_path / "lightning.toml").write_text("".join(f"[{k}]\n{v}\n" for k, v in tables.items()))
+    return config.load(tmp_path / "lightning.toml")
+
+
+def task(a: int, b: int, fault: str | None = None) -> dict:
+    row = {"question": f"What is {a} + {b}?", "answer": str(a + b)}
+    return {**row, "fault": fault} if fault else row
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_agent_and_reward_faults_are_failed_rollouts_the_run_goes_on_until_most_fail(tmp_path):
+    rows = [task(1, 2, "raise"), task(2, 2), task(3, 2, "nan"), task(4, 2), task(1, 3, "hang"), task(2, 3, "none"),
+            task(3, 3, "string"), task(4, 3)]  # iteration 1: half of the rollouts fail, in five different ways
+    rows += [{"prompt": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(8)]  # iteration 2: all fail
+    cfg = make_project(tmp_path, rows, run='name = "faults"\ndir = "run"\niterations = 2',
+                       data='train = "train.jsonl"\ntasks_per_iteration = 8\ngroup_size = 2\nshuffle = false',
+                       rollout="concurrency = 16\ntimeout = 20.0")  # generous: a loaded CI machine
+    with pytest.raises(RunError, match=r"iteration 1: 16 of 16 rollouts failed; not training on the rest.*"
+                                       r"KeyError: 'question' \(task \w+ has no field 'question'; its fields: "
+                                       r"'prompt', 'answer'"):
+        Runtime(cfg, console=Console(file=io.StringIO())).run()
+
+    run = tmp_path / "run"
+    assert (run / "checkpoints/iter-00001").exists() and not (run / "checkpoints/iter-00002").exists()
+    (m,) = metrics(run)
+    assert m["failed"] == 8 and m["rollouts"] == 16
+    assert m["transitions"] == 8  # failed rollouts are left out of training; the rest of the batch is trained
+
+    store = Store(run / "store.sqlite")
+    by_fault: dict[str | None, set[str]] = {}
+    for r in store.rollouts(phase="train", iteration=0):
+        fault = store.task(r.task_id).get("fault")
+        by_fault.setdefault(fault, set()).add(r.status)
+        if r.status == "failed":
+            assert r.error and r.traceback and r.reward is None
+    assert by_fault == {None: {"succeeded"}, "none": {"succeeded"}, "raise": {"failed"}, "nan": {"failed"},
+                        "hang": {"failed"}, "string": {"failed"}}
+    errors = {store.task(r.task_id).get("fault"): r.error for r in store.rollouts(status="failed", iteration=0)}
+    assert "agent blew up" in errors["raise"] and "rollout.timeout=20.0" in errors["hang"]
+    assert "nan" in errors["nan"] and "'1.0' (str)" in errors["string"] and "finite float" in errors["string"]
+
+
+def test_reward_error_with_stop_ends_the_run_naming_rollout_and_value(tmp_path):
+    rows = [task(1, 2), task(2, 2, "nan"), task(3, 2), task(4, 2)]
+    cfg = make_project(tmp_path, rows, rollout='on_reward_error = "stop"')
+    with pytest.raises(RunError, match=r"on_reward_error = 'stop'.*returned nan \(float\) for rollout it0000-001-"):
+        Runtime(cfg, console=Console(file=io.StringIO())).run()
+    assert not (tmp_path / "run/checkpoints").exists() or not any((tmp_path / "run/checkpoints").iterdir())
+    assert len(Store(tmp_path / "run/store.sqlite").rollouts(status="failed")) == 4  # recorded before stopping
+
+
+def _spans_of_iteration(db: Path, iteration: int) -> int:
+    if not db.exists():
+        return 0
+    c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        return c.execute("SELECT COUNT(*) FROM spans JOIN rollouts USING (rollout_id) WHERE rollouts.iteration = ? "
+                         "AND rollouts.phase = 'train'", (iteration,)).fetchone()[0]
+    except sqlite3.OperationalError:  # the schema is not there yet
+        return 0
+    finally:
+        c.close()
+
+
+def _wait(condition, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_server_killed_mid_collection_is_restarted_then_one_that_cannot_come_back_ends_the_run(tmp_path):
+    rows = [task(a, 2) for a in range(1, 5)]
+    cfg = make_project(tmp_path, rows, calls=3, pause=0.2, run='name = "faults"\ndir = "run"\niterations = 3',
+                       data='train = "train.jsonl"\ntasks_per_iteration = 2\ngroup_size = 4\nshuffle = false',
+                       rollout="concurrency = 8\ntimeout = 120.0",
+                       train="lora_r = 4\nmicro_batch_size = 4\nepochs = 4")  # an update long enough to kill in
+    out = io.StringIO()
+    rt = Runtime(cfg, console=Console(file=out, width=200))
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["state"] = rt.run()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = e
+
+    db = tmp_path / "run/store.sqlite"
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    blocker = socket.socket()
+    try:
+        # Kill 1: SIGKILL the server while iteration 2 (index 1, policy = the iter-1 adapter) is collecting.
+        _wait(lambda: _spans_of_iteration(db, 1) >= 2, "iteration 1 collection")
+        first_pid = rt.server._proc.pid
+        os.kill(first_pid, signal.SIGKILL)
+
+        # Kill 2, during that iteration's update: SIGKILL it again and take its port, so no restart can bind.
+        _wait(lambda: _collected(db, 1, 8), "iteration 1 update")
+        second_pid, port = rt.server._proc.pid, rt.server.port
+        assert second_pid != first_pid
+        os.kill(second_pid, signal.SIGKILL)
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _wait(lambda: _bind(blocker, port), "the dead server's port to be free", timeout=30)
+        blocker.listen()
+        thread.join(timeout=240)
+        assert not thread.is_alive()
+    finally:
+        blocker.close()
+
+    error = outcome.get("error")
+    assert isinstance(error, RunError), outcome
+    assert "did not come back" in str(error) and "address already in use" in str(error)  # the server log's tail
+    assert (tmp_path / "run/checkpoints/iter-00002").exists()  # the update finished; the hot-load found it dead
+    assert "the inference server died; restarting it" in out.getvalue()
+
+    store = Store(db)
+    it1 = store.rollouts(phase="train", iteration=1)
+    retries = [r for r in it1 if r.attempt == 2]
+    originals = {r.rollout_id: r for r in it1 if r.attempt == 1}
+    assert retries, "no rollout was in flight when the server was killed"
+    for r in retries:  # re-run once on the restarted server, which had the current adapter loaded again
+        assert r.rollout_id.endswith("-r2") and r.status == "succeeded" and r.model == "faults-iter1"
+        old = originals[r.rollout_id.removesuffix("-r2")]
+        assert old.status == "abandoned" and f"re-run as {r.rollout_id}" in old.error
+    assert all(r.status == "succeeded" for r in it1 if r.attempt == 1 and r.rollout_id + "-r2" not in
+               {x.rollout_id for x in retries})
+    assert store.rollouts(phase="train", iteration=2) == []  # noticed at the hot-load, before any new rollout
+    (row,) = [r for r in json.loads((tmp_path / "run/checkpoints/iter-00002/state.json").read_text())["history"]
+              if r["iteration"] == 1]
+    assert row["rollouts"] == 8 and row["failed"] == 0
+    print(f"server kill: {len(retries)} in-flight rollouts re-run after the restart, all succeeded")
+
+
+def _collected(db: Path, iteration: int, n: int) -> bool:
+    c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        done, running = c.execute("SELECT COUNT(*) FILTER (WHERE status = 'succeeded'), COUNT(*) FILTER (WHERE "
+                                  "status = 'running') FROM rollouts WHERE iteration = ? AND phase = 'train'",
+                                  (iteration,)).fetchone()
+    finally:
+        c.close()
+    return done >= n and running == 0
+
+
+def _bind(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
