@@ -220,6 +220,7 @@ class Runtime:
         self.overwrite = overwrite
         self.console = console or Console()
         self.run_dir = Path(cfg.run.dir)
+        self._server_generation, self._server_restarts, self._server_gone = 0, 0, None  # see _restart_server
 
     # The whole run, top to bottom.
     def run(self) -> RunState:
@@ -248,13 +249,7 @@ class Runtime:
 
         # One event loop for the whole run: clients an agent leaves open still close on the loop that made them.
         self._loop = asyncio.Runner()
-        self._server_generation, self._server_restarts, self._server_gone = 0, 0, None
-        with self.console.status("starting the inference server"):
-            self.server = make_server(cfg, model_path, self.run_dir / "server.log")
-            try:
-                self.server.start()
-            except ServerError as e:
-                raise RunError(f"the inference server did not start: {e}") from None
+        self._start_server(model_path, self.run_dir / "server.log")
         try:
             tracing.request_token_ids_from(self.server.base_url)
             self.trainer = GRPOTrainer(model_path, cfg.train, quantization=cfg.model.quantization,
@@ -293,9 +288,7 @@ class Runtime:
             self.store.add_tasks((data.task_id(t), t) for t in tasks)
             tracing.install(self.store)
             self._loop = asyncio.Runner()
-            with self.console.status("starting the inference server"):
-                self.server = make_server(cfg, model_path, Path(tmp) / "server.log")
-                self.server.start()
+            self._start_server(model_path, Path(tmp) / "server.log")
             try:
                 tracing.request_token_ids_from(self.server.base_url)
                 policy = self.server.served_model_name
@@ -308,6 +301,14 @@ class Runtime:
                 self._loop.close()
                 tracing.flush()
                 self.store.close()
+
+    def _start_server(self, model_path: str, log_path: Path) -> None:
+        with self.console.status("starting the inference server"):
+            self.server = make_server(self.cfg, model_path, log_path)
+            try:
+                self.server.start()
+            except ServerError as e:
+                raise RunError(f"the inference server did not start: {e}") from None
 
     def _prepare_run_dir(self) -> Path | None:
         d = self.run_dir

@@ -39,8 +39,8 @@ log = logging.getLogger("lightning_sdk.serving")
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any chat request that fits max_model_len
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError"}
-_ERROR_TYPES[413] = "RequestTooLargeError"
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
+                500: "InternalServerError"}
 
 
 class _Lenient(BaseModel):
