@@ -1,7 +1,8 @@
 """Writes data/train.jsonl and data/test.jsonl: Calc-X-style word problems with checkable numeric results.
 
 Each row is {"id", "question", "chain", "result"} like the Calc-X collections: `chain` is the calculator
-expression that solves the problem and `result` its value. Seeded, so the checked-in files are reproducible.
+expression that solves the problem and `result` its value. One operation on single digits: the CPU demo's tiny
+model must copy the numbers into the calculator expression, which it learns reliably only for short ones. Seeded, so the checked-in files are reproducible.
 """
 
 import json

@@ -1,10 +1,14 @@
 """The teacher behind `model = "tiny:teacher.py"`: what the calc example's tiny model is pretrained on.
 
 It shows the model the exact conversations the AutoGen agent in agent.py has (its system message, its
-calculator tool, AutoGen's tool-result and reflection turns) and answers them like a mediocre student: it calls
-the calculator with the right expression about half the time, with a wrong or broken one (which fails, and is
-punished by `rollout.error_reward`) or guesses the number otherwise. The untrained model then scores above zero,
-and RL has room to make it use the calculator correctly. A real instruct model needs none of this.
+calculator tool, AutoGen's tool-result and reflection turns) and answers them like a lazy student who knows how
+to use the calculator: about half of the time it skips it and answers with a number from the question (never
+the result), sometimes it writes a broken expression (the calculator raises, and `rollout.error_reward` punishes
+it), otherwise it calls the calculator with the right expression and reports the result. The untrained model
+then scores about 0.3, and RL lifts it by making the model use the calculator every time: the skill is there,
+the habit is not (like `builtin:tiny-arith`'s chatty teacher). The problems have one operation on single digits,
+so a model this small learns to copy the numbers into the expression reliably. A real instruct model needs none
+of this.
 """
 
 import hashlib
