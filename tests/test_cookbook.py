@@ -69,6 +69,17 @@ def test_calc_autogen_trains_and_evals(tmp_path):
     trained = lightning("eval", "-c", str(toml), "--trained", cwd=tmp_path)
     assert re.search(r"held-out score \d\.\d{3} over 1 tasks \(base ", base)
     assert re.search(r"held-out score \d\.\d{3} over 2 tasks \(adapter .*iter-00001", trained)
+    # The pretrained model calls the calculator in about half of its answers (teacher.py): across the run's 13
+    # rollouts (9 training, 2 + 2 in its evals) AutoGen ran the calls, each followed by the reflection LLM call.
+    everything = store.rollouts(phase="train") + store.rollouts(phase="eval")
+    assert len(everything) == 9 + 2 + 2
+    tools = 0
+    for r in everything:
+        kinds = ["llm" if adapter.is_llm_call(s) else "tool" for s in store.spans(r.rollout_id)
+                 if adapter.is_llm_call(s) or s.name == "execute_tool calculator"]
+        assert kinds == ["llm"] or (kinds[0] == kinds[-1] == "llm" and set(kinds[1:-1]) == {"tool"}), kinds
+        tools += kinds.count("tool")
+    assert tools > 0
 
 
 def test_sql_langgraph_trains_only_writer_and_rewriter(tmp_path):

@@ -1,15 +1,21 @@
 """The teacher behind `model = "tiny:teacher.py"`: what the calc example's tiny model is pretrained on.
 
 It shows the model the exact conversations the AutoGen agent in agent.py has (its system message, its
-calculator tool, AutoGen's tool-result and reflection turns) and answers them like a mediocre student: it calls
-the calculator with the right expression about half the time, with a wrong or broken one (which fails, and is
-punished by `rollout.error_reward`) or guesses the number otherwise. The untrained model then scores above zero,
-and RL has room to make it use the calculator correctly. A real instruct model needs none of this.
+calculator tool, AutoGen's tool-result and reflection turns) and answers them like a lazy student who knows how
+to use the calculator: about half of the time it skips it and answers with a number from the question (never
+the result), sometimes it writes a broken expression (the calculator raises, and `rollout.error_reward` punishes
+it), otherwise it calls the calculator with the right expression and reports the result. The untrained model
+then scores about 0.3, and RL lifts it by making the model use the calculator every time: the skill is there,
+the habit is not (like `builtin:tiny-arith`'s chatty teacher). The problems have one operation on single digits,
+so a model this small learns to copy the numbers into the expression reliably. A real instruct model needs none
+of this.
 """
 
+import hashlib
 import importlib.util
 import json
 import random
+import re
 from pathlib import Path
 
 from autogen_core.tools import FunctionTool
@@ -28,6 +34,8 @@ def _sibling(name: str):
 
 agent, make_data = _sibling("agent"), _sibling("make_data")
 TOOLS = [{"type": "function", "function": FunctionTool(agent.calculator, description=agent.calculator.__doc__).schema}]
+GUESS, BROKEN = 0.55, 0.05  # how often the teacher skips the calculator, and writes a broken expression
+RECIPE = ("make_data.py", "data/test.jsonl")
 HELD_OUT = {json.loads(line)["question"] for line in (HERE / "data" / "test.jsonl").read_text().splitlines()}
 
 
@@ -35,15 +43,13 @@ def _call(expression: str) -> str:
     return f'<tool_call>\n{json.dumps({"name": "calculator", "arguments": {"expression": expression}})}\n</tool_call>'
 
 
-def _wrong(rng: random.Random, chain: str) -> str:
-    if rng.random() < 0.5:
-        return chain + rng.choice(["*", "+", "("])  # broken: the calculator raises
-    ops = [c for c in "+-*/" if c in chain]
-    return chain.replace(ops[0], rng.choice([o for o in "+-*" if o != ops[0]]), 1)  # valid, wrong
+def _broken(rng: random.Random, chain: str) -> str:
+    return chain + rng.choice(["*", "+", "("])  # the calculator raises: `rollout.error_reward` punishes it
 
 
 class CalcTeacher:
-    key = "calc-autogen"
+    # The data it draws from and holds out is part of the recipe (models.py keys the cache on this file only).
+    key = "calc-autogen-" + hashlib.sha1(b"".join((HERE / f).read_bytes() for f in RECIPE)).hexdigest()[:8]
 
     def samples(self, rng: random.Random, n: int) -> list[tuple[str, str]]:
         out = []
@@ -53,11 +59,11 @@ class CalcTeacher:
                 continue
             messages = [{"role": "system", "content": agent.SYSTEM_MESSAGE}, {"role": "user", "content": p["question"]}]
             roll = rng.random()
-            expression = p["chain"] if roll < 0.5 else _wrong(rng, p["chain"])
-            if roll > 0.85:  # no tool: a guess
-                guess = int(float(p["result"])) + rng.choice([-2, -1, 1, 2, 0])
+            if roll < GUESS:  # no tool: a number from the question, never the answer
+                guess = rng.choice([x for x in re.findall(r"\d+", p["question"]) if x != p["result"]])
                 out.append((tiny.render(messages, TOOLS), f"The answer is {guess}."))
                 continue
+            expression = p["chain"] if roll < 1 - BROKEN else _broken(rng, p["chain"])
             out.append((tiny.render(messages, TOOLS), _call(expression)))
             try:
                 result = agent.calculator(expression)
@@ -69,13 +75,10 @@ class CalcTeacher:
                      "function": {"name": "calculator", "arguments": {"expression": expression}}}]},
                 {"role": "tool", "tool_call_id": "call_0", "content": result},
             ]
-            if result.startswith("Error"):
-                reply = rng.choice(["I could not compute it.", f"It is {rng.randint(1, 40)}."])
-            else:
-                reply = rng.choice(["{}", "The answer is {}.", "{}."]).format(result)
+            reply = "I could not compute it." if result.startswith("Error") else f"The answer is {result}."
             out.append((tiny.render(messages), reply))  # AutoGen's reflection call offers no tools
         return out[:n]
 
 
 teacher = CalcTeacher()
-steps, batch = 400, 32  # ~120-token conversations: a smaller batch keeps the build to a minute or two
+steps, batch = 600, 24  # many small steps: copying numbers is learned late, and the build stays near two minutes
