@@ -84,9 +84,15 @@ def test_calc_autogen_trains_and_evals(tmp_path):
 
 def test_sql_langgraph_trains_only_writer_and_rewriter(tmp_path):
     toml = small_run("sql", tmp_path, eval_tasks=2)
-    lightning("run", "-c", str(toml), cwd=tmp_path)
+    out = lightning("run", "-c", str(toml), cwd=tmp_path)
+    assert "eval (untrained" in out and "eval (trained" in out
     store, rollouts, transitions = transitions_of(toml)
-    assert rollouts and all(r.status == "succeeded" for r in rollouts)
+    assert len(rollouts) == 9 and all(r.status == "succeeded" for r in rollouts)
+    assert all(r.reward in (0.0, 1.0) for r in rollouts)  # execution match
+    # Each rollout is the LangGraph flow: writer, checker, and the rewriter only when the checker objected.
+    for r in rollouts + store.rollouts(phase="eval"):
+        nodes = [s.component for s in store.spans(r.rollout_id) if adapter.is_llm_call(s)]
+        assert nodes in (["writer", "checker"], ["writer", "checker", "rewriter"]), nodes
     calls = [s for r in rollouts for s in store.spans(r.rollout_id) if adapter.is_llm_call(s)]
     assert {"writer", "checker"} <= {s.component for s in calls}  # every LangGraph node's call is traced
     trained = {t.span_id for t in transitions}

@@ -1,7 +1,9 @@
 """Writes data/*.sqlite (three small databases) and data/train.jsonl / data/test.jsonl (questions + gold SQL).
 
 Seeded, so the checked-in files are reproducible. Each task names its database file (relative to data/), the
-question, and a gold query whose result the agent's query must match.
+question, and a gold query whose result the agent's query must match. Every question is one of a few templates
+with one value (a city, a name, a number) filled in; the test split holds out whole questions, so a held-out
+question is a template seen in training with a value combination that never was.
 """
 
 import json
@@ -11,50 +13,48 @@ from pathlib import Path
 
 OUT = Path(__file__).parent / "data"
 FIRST = ["Ann", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]
+CITIES = ["Oslo", "Lima", "Rome", "Kyiv"]
+# (database, question, gold query, the values it is asked with); "{}" is the value.
+TEMPLATES = [
+    ("shop.sqlite", "How many customers live in {}?", "SELECT COUNT(*) FROM customers WHERE city = '{}'", CITIES),
+    ("shop.sqlite", "How many orders has {} placed?",
+     "SELECT COUNT(*) FROM orders JOIN customers ON orders.customer_id = customers.id WHERE name = '{}'", FIRST),
+    ("shop.sqlite", "What is the total amount of orders over {}?", "SELECT SUM(amount) FROM orders WHERE amount > {}",
+     list(range(10, 90, 5))),
+    ("school.sqlite", "How many students are in grade {}?", "SELECT COUNT(*) FROM students WHERE grade = {}",
+     [1, 2, 3, 4]),
+    ("school.sqlite", "What is {}'s score?", "SELECT score FROM students WHERE name = '{}'", FIRST),
+    ("school.sqlite", "How many students scored above {}?", "SELECT COUNT(*) FROM students WHERE score > {}",
+     list(range(40, 100, 5))),
+    ("library.sqlite", "How many books did {} write?", "SELECT COUNT(*) FROM books WHERE author = '{}'", FIRST[:6]),
+    ("library.sqlite", "How many books were published after {}?", "SELECT COUNT(*) FROM books WHERE year > {}",
+     list(range(1955, 2020, 5))),
+]
 
 
-def shop(rng: random.Random, path: Path) -> list[tuple[str, str]]:
-    db = sqlite3.connect(path)
+def make_dbs(rng: random.Random) -> None:
+    def fresh(name: str) -> sqlite3.Connection:
+        (OUT / name).unlink(missing_ok=True)
+        return sqlite3.connect(OUT / name)
+
+    db = fresh("shop.sqlite")
     db.executescript("""
         CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT, city TEXT);
         CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER REFERENCES customers(id), amount INTEGER);
     """)
-    cities = ["Oslo", "Lima", "Rome", "Kyiv"]
     db.executemany("INSERT INTO customers VALUES (?, ?, ?)",
-                   [(i, name, rng.choice(cities)) for i, name in enumerate(FIRST, 1)])
+                   [(i, name, rng.choice(CITIES)) for i, name in enumerate(FIRST, 1)])
     db.executemany("INSERT INTO orders VALUES (?, ?, ?)",
                    [(i, rng.randint(1, len(FIRST)), rng.randint(5, 90)) for i in range(1, 41)])
     db.commit()
     db.close()
-    qs = [(f"How many customers live in {c}?", f"SELECT COUNT(*) FROM customers WHERE city = '{c}'") for c in cities]
-    qs += [(f"How many orders has {n} placed?",
-            f"SELECT COUNT(*) FROM orders JOIN customers ON orders.customer_id = customers.id WHERE name = '{n}'")
-           for n in FIRST]
-    qs += [(f"What is the total amount of orders over {x}?", f"SELECT SUM(amount) FROM orders WHERE amount > {x}")
-           for x in (10, 30, 50, 70)]
-    qs += [("How many customers are there?", "SELECT COUNT(*) FROM customers"),
-           ("What is the largest order amount?", "SELECT MAX(amount) FROM orders")]
-    return qs
-
-
-def school(rng: random.Random, path: Path) -> list[tuple[str, str]]:
-    db = sqlite3.connect(path)
+    db = fresh("school.sqlite")
     db.executescript("CREATE TABLE students (id INTEGER PRIMARY KEY, name TEXT, grade INTEGER, score INTEGER);")
     db.executemany("INSERT INTO students VALUES (?, ?, ?, ?)",
                    [(i, name, rng.randint(1, 4), rng.randint(40, 100)) for i, name in enumerate(FIRST, 1)])
     db.commit()
     db.close()
-    qs = [(f"How many students are in grade {g}?", f"SELECT COUNT(*) FROM students WHERE grade = {g}")
-          for g in range(1, 5)]
-    qs += [(f"What is {n}'s score?", f"SELECT score FROM students WHERE name = '{n}'") for n in FIRST]
-    qs += [(f"How many students scored above {x}?", f"SELECT COUNT(*) FROM students WHERE score > {x}")
-           for x in (50, 60, 70, 80, 90)]
-    qs += [("What is the highest score?", "SELECT MAX(score) FROM students")]
-    return qs
-
-
-def library(rng: random.Random, path: Path) -> list[tuple[str, str]]:
-    db = sqlite3.connect(path)
+    db = fresh("library.sqlite")
     db.executescript("CREATE TABLE books (id INTEGER PRIMARY KEY, title TEXT, author TEXT, year INTEGER);")
     words = ["Sea", "Stone", "Wind", "Glass", "River", "Night", "Salt", "Iron"]
     db.executemany("INSERT INTO books VALUES (?, ?, ?, ?)",
@@ -62,22 +62,14 @@ def library(rng: random.Random, path: Path) -> list[tuple[str, str]]:
                     for i in range(1, 31)])
     db.commit()
     db.close()
-    qs = [(f"How many books did {a} write?", f"SELECT COUNT(*) FROM books WHERE author = '{a}'") for a in FIRST[:6]]
-    qs += [(f"How many books were published after {y}?", f"SELECT COUNT(*) FROM books WHERE year > {y}")
-           for y in (1960, 1970, 1980, 1990, 2000, 2010)]
-    qs += [("What is the year of the oldest book?", "SELECT MIN(year) FROM books")]
-    return qs
 
 
 def main() -> None:
     rng = random.Random(0)
     OUT.mkdir(exist_ok=True)
-    rows = []
-    for make in (shop, school, library):
-        path = OUT / f"{make.__name__}.sqlite"
-        path.unlink(missing_ok=True)
-        for q, gold in make(rng, path):
-            rows.append({"db": path.name, "question": q, "gold": gold})
+    make_dbs(rng)
+    rows = [{"db": db, "question": q.format(v), "gold": gold.format(v)} for db, q, gold, values in TEMPLATES
+            for v in values]
     rng.shuffle(rows)
     for i, r in enumerate(rows):
         r["id"] = f"sql-{i:03d}"
