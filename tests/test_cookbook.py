@@ -55,12 +55,18 @@ def transitions_of(cfg_path: Path) -> tuple[Store, list, list]:
     return store, rollouts, out
 
 
-def test_calc_autogen_trains_and_evals(tmp_path):
-    toml = small_run("calc", tmp_path, eval_tasks=2)
-    out = lightning("run", "-c", str(toml), cwd=tmp_path)
+def trained_example(example: str, tmp: Path) -> tuple[Path, Store, list, list]:
+    """A one-iteration run of the example with its untrained and trained evals; all 9 training rollouts succeed."""
+    toml = small_run(example, tmp, eval_tasks=2)
+    out = lightning("run", "-c", str(toml), cwd=tmp)
     assert "eval (untrained" in out and "eval (trained" in out
     store, rollouts, transitions = transitions_of(toml)
     assert len(rollouts) == 9 and all(r.status == "succeeded" for r in rollouts)
+    return toml, store, rollouts, transitions
+
+
+def test_calc_autogen_trains_and_evals(tmp_path):
+    toml, store, rollouts, transitions = trained_example("calc", tmp_path)
     names = {s.name for r in rollouts for s in store.spans(r.rollout_id)}
     assert "invoke_agent calc" in names  # AutoGen's own spans reach the store beside the LLM calls
     assert transitions and all(t.completion_ids for t in transitions)
@@ -83,11 +89,7 @@ def test_calc_autogen_trains_and_evals(tmp_path):
 
 
 def test_sql_langgraph_trains_only_writer_and_rewriter(tmp_path):
-    toml = small_run("sql", tmp_path, eval_tasks=2)
-    out = lightning("run", "-c", str(toml), cwd=tmp_path)
-    assert "eval (untrained" in out and "eval (trained" in out
-    store, rollouts, transitions = transitions_of(toml)
-    assert len(rollouts) == 9 and all(r.status == "succeeded" for r in rollouts)
+    _, store, rollouts, transitions = trained_example("sql", tmp_path)
     assert all(r.reward in (0.0, 1.0) for r in rollouts)  # execution match
     # Each rollout is the LangGraph flow: writer, checker, and the rewriter only when the checker objected.
     for r in rollouts + store.rollouts(phase="eval"):
