@@ -54,7 +54,9 @@ def _build_tiny(name: str) -> str:
 
     class Keyed:  # the file's content is part of the cache key: an edited teacher builds a new model
         key = f"{teacher.key}-{hashlib.sha1(path.read_bytes()).hexdigest()[:10]}"
-        samples = staticmethod(teacher.samples)
+
+        def __getattr__(self, name: str):  # everything else is the teacher's own
+            return getattr(teacher, name)
 
     return str(tiny.ensure_built(Keyed(), steps=int(getattr(mod, "steps", 300)), batch=int(getattr(mod, "batch", 128))))
 

@@ -20,8 +20,9 @@ import os
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Union
 
 NAME = "tiny-arith"
 VERSION = 3  # bump when the recipe changes, so stale caches are rebuilt
@@ -63,16 +64,36 @@ def problems() -> list[tuple[int, int]]:
     return [(a, b) for a in range(10) for b in range(10)]
 
 
+@dataclass
+class Conversation:
+    """A whole chat (OpenAI messages, tool calls with object arguments) whose assistant turns are all learned.
+
+    One pass over the full text teaches every turn: cheaper than one (prompt, reply) pair per turn, each of which
+    repeats the turns before it.
+    """
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+Sample = Union[tuple[str, str], Conversation]
+
+
 class Teacher(Protocol):
     """What a tiny model is pretrained on: replies to prompts, the prompts already rendered by CHAT_TEMPLATE.
 
-    `samples(rng, n)` gives n (prompt text, reply text) pairs; the model learns the reply (then <|im_end|>).
-    `key` names the recipe in the cache: change it when the recipe changes.
+    `samples(rng, n)` gives n samples: (prompt text, reply text) pairs, where the model learns the reply (then
+    <|im_end|>), or `Conversation`s. `key` names the recipe in the cache: change it when the recipe changes.
+    Optional, for teachers whose model must copy words (a name out of a passage into a tool call):
+    - `space_tokens = True`: spaces become tokens of their own, so a word is the same tokens wherever it stands
+      (after a space, a quote or a newline). Without it byte-level BPE glues the space on ('ĠZel' vs 'Zel').
+    - `tokenizer_corpus(rng) -> list[str]`: the texts the vocabulary is learnt from (default: 1000 samples).
+    - `warmup_steps` and `warmup_samples(rng, n)`: what the first steps train on instead of `samples`.
     """
 
     key: str
 
-    def samples(self, rng: random.Random, n: int) -> list[tuple[str, str]]: ...
+    def samples(self, rng: random.Random, n: int) -> list[Sample]: ...
 
 
 def cache_dir(key: str | None = None) -> Path:
@@ -136,7 +157,8 @@ class _ArithTeacher:
                 for a, b in batch]
 
 
-def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int = 320, split_digits: bool = False):
+def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int = 320, split_digits: bool = False,
+                    space_tokens: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -144,10 +166,12 @@ def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int 
         corpus = [_chat(question(a, b), f.format(a + b)) for a, b in problems() for f in REPLY_FORMATS]
     corpus = corpus + ["The quick brown fox jumps over the lazy dog. 0123456789 +-*/=()?!.,:;'\"\n"] * 4
     tok = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    # Teacher models see numbers digit by digit, so copying one from the prompt is the same tokens again.
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                         if split_digits else byte_level)
+    splits = [pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    if space_tokens:  # see Teacher
+        splits.insert(0, pre_tokenizers.Split(" ", behavior="isolated"))
+    if split_digits:  # teacher models see numbers digit by digit, so copying one from the prompt is the same tokens
+        splits.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = splits[0] if len(splits) == 1 else pre_tokenizers.Sequence(splits)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -168,6 +192,21 @@ def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int 
     return fast
 
 
+def _labelled(sample: Sample) -> tuple[str, list[tuple[int, int]]]:
+    """A sample as (text, the character spans the model learns): each reply with its <|im_end|>."""
+    if isinstance(sample, Conversation):
+        text = render(sample.messages, sample.tools, add_generation_prompt=False)
+        spans = []
+        for k, m in enumerate(sample.messages):
+            if m["role"] == "assistant":
+                start = len(render(sample.messages[:k], sample.tools))
+                end = len(render(sample.messages[:k + 1], sample.tools, add_generation_prompt=False))
+                spans.append((start, end))
+        return text, spans
+    prefix, reply = sample
+    return prefix + f"{reply}<|im_end|>\n", [(len(prefix), len(prefix) + len(reply) + len("<|im_end|>\n"))]
+
+
 def build(out: Path, *, seed: int = 0, steps: int = 300, batch: int = 128, teacher: Teacher | None = None) -> Path:
     """Build tokenizer + model into `out` (a Hugging Face model directory), taught by `teacher` (default: arith)."""
     import torch
@@ -178,8 +217,12 @@ def build(out: Path, *, seed: int = 0, steps: int = 300, batch: int = 128, teach
     if teacher is None:
         tok = build_tokenizer(out)
     else:  # its own vocabulary, from its own prompts and replies
-        corpus = [p + r + "<|im_end|>\n" for p, r in teacher.samples(random.Random(seed + 1), 1000)]
-        tok = build_tokenizer(out, corpus, vocab_size=512, split_digits=True)
+        if callable(getattr(teacher, "tokenizer_corpus", None)):
+            corpus = teacher.tokenizer_corpus(random.Random(seed + 1))
+        else:
+            corpus = [_labelled(s)[0] for s in teacher.samples(random.Random(seed + 1), 1000)]
+        tok = build_tokenizer(out, corpus, vocab_size=512, split_digits=True,
+                              space_tokens=bool(getattr(teacher, "space_tokens", False)))
     torch.manual_seed(seed)
     rng = random.Random(seed)
     teacher = teacher or _ArithTeacher()
@@ -201,16 +244,16 @@ def build(out: Path, *, seed: int = 0, steps: int = 300, batch: int = 128, teach
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
     model.train()
-    for _ in range(steps):
-        texts, prefixes = [], []
-        for prefix, reply in teacher.samples(rng, batch):
-            prefixes.append(len(tok(prefix)["input_ids"]))
-            texts.append(prefix + f"{reply}<|im_end|>\n")
-        enc = tok(texts, return_tensors="pt", padding=True)
-        labels = enc["input_ids"].clone()
-        labels[enc["attention_mask"] == 0] = -100
-        for i, n in enumerate(prefixes):
-            labels[i, :n] = -100  # learn the reply, not the question
+    warmup = int(getattr(teacher, "warmup_steps", 0))
+    for step in range(steps):
+        draw = teacher.warmup_samples if step < warmup else teacher.samples
+        texts, learned = zip(*(_labelled(s) for s in draw(rng, batch)))
+        enc = tok(list(texts), return_tensors="pt", padding=True)
+        labels = torch.full_like(enc["input_ids"], -100)  # learn the replies, not the questions
+        for i, spans in enumerate(learned):
+            for start, end in spans:
+                a, b = len(tok(texts[i][:start])["input_ids"]), len(tok(texts[i][:end])["input_ids"])
+                labels[i, a:b] = enc["input_ids"][i, a:b]
         loss = model(**enc, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
