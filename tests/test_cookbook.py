@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -24,6 +25,13 @@ def lightning(*args, cwd, timeout=300):
                          capture_output=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
+
+
+def load_module(path: Path):
+    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def small_run(example: str, tmp: Path, *, tasks: int = 3, eval_tasks: int = 3) -> Path:
@@ -104,19 +112,27 @@ def test_sql_langgraph_trains_only_writer_and_rewriter(tmp_path):
 
 
 def test_rag_agents_sdk_trains(tmp_path):
-    toml = small_run("rag", tmp_path, eval_tasks=2)
-    lightning("run", "-c", str(toml), cwd=tmp_path)
-    store, rollouts, transitions = transitions_of(toml)
-    assert rollouts and all(r.status == "succeeded" for r in rollouts)
-    assert all(0.0 <= r.reward <= 1.0 for r in rollouts)
+    _, store, rollouts, transitions = trained_example("rag", tmp_path)
+    assert all(0.0 <= r.reward <= 1.0 for r in rollouts)  # answer F1
     assert transitions and all(t.prompt_ids and t.completion_ids for t in transitions)
+    # The pretrained model searches in most of its answers (teacher.py): the SDK ran the search tool on the
+    # model's query, and the next LLM call of the rollout has exactly what BM25 returned for it in its prompt.
+    rag = load_module(ROOT / "cookbook/rag/agent.py")
+    calls = [[s for s in store.spans(r.rollout_id) if adapter.is_llm_call(s)]
+             for r in rollouts + store.rollouts(phase="eval")]
+    assert all(1 <= len(c) <= 4 for c in calls)  # agent.py's max_turns
+    searched = [json.loads(c[1].attributes["gen_ai.input.messages"]) for c in calls if len(c) > 1]
+    assert searched
+    for messages in searched:
+        call, result = messages[2]["parts"][0], messages[3]["parts"][0]
+        assert call["name"] == "search" and result["id"] == call["id"]
+        assert result["response"] == rag.search_passages(call["arguments"]["query"])
 
 
 def test_failed_autogen_tool_call_is_a_negative_intermediate_reward(server, store):
     """A calculator call with a bad expression, run by AutoGen's own tool machinery after a real LLM call: its
     ERROR span reaches the store by itself and costs the call before it `error_reward`."""
     import asyncio
-    import importlib.util
 
     import openai
     from autogen_core import CancellationToken
@@ -124,9 +140,7 @@ def test_failed_autogen_tool_call_is_a_negative_intermediate_reward(server, stor
 
     from lightning_sdk import tracing
 
-    spec = importlib.util.spec_from_file_location("calc_agent", ROOT / "cookbook/calc/agent.py")
-    calc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(calc)
+    calc = load_module(ROOT / "cookbook/calc/agent.py")
     tool = FunctionTool(calc.calculator, description="calculator")
     tracing.request_token_ids_from(server.base_url)
     client = openai.OpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0)

@@ -22,6 +22,7 @@ import lightning_sdk as ls
 
 CORPUS = Path(__file__).parent / "data" / "corpus.jsonl"
 set_tracing_disabled(True)
+INSTRUCTIONS = "Answer with the region name only. Search for the person, then for their town's region."
 
 
 def _tokens(text: str) -> list[str]:
@@ -41,10 +42,14 @@ def retrieve(query: str, k: int = 2) -> list[str]:
     return [passages[i] for i in best if scores[i] > 0]
 
 
+def search_passages(query: str) -> str:
+    return "\n".join(retrieve(query)) or "no match"
+
+
 @function_tool
 def search(query: str) -> str:
     """Search the encyclopedia; returns the best matching passages."""
-    return "\n".join(retrieve(query)) or "no match"
+    return search_passages(query)
 
 
 @ls.rollout
@@ -52,10 +57,10 @@ async def answer(task: dict, llm: ls.LLM) -> str:
     client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
     agent = Agent(
         name="researcher",
-        instructions="Answer with the region name only. Search for the person, then for their town.",
+        instructions=INSTRUCTIONS,
         tools=[search],
         model=OpenAIChatCompletionsModel(model=llm.model, openai_client=client),
-        model_settings=ModelSettings(temperature=1.0, max_tokens=40),
+        model_settings=ModelSettings(temperature=1.0, max_tokens=64),
     )
     try:
         result = await Runner.run(agent, task["question"], max_turns=4)
