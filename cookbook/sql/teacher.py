@@ -97,4 +97,4 @@ class SqlTeacher:
 
 
 teacher = SqlTeacher()
-steps, batch = 500, 24
+steps, batch = 1000, 24
