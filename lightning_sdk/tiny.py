@@ -248,12 +248,13 @@ def build(out: Path, *, seed: int = 0, steps: int = 300, batch: int = 128, teach
     for step in range(steps):
         draw = teacher.warmup_samples if step < warmup else teacher.samples
         texts, learned = zip(*(_labelled(s) for s in draw(rng, batch)))
-        enc = tok(list(texts), return_tensors="pt", padding=True)
-        labels = torch.full_like(enc["input_ids"], -100)  # learn the replies, not the questions
+        enc = tok(list(texts), return_tensors="pt", padding=True, return_offsets_mapping=True)
+        starts = enc.pop("offset_mapping")[..., 0]  # where each token starts in its text
+        learn = torch.zeros_like(enc["attention_mask"], dtype=torch.bool)  # the replies, not the questions
         for i, spans in enumerate(learned):
             for start, end in spans:
-                a, b = len(tok(texts[i][:start])["input_ids"]), len(tok(texts[i][:end])["input_ids"])
-                labels[i, a:b] = enc["input_ids"][i, a:b]
+                learn[i] |= (starts[i] >= start) & (starts[i] < end)
+        labels = torch.where(learn & enc["attention_mask"].bool(), enc["input_ids"], -100)
         loss = model(**enc, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
