@@ -1,0 +1,57 @@
+"""File-system plumbing shared by every layer: directories that appear only complete, and loading a .py file."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+
+@contextmanager
+def atomic_dir(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
+    """Write into a hidden temp dir beside `path`, then rename it into place: a kill mid-write leaves no `path`.
+
+    With `replace`, an existing `path` is swapped out (and deleted) only after the new one is complete; without
+    it, an existing `path` wins and what was written is dropped (several processes building the same thing).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            if not replace:
+                return
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
+            path.rename(old / path.name)
+        tmp.rename(path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_py_file(path: str | Path, module_name: str | None = None, *, importable_siblings: bool = False) -> ModuleType:
+    """Execute a .py file as a module (registered in sys.modules under `module_name`, so pickling and dataclasses
+    work). `importable_siblings` puts its folder on sys.path, so the file can import the modules beside it."""
+    path = Path(path)
+    name = module_name or f"lightning_file_{path.stem}"
+    if importable_siblings and str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path}: not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return mod
