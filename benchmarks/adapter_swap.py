@@ -21,9 +21,9 @@ import openai
 import torch
 
 from lightning_sdk import config, models
-from lightning_sdk.adapter import Transition
+from lightning_sdk.transitions import Transition
 from lightning_sdk.serving import CPUServer
-from lightning_sdk.trainer import GRPOTrainer
+from lightning_sdk.train.trainer import GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "builtin:tiny-arith"

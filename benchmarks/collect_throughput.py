@@ -21,10 +21,10 @@ import httpx
 
 from lightning_sdk import data, tracing
 from lightning_sdk.agent import LLM
-from lightning_sdk.runtime import load_agent
+from lightning_sdk.agent import load_agent
 from lightning_sdk.serving import CPUServer
 from lightning_sdk.store import Store
-from lightning_sdk.worker import RolloutJob, run_rollout
+from lightning_sdk.rollouts.worker import RolloutJob, run_rollout
 
 ROOT = Path(__file__).resolve().parents[1]
 

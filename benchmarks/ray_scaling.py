@@ -15,9 +15,11 @@ import ray
 from rich.console import Console
 
 from lightning_sdk import config, data, models
-from lightning_sdk.cluster import RayCluster
+from lightning_sdk.agent import load_agent
+from lightning_sdk.rollouts.collector import Agent
+from lightning_sdk.rollouts.ray import RayCollector
 from lightning_sdk.store import Store
-from lightning_sdk.worker import RolloutJob
+from lightning_sdk.rollouts.worker import RolloutJob
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,15 +34,17 @@ for workers in (1, 2):
     cfg = config.load(ROOT / "lightning.toml")
     cfg.ray.num_workers = workers
     tmp = Path(tempfile.mkdtemp(prefix="ls-ray-bench-"))
-    cluster = RayCluster(cfg, models.resolve(cfg.model.name), tmp)
-    cluster.start()
     store = Store(tmp / "store.sqlite")
+    agent = Agent(cfg.agent.module, *load_agent(cfg.agent.module, cfg.agent.rollout, cfg.agent.reward))
+    cluster = RayCollector(cfg, agent=agent, model_path=models.resolve(cfg.model.name), store=store, log_dir=tmp,
+                           console=Console(quiet=True))
+    cluster.start()
     best = 0.0
     for rep in range(args.repeats + 1):  # the first pass warms the workers and the server
         jobs = [RolloutJob(f"b{rep}-{i}-{uuid.uuid4().hex[:6]}", data.task_id(t), f"{i}", t, 0)
                 for i, t in enumerate((tasks * 10)[: args.rollouts])]
         t0 = time.perf_counter()
-        res = cluster.collect(jobs, cfg.model.name, store=store, label="bench", console=Console(quiet=True))
+        res = cluster.collect(jobs, cfg.model.name, label="bench")
         dt = time.perf_counter() - t0
         assert all(r.status == "succeeded" for r in res)
         if rep:

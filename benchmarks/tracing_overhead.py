@@ -67,7 +67,7 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
         untraced(), traced(-i - 1)
     tracing.flush()
     cpu = {"plain": [], "spans": []}
-    writer = time.pthread_getcpuclockid(tracing._state.processor._thread.ident)
+    writer = time.pthread_getcpuclockid(tracing.instrument._state.processor._thread.ident)
     writer_cpu0 = time.clock_gettime(writer)
     plain, spans = [], []
     for i in range(args.calls):

@@ -75,8 +75,8 @@ def train_config():
 
 def run_ours(args) -> list[float]:
     from lightning_sdk import models
-    from lightning_sdk.adapter import Transition
-    from lightning_sdk.trainer import GRPOTrainer
+    from lightning_sdk.transitions import Transition
+    from lightning_sdk.train.trainer import GRPOTrainer
 
     path = models.resolve(MODEL)
     batches = fixed_batches(models.load_tokenizer(path), args.updates + 1, args.completion_len, args.seed)
@@ -99,7 +99,7 @@ def run_trl(args) -> list[float]:
     from trl import GRPOConfig, GRPOTrainer
 
     from lightning_sdk import models
-    from lightning_sdk.trainer import lora_targets
+    from lightning_sdk.train.trainer import lora_targets
 
     path = models.resolve(MODEL)
     tok = models.load_tokenizer(path)

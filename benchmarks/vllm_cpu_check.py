@@ -28,7 +28,7 @@ import lightning_sdk.serving.vllm as vllm_backend  # noqa: E402
 from lightning_sdk import models  # noqa: E402
 from lightning_sdk.config import TrainConfig  # noqa: E402
 from lightning_sdk.runtime import Runtime  # noqa: E402
-from lightning_sdk.trainer import GRPOTrainer  # noqa: E402
+from lightning_sdk.train.trainer import GRPOTrainer  # noqa: E402
 
 from gpu_smoke import smoke_config  # noqa: E402  (benchmarks/, this script's folder)
 

@@ -1,14 +1,23 @@
 """The agent-side API: `@rollout`, `@reward` and the `LLM` handle. Plain functions stay plain.
 
 The decorators only mark a function so `lightning run` can find it; calling it yourself just runs your agent.
-This module (like `tracing`) imports no torch and no server code, so the agent's environment stays light.
+`load_agent` finds the two in the agent's module, and `reward_value` is the one check every reward passes
+(`@reward`'s return value and `emit_reward`'s argument alike). This module (like `tracing.context`) imports no
+torch and no server code, so the agent's environment stays light.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import math
+import numbers
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, TypeVar
+
+from lightning_sdk.errors import SetupError
+from lightning_sdk.files import load_py_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -62,3 +71,49 @@ def is_rollout(obj: Any) -> bool:
 
 def is_reward(obj: Any) -> bool:
     return callable(obj) and getattr(obj, REWARD_MARK, False) is True
+
+
+class RewardError(ValueError):
+    """A reward that is not a finite number."""
+
+
+def reward_value(value: Any, what: str, where: str = "") -> float:
+    """`value` as a float if it is a finite real number (bools count: `output == answer` is a fine reward).
+
+    The error reads "{what} {value!r} ({type}){where}; expected ...", e.g. what="@reward returned".
+    """
+    if isinstance(value, bool) or (isinstance(value, numbers.Real) and not isinstance(value, str)):
+        try:
+            number = float(value)
+        except (OverflowError, ValueError, TypeError):
+            number = math.nan
+        if math.isfinite(number):
+            return number
+    raise RewardError(f"{what} {value!r} ({type(value).__name__}){where}; expected a finite float: a finite number "
+                      f"or a bool")
+
+
+def load_agent(module: str, rollout_name: str | None, reward_name: str | None) -> tuple[Callable, Callable]:
+    """The agent's @rollout and @reward functions, from a .py path or a dotted module name."""
+    if module.endswith(".py"):
+        path = Path(module)
+        if not path.exists():
+            raise SetupError(f"agent.module = {module!r}: file not found")
+        mod = load_py_file(path, f"lightning_agent_{path.stem}", importable_siblings=True)
+    else:
+        mod = importlib.import_module(module)
+
+    def pick(kind: str, name: str | None, test: Callable[[Any], bool]) -> Callable:
+        if name is not None:
+            fn = getattr(mod, name, None)
+            if fn is None or not test(fn):
+                raise SetupError(f"agent.{kind} = {name!r}: {module} has no @{kind} function of that name")
+            return fn
+        found = [v for v in vars(mod).values() if test(v)]
+        if len(found) != 1:
+            names = ", ".join(f.__name__ for f in found) or "none"
+            raise SetupError(f"agent.module = {module!r}: expected exactly one @{kind} function (found: {names}); "
+                             f"name it with agent.{kind}")
+        return found[0]
+
+    return pick("rollout", rollout_name, is_rollout), pick("reward", reward_name, is_reward)

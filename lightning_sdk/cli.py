@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -52,10 +54,10 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
             cfg.run.iterations = iterations
     except config_mod.ConfigError as e:
         _fail(console, str(e))
-    from lightning_sdk.adapter import CaptureError
     from lightning_sdk.data import DatasetError
+    from lightning_sdk.errors import CaptureError, RunError, SetupError
     from lightning_sdk.models import ModelLoadError
-    from lightning_sdk.runtime import RunError, Runtime, SetupError
+    from lightning_sdk.runtime import Runtime
 
     try:
         Runtime(cfg, resume=resume, overwrite=overwrite, console=console).run()
@@ -90,8 +92,10 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
         cfg.run.dir = run_dir
     from lightning_sdk import data
     from lightning_sdk.data import DatasetError
+    from lightning_sdk.errors import RunError, SetupError
     from lightning_sdk.models import ModelLoadError
-    from lightning_sdk.runtime import RunError, Runtime, SetupError, adapter_dir, latest_checkpoint
+    from lightning_sdk.runtime import Runtime
+    from lightning_sdk.train.checkpoint import adapter_dir, latest_checkpoint
 
     path = data_path or cfg.data.eval
     if path is None:
@@ -127,7 +131,6 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
 def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str | None, status: str | None) -> None:
     """List recent rollouts with their reward and LLM calls (or one rollout's spans)."""
     from lightning_sdk.store import Store
-    from lightning_sdk.tracing import describe
 
     console = Console()
     if run_dir is None:
@@ -160,6 +163,31 @@ def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str 
                       "" if r.reward is None else f"{r.reward:.3f}", str(calls.get(r.rollout_id, 0)),
                       "" if r.seconds is None else f"{r.seconds:.2f}", (r.error or "")[:60])
     console.print(table)
+
+
+def describe(record: Any) -> str:
+    """One line for `lightning traces`."""
+    from lightning_sdk.tracing.records import COMPLETION_IDS, PROMPT_IDS, REWARD_NAME, REWARD_SPAN, REWARD_VALUE
+
+    a = record.attributes
+    if record.name == REWARD_SPAN:
+        return f"reward {a.get(REWARD_NAME)}={a.get(REWARD_VALUE)}"
+    text = _output_text(a)
+    text = text if len(text) < 60 else text[:57] + "..."
+    n_prompt, n_out = len(a.get(PROMPT_IDS) or []), len(a.get(COMPLETION_IDS) or [])
+    return f"{record.name} [{record.component or '-'}] {n_prompt}->{n_out} tokens {record.status} {json.dumps(text)}"
+
+
+def _output_text(attrs: dict[str, Any]) -> str:
+    """The completion text as the instrumentor recorded it (current `gen_ai.output.messages` JSON or legacy)."""
+    raw = attrs.get("gen_ai.output.messages")
+    if raw:
+        try:
+            parts = json.loads(raw)[0].get("parts", [])
+            return "".join(str(p.get("content", "")) for p in parts)
+        except (ValueError, IndexError, AttributeError, TypeError):
+            return str(raw)
+    return str(attrs.get("gen_ai.completion.0.content", ""))
 
 
 if __name__ == "__main__":

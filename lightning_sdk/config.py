@@ -10,7 +10,13 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# The `vllm serve` flags that serve.*, model.* and train.lora_r set (serving/vllm.py builds them); extra_args must
+# not repeat them.
+VLLM_MANAGED_FLAGS = ("--host", "--port", "--served-model-name", "--api-key", "--enable-lora", "--max-lora-rank",
+                      "--max-loras", "--dtype", "--max-model-len", "--gpu-memory-utilization", "--enable-sleep-mode",
+                      "--logprobs-mode", "--generation-config")
 
 
 class ConfigError(ValueError):
@@ -69,9 +75,7 @@ class ServeConfig(_Section):
     @field_validator("extra_args")
     @classmethod
     def _not_managed(cls, v):
-        from lightning_sdk.serving.vllm import MANAGED_FLAGS
-
-        taken = [a for a in v if a.split("=")[0] in MANAGED_FLAGS]
+        taken = [a for a in v if a.split("=")[0] in VLLM_MANAGED_FLAGS]
         if taken:
             raise ValueError(f"{taken} are set from other keys (serve.*, model.*, train.lora_r); remove them")
         return v
@@ -145,6 +149,15 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
+    @model_validator(mode="after")
+    def _runtime_serves_backend(self):
+        # The Ray runtime's server actors are built-in CPU servers; vLLM actors with GPUs are not built yet.
+        if self.run.runtime == "ray" and self.serve.backend == "vllm":
+            raise ValueError("run.runtime = 'ray' with serve.backend = 'vllm': the Ray runtime serves with the "
+                             "built-in CPU server only; set serve.backend = 'cpu', or run.runtime = 'embedded' "
+                             "for vLLM")
+        return self
+
 
 def _format(err: ValidationError) -> str:
     lines = []
@@ -154,6 +167,8 @@ def _format(err: ValidationError) -> str:
             lines.append(f"{key}: unknown key")
         elif e["type"] == "missing":
             lines.append(f"{key}: required key is missing")
+        elif e["type"] == "value_error" and not e["loc"]:  # a rule across keys: its message names them
+            lines.append(e["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
     return "; ".join(lines)

@@ -1,4 +1,4 @@
-"""The durable record of a run: tasks, rollouts, spans and rewards in one SQLite file (WAL).
+"""The durable record of a run: tasks, rollouts and spans in one SQLite file (WAL), and a `rewards` view.
 
 Each write is its own committed transaction, so whatever was written before a crash is still there after it;
 WAL lets `lightning traces` read while a run writes. One connection serves all threads under a lock: the
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from lightning_sdk.tracing import REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord
+from lightning_sdk.tracing.records import REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord
 
-SCHEMA = """
+SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS tasks (
     task_id    TEXT PRIMARY KEY,
     payload    TEXT NOT NULL
@@ -55,16 +55,13 @@ CREATE TABLE IF NOT EXISTS spans (
     events         TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS spans_by_rollout ON spans (rollout_id, start_ns);
-CREATE TABLE IF NOT EXISTS rewards (
-    id         INTEGER PRIMARY KEY AUTOINCREMENT,
-    rollout_id TEXT NOT NULL,
-    span_id    TEXT,
-    name       TEXT NOT NULL,
-    kind       TEXT NOT NULL,          -- 'final' (from @reward) | 'intermediate' (emit_reward)
-    value      REAL NOT NULL,
-    created_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS rewards_by_rollout ON rewards (rollout_id);
+-- Rewards are not stored twice: the final one is the rollout's, intermediate ones are reward spans.
+CREATE VIEW IF NOT EXISTS rewards (rollout_id, span_id, name, kind, value, created_at) AS
+    SELECT rollout_id, span_id, json_extract(attributes, '$."{REWARD_NAME}"'), 'intermediate',
+           json_extract(attributes, '$."{REWARD_VALUE}"'), end_ns / 1e9
+    FROM spans WHERE name = '{REWARD_SPAN}'
+    UNION ALL
+    SELECT rollout_id, NULL, 'reward', 'final', reward, ended_at FROM rollouts WHERE reward IS NOT NULL;
 """
 
 
@@ -144,12 +141,9 @@ class Store:
 
     def finish_rollout(self, rollout_id: str, *, status: str, output: Any = None, reward: float | None = None,
                        error: str | None = None, traceback: str | None = None) -> None:
-        now = time.time()
         self._write(
             ("UPDATE rollouts SET status=?, output=?, reward=?, error=?, traceback=?, ended_at=? WHERE rollout_id=?",
-             [(status, json.dumps(output, default=str), reward, error, traceback, now, rollout_id)]),
-            ("INSERT INTO rewards (rollout_id, span_id, name, kind, value, created_at)"
-             " VALUES (?, NULL, 'reward', 'final', ?, ?)", [(rollout_id, reward, now)] if reward is not None else []),
+             [(status, json.dumps(output, default=str), reward, error, traceback, time.time(), rollout_id)]),
         )
 
     def abandon_running(self) -> int:
@@ -171,12 +165,7 @@ class Store:
         spans = [(r.span_id, r.trace_id, r.parent_id, r.rollout_id, r.attempt, r.component, r.name, r.start_ns,
                   r.end_ns, r.status, r.status_message, json.dumps(r.attributes), json.dumps(r.events))
                  for r in records]
-        rewards = [(r.rollout_id, r.span_id, str(r.attributes.get(REWARD_NAME, "intermediate")), "intermediate",
-                    float(r.attributes[REWARD_VALUE]), r.end_ns / 1e9)
-                   for r in records if r.name == REWARD_SPAN and REWARD_VALUE in r.attributes]
-        self._write(("INSERT OR REPLACE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", spans),
-                    ("INSERT INTO rewards (rollout_id, span_id, name, kind, value, created_at) VALUES (?,?,?,?,?,?)",
-                     rewards))
+        self._write(("INSERT OR REPLACE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", spans))
 
     # ---------------------------------------------------------------------------------------------- reads
 
@@ -219,7 +208,9 @@ class Store:
         return {r["rollout_id"]: r["n"] for r in rows}
 
     def rewards(self, rollout_id: str) -> list[dict]:
-        rows = self._read("SELECT name, kind, value, span_id FROM rewards WHERE rollout_id=? ORDER BY id", (rollout_id,))
+        """Intermediate rewards (reward spans) in the order they were emitted, then the final one."""
+        rows = self._read("SELECT name, kind, value, span_id FROM rewards WHERE rollout_id=? "
+                          "ORDER BY kind = 'final', created_at", (rollout_id,))
         return [dict(r) for r in rows]
 
     def count(self, table: str) -> int:

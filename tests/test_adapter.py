@@ -3,7 +3,7 @@
 import pytest
 
 from lightning_sdk import credit
-from lightning_sdk.adapter import CaptureError, to_transitions
+from lightning_sdk.transitions import CaptureError, to_transitions
 from lightning_sdk.store import RolloutRecord, Store
 from lightning_sdk.tracing import (COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS, REWARD_NAME, REWARD_SPAN,
                                    REWARD_VALUE, SpanRecord)
@@ -117,7 +117,7 @@ def test_round_trip_through_the_store(tmp_path):
 
 def test_intermediate_rewards_reach_the_advantages():
     """An emit_reward penalty lowers that call's advantage below its sibling's in the same rollout."""
-    from lightning_sdk.trainer import group_advantages
+    from lightning_sdk.train.grpo import group_advantages
 
     penalised = to_transitions(rollout(1.0, rid="r1"), [llm_span(0), reward_span(1, -0.5), llm_span(2)])
     clean = [t.__class__(**{**t.__dict__, "rollout_id": "r2"})

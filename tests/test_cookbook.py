@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sdk import adapter, config
+from lightning_sdk import config, transitions
 from lightning_sdk.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def transitions_of(cfg_path: Path) -> tuple[Store, list, list]:
     store = Store(cfg.run.dir / "store.sqlite")
     rollouts = store.rollouts(phase="train")
     out = [t for r in rollouts if r.status == "succeeded"
-           for t in adapter.to_transitions(r, store.spans(r.rollout_id), components=cfg.rollout.components,
+           for t in transitions.to_transitions(r, store.spans(r.rollout_id), components=cfg.rollout.components,
                                            error_reward=cfg.rollout.error_reward)]
     return store, rollouts, out
 
@@ -156,7 +156,7 @@ def test_failed_autogen_tool_call_is_a_negative_intermediate_reward(server, stor
     spans = store.spans("r1")
     tools = [s for s in spans if s.name == "execute_tool calculator"]
     assert [s.status for s in tools] == ["UNSET", "ERROR"] and "cannot evaluate" in tools[1].status_message
-    [t] = adapter.to_transitions(store.rollout("r1"), spans, error_reward=-0.5)
+    [t] = transitions.to_transitions(store.rollout("r1"), spans, error_reward=-0.5)
     assert t.reward == pytest.approx(1.0 - 0.5)
 
 

@@ -19,7 +19,8 @@ import pytest
 from rich.console import Console
 
 from lightning_sdk import config
-from lightning_sdk.runtime import RunError, Runtime
+from lightning_sdk.errors import RunError
+from lightning_sdk.runtime import Runtime
 from lightning_sdk.store import Store
 
 AGENT = '''
@@ -170,12 +171,12 @@ def test_server_killed_mid_collection_is_restarted_then_one_that_cannot_come_bac
     try:
         # Kill 1: SIGKILL the server while iteration 2 (index 1, policy = the iter-1 adapter) is collecting.
         _wait(lambda: _spans_of_iteration(db, 1) >= 2, "iteration 1 collection")
-        first_pid = rt.server._proc.pid
+        first_pid = rt.collector.server._proc.pid
         os.kill(first_pid, signal.SIGKILL)
 
         # Kill 2, during that iteration's update: SIGKILL it again and take its port, so no restart can bind.
         _wait(lambda: _collected(db, 1, 8), "iteration 1 update")
-        second_pid, port = rt.server._proc.pid, rt.server.port
+        second_pid, port = rt.collector.server._proc.pid, rt.collector.server.port
         assert second_pid != first_pid
         os.kill(second_pid, signal.SIGKILL)
         blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -12,7 +12,7 @@ import openai
 import lightning_sdk as ls
 from lightning_sdk import tracing
 from lightning_sdk.tracing import COMPLETION_IDS, REWARD_SPAN
-from lightning_sdk.worker import RolloutJob, run_rollout
+from lightning_sdk.rollouts.worker import RolloutJob, run_rollout
 
 from .conftest import SERVED
 

@@ -9,18 +9,11 @@ import pytest
 import torch
 
 from lightning_sdk import models, tiny
-from lightning_sdk.adapter import Transition
 from lightning_sdk.config import TrainConfig
-from lightning_sdk.trainer import (
-    GRPOTrainer,
-    _atomic_dir,
-    group_advantages,
-    grpo_loss,
-    lora_targets,
-    resolve_device,
-    sampler_is_weight,
-    token_weights,
-)
+from lightning_sdk.files import atomic_dir as _atomic_dir
+from lightning_sdk.train.grpo import group_advantages, grpo_loss, sampler_is_weight, token_weights
+from lightning_sdk.train.trainer import GRPOTrainer, lora_targets, resolve_device
+from lightning_sdk.transitions import Transition
 
 torch.set_num_threads(1)  # the CI machine is small and shared
 

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from lightning_sdk import config
-from lightning_sdk.runtime import SetupError, gpu_handover, make_server, vllm_server
+from lightning_sdk.errors import SetupError
+from lightning_sdk.runtime import gpu_handover
+from lightning_sdk.serving.select import make_server, vllm_server
 from lightning_sdk.serving import CPUServer, InferenceServer, ServerError, SleepableServer
 from lightning_sdk.serving.vllm import VLLMServer, max_lora_rank, vllm_command, vllm_environment
 

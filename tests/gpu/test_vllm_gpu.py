@@ -35,7 +35,7 @@ def test_server_returns_exact_ids_and_logprobs_sleeps_and_hot_loads(model_path, 
     from openai import OpenAI
 
     from lightning_sdk.config import TrainConfig
-    from lightning_sdk.trainer import GRPOTrainer
+    from lightning_sdk.train.trainer import GRPOTrainer
 
     tok = models.load_tokenizer(model_path)
     messages = [{"role": "user", "content": "What is 3 + 4?"}]

@@ -6,8 +6,12 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from lightning_sdk.credit import CreditRule, lightning_rl
+from lightning_sdk.errors import CaptureError
 from lightning_sdk.store import RolloutRecord
-from lightning_sdk.tracing import COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS, REWARD_SPAN, REWARD_VALUE, SpanRecord
+from lightning_sdk.tracing.records import (COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS, REWARD_SPAN, REWARD_VALUE,
+                                           SpanRecord)
+
+__all__ = ["CaptureError", "Transition", "is_llm_call", "to_transitions"]
 
 
 @dataclass(frozen=True)
@@ -23,11 +27,7 @@ class Transition:
     completion_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None  # the sampler's log-probs of completion_ids, as the server reported them
     reward: float  # episode reward shared out by the credit rule, plus this call's intermediate rewards
-    temperature: float = 1.0  # sampling temperature of the call; the trainer scales logits by it
-
-
-class CaptureError(RuntimeError):
-    """A rollout that finished but left nothing to train on: loud, never an empty update."""
+    temperature: float = 1.0  # > 0: the temperature the trainer scales logits by (see _train_temperature)
 
 
 def is_llm_call(span: SpanRecord) -> bool:

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import inspect
-import math
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-from lightning_sdk.agent import LLM
-from lightning_sdk.store import Store
-from lightning_sdk import tracing
+from lightning_sdk.agent import LLM, RewardError, reward_value
+from lightning_sdk.tracing.context import rollout_context
 
 
 @dataclass(frozen=True)
@@ -33,6 +32,11 @@ class RolloutJob:
     phase: str = "train"  # 'train' | 'eval'
     attempt: int = 1
 
+    def retry(self) -> "RolloutJob":
+        """The same rollout run once more, as a new attempt under a new id (the old one stays, abandoned)."""
+        base = self.rollout_id.removesuffix(f"-r{self.attempt}") if self.attempt > 1 else self.rollout_id
+        return dataclasses.replace(self, rollout_id=f"{base}-r{self.attempt + 1}", attempt=self.attempt + 1)
+
 
 @dataclass(frozen=True)
 class RolloutResult:
@@ -44,17 +48,11 @@ class RolloutResult:
     failed_in: str | None = None  # 'rollout' | 'reward': which user function failed
 
 
-class RewardError(ValueError):
-    pass
+class RolloutSink(Protocol):
+    """Where a rollout's row goes: the store, or the Ray runtime's writer actor."""
 
-
-def check_reward(value: Any, rollout_id: str) -> float:
-    if isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RewardError(f"@reward returned {value!r} ({type(value).__name__}) for rollout {rollout_id}; "
-                          f"expected a finite float")
-    return float(value)
+    def start_rollout(self, rollout_id: str, **kw: Any) -> None: ...
+    def finish_rollout(self, rollout_id: str, **kw: Any) -> None: ...
 
 
 async def _call(fn: Callable, *args: Any) -> Any:
@@ -108,13 +106,13 @@ def _describe(e: BaseException, job: RolloutJob) -> str:
     return error
 
 
-async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Callable, llm: LLM, store: Store,
+async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Callable, llm: LLM, store: RolloutSink,
                       timeout: float) -> RolloutResult:
     store.start_rollout(job.rollout_id, task_id=job.task_id, group_id=job.group_id, iteration=job.iteration,
                         phase=job.phase, attempt=job.attempt, model=llm.model)
     output, stage = None, "rollout"
     try:
-        with tracing.rollout_context(job.rollout_id, job.attempt):
+        with rollout_context(job.rollout_id, job.attempt):
             try:
                 output = await asyncio.wait_for(_call(rollout_fn, job.task, llm), timeout)
             except asyncio.TimeoutError:
@@ -125,7 +123,7 @@ async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Calla
         except asyncio.TimeoutError:
             raise RewardError(f"@reward for rollout {job.rollout_id} took longer than rollout.timeout="
                               f"{timeout}s") from None
-        value = check_reward(raw, job.rollout_id)
+        value = reward_value(raw, "@reward returned", f" for rollout {job.rollout_id}")
     except Exception as e:
         error = _describe(e, job)
         if stage == "reward" and not isinstance(e, RewardError):

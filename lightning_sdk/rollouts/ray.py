@@ -10,30 +10,30 @@ What runs where (docs/scaling.md has the picture):
 If a worker dies mid-collection, its unfinished rollouts are marked abandoned (spans kept) and re-run once more
 on a live worker under a new rollout id with attempt + 1; the dead worker is replaced before the next phase.
 The writer ignores late rows for a rollout it has abandoned, so no rollout is counted twice.
-Ray is imported only here, and only when this runtime is chosen.
+Ray is imported only here, and only when this runtime is chosen (rollouts.collector.RUNTIMES).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import ray
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lightning_sdk import tracing
-from lightning_sdk.agent import LLM
+from lightning_sdk.agent import LLM, load_agent
 from lightning_sdk.config import Config
+from lightning_sdk.errors import RunError, SetupError
+from lightning_sdk.rollouts.collector import Agent, progress_bar
+from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult, run_rollout
 from lightning_sdk.serving import ServerError
+from lightning_sdk.serving.process import control_request
 from lightning_sdk.serving.router import Router
 from lightning_sdk.store import Store
-from lightning_sdk.worker import RolloutJob, RolloutResult, run_rollout
 
 
 # --------------------------------------------------------------------------------------------------- actors
@@ -84,8 +84,6 @@ class _ShippedStore:
 
 class _RolloutWorker:
     def __init__(self, module: str, rollout: str | None, reward: str | None, writer: Any, timeout: float):
-        from lightning_sdk.runtime import load_agent
-
         self.rollout_fn, self.reward_fn = load_agent(module, rollout, reward)
         self.sink = _ShippedStore(writer)
         self.timeout = timeout
@@ -106,7 +104,7 @@ class _RolloutWorker:
 
 class _ServerActor:
     def __init__(self, model: str, kw: dict, log_path: str, local: bool):
-        from lightning_sdk.serving import CPUServer
+        from lightning_sdk.serving.cpu import CPUServer
 
         host = "127.0.0.1" if local else ray.util.get_node_ip_address()
         self.server = CPUServer(model, host=host, log_path=log_path, **kw)
@@ -122,37 +120,25 @@ class _ServerActor:
         return self.server.log_tail(n)
 
 
-# ------------------------------------------------------------------------------------------------ the cluster
+# ------------------------------------------------------------------------------------------------ the servers
 
-class RayCluster:
-    """The Ray runtime's inference server (router + server actors) and rollout pool, as the Runtime sees them.
-
-    It satisfies `serving.InferenceServer`, so the runtime hot-loads adapters through it (fanned out by the
-    router), and `collect` replaces the embedded collection loop.
-    """
+class RayServers:
+    """Inference-server actors behind one router: an `InferenceServer` to the runtime (adapters fan out)."""
 
     def __init__(self, cfg: Config, model_path: str, log_dir: Path):
         self.cfg, self.rc = cfg, cfg.ray
         self.model_path, self.log_dir = model_path, Path(log_dir)
         self.served_model_name = cfg.model.name
         self.api_key = cfg.serve.api_key
-        self.token = uuid.uuid4().hex[:8]
         self.router: Router | None = None
-        self.servers: list = []
-        self.workers: list = []
-        self.writer = None
-        self._writer_path: str | None = None
+        self.actors: list = []
         self._started_ray = False
-        self._names = itertools.count()
 
-    # ------------------------------------------------------------------ InferenceServer
     @property
     def base_url(self) -> str:
         return self.router.base_url
 
     def start(self) -> None:
-        from lightning_sdk.runtime import SetupError
-
         rc = self.rc
         if not ray.is_initialized():
             if rc.address:
@@ -172,10 +158,10 @@ class RayCluster:
                   max_model_len=s.max_model_len, dtype=self.cfg.model.dtype, quantization=self.cfg.model.quantization,
                   threads=max(1, int(rc.cpus_per_server)), startup_timeout=s.startup_timeout)
         actor = ray.remote(num_cpus=rc.cpus_per_server, scheduling_strategy="SPREAD")(_ServerActor)
-        self.servers = [actor.remote(self.model_path, kw, str(self.log_dir / f"server-{i}.log"), rc.address is None)
-                        for i in range(rc.servers)]
+        self.actors = [actor.remote(self.model_path, kw, str(self.log_dir / f"server-{i}.log"), rc.address is None)
+                       for i in range(rc.servers)]
         try:
-            urls = ray.get([a.start.remote() for a in self.servers])
+            urls = ray.get([a.start.remote() for a in self.actors])
         except ray.exceptions.RayError as e:
             self.stop()
             raise ServerError(f"an inference server actor failed to start: {e}") from e
@@ -183,20 +169,14 @@ class RayCluster:
         self.router.start()
 
     def stop(self) -> None:
-        for w in self.workers:
-            ray.kill(w)
-        self.workers = []
-        if self.servers:  # stop the server subprocesses before their actors go
+        if self.actors:  # stop the server subprocesses before their actors go
             try:
-                ray.get([a.stop.remote() for a in self.servers], timeout=30)
+                ray.get([a.stop.remote() for a in self.actors], timeout=30)
             except ray.exceptions.RayError:
                 pass
-            for a in self.servers:
+            for a in self.actors:
                 ray.kill(a)
-            self.servers = []
-        if self.writer is not None:
-            ray.kill(self.writer)
-            self.writer = None
+            self.actors = []
         if self.router is not None:
             self.router.stop()
         if self._started_ray:
@@ -215,32 +195,59 @@ class RayCluster:
 
     def log_tail(self, n: int = 50) -> str:
         try:
-            return "\n".join(ray.get([a.log_tail.remote(n) for a in self.servers], timeout=10))
+            return "\n".join(ray.get([a.log_tail.remote(n) for a in self.actors], timeout=10))
         except ray.exceptions.RayError as e:
             return f"(server logs unavailable: {e})"
 
     def _post(self, route: str, body: dict) -> None:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        try:
-            r = httpx.post(f"{self.router.url}{route}", json=body, headers=headers, timeout=300)
-        except httpx.HTTPError as e:
-            raise ServerError(f"{route}: router unreachable ({e})") from e
-        if r.status_code != 200:
-            raise ServerError(f"{route} failed ({r.status_code}): {r.text[:500]}")
+        control_request("POST", f"{self.router.url}{route}", api_key=self.api_key, who="router", json=body)
 
-    # ------------------------------------------------------------------ rollouts
-    def _ensure_workers(self, store_path: Path) -> None:
+
+# ------------------------------------------------------------------------------------------------ the collector
+
+class RayCollector:
+    """Rollout-worker actors and the head's store writer, calling `RayServers`; see the module docstring."""
+
+    def __init__(self, cfg: Config, *, agent: Agent, model_path: str, store: Store, log_dir: Path,
+                 console: Console):
+        self.cfg, self.rc, self.store, self.console = cfg, cfg.ray, store, console
+        if cfg.serve.backend == "auto":  # (config refuses "vllm" with this runtime)
+            console.print("serve.backend = 'auto' with run.runtime = 'ray': the server actors are built-in CPU servers")
+        self.server = RayServers(cfg, model_path, log_dir)
+        self.token = uuid.uuid4().hex[:8]
+        self.workers: list = []
+        self._worker_names: list[str] = []
+        self.writer = None
+        self._names = itertools.count()
+
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers, self._worker_names = [], []
+        if self.writer is not None:
+            ray.kill(self.writer)
+            self.writer = None
+        self.server.stop()
+
+    def hot_load(self, name: str, adapter: Path, *, previous: str | None = None) -> None:
+        try:
+            self.server.load_adapter(name, str(adapter))
+            if previous not in (None, name, self.server.served_model_name):
+                self.server.unload_adapter(previous)
+        except ServerError as e:
+            raise RunError(f"hot-loading {name} from {adapter} failed: {e}") from None
+
+    def _ensure_workers(self) -> None:
         rc = self.rc
-        if self.writer is None or self._writer_path != str(store_path):
+        if self.writer is None:
             head = ray.get_runtime_context().get_node_id()
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             self.writer = ray.remote(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))(
-                _StoreWriter).remote(str(store_path))
-            self._writer_path = str(store_path)
-            for w in self.workers:
-                ray.kill(w)
-            self.workers, self._worker_names = [], []
+                _StoreWriter).remote(str(self.store.path))
         per = rc.worker_concurrency or max(1, -(-self.cfg.rollout.concurrency // rc.num_workers))
         actor = ray.remote(num_cpus=rc.cpus_per_worker, max_concurrency=per, max_restarts=0,
                            scheduling_strategy="SPREAD")(_RolloutWorker)
@@ -252,24 +259,22 @@ class RayCluster:
             self._worker_names.append(name)
         ray.get([w.ready.remote() for w in self.workers])
 
-    def collect(self, jobs: list[RolloutJob], policy: str, *, store: Store, label: str,
-                console: Console) -> list[RolloutResult]:
-        self._ensure_workers(store.path)
+    def collect(self, jobs: list[RolloutJob], policy: str, *, label: str) -> list[RolloutResult]:
+        self._ensure_workers()
         live = list(zip(self.workers, self._worker_names))
         results: dict[int, RolloutResult] = {}
         pending: dict[Any, tuple[int, RolloutJob, Any]] = {}
         turn = itertools.count()
+        base_url, api_key = self.server.base_url, self.server.api_key or "EMPTY"
 
         def submit(i: int, job: RolloutJob, avoid: Any = None) -> None:
             choices = [w for w, _ in live if w is not avoid] or [w for w, _ in live]
             if not choices:
-                raise RuntimeError("every rollout worker has died")
+                raise RunError("every rollout worker has died")
             w = choices[next(turn) % len(choices)]
-            pending[w.run.remote(job, self.base_url, self.api_key or "EMPTY", policy)] = (i, job, w)
+            pending[w.run.remote(job, base_url, api_key, policy)] = (i, job, w)
 
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, transient=True) as progress:
-            bar = progress.add_task(label, total=len(jobs))
+        with progress_bar(self.console, label, len(jobs)) as advance:
             for i, job in enumerate(jobs):
                 submit(i, job)
             while pending:
@@ -279,34 +284,29 @@ class RayCluster:
                     try:
                         results[i] = ray.get(ref)
                     except ray.exceptions.RayActorError as e:
-                        self._worker_died(w, live, console)
+                        self._worker_died(w, live)
                         reason = f"rollout worker died: {str(e).splitlines()[0][:200]}"
                         started = ray.get(self.writer.abandon.remote(job.rollout_id, reason))
                         if live and not started and job.attempt == 1:
                             submit(i, job)  # it never began: not an attempt
                             continue
                         if live and job.attempt <= self.rc.max_retries:
-                            submit(i, retry(job), avoid=w)
+                            submit(i, job.retry(), avoid=w)
                             continue
                         results[i] = RolloutResult(job, "failed", None, None, reason)
                     except ray.exceptions.RayError as e:
                         results[i] = RolloutResult(job, "failed", None, None, f"{type(e).__name__}: {e}")
-                    progress.advance(bar)
+                    advance()
         return [results[i] for i in range(len(jobs))]
 
-    def _worker_died(self, w: Any, live: list, console: Console) -> None:
+    def _worker_died(self, w: Any, live: list) -> None:
         for k, (x, name) in enumerate(live):
             if x is w:
                 del live[k]
-                console.print(f"[yellow]rollout worker {name} died; re-running its rollouts on the others")
+                self.console.print(f"[yellow]rollout worker {name} died; re-running its rollouts on the others")
                 break
         for k, x in enumerate(self.workers):
             if x is w:
                 del self.workers[k]
                 del self._worker_names[k]
                 break
-
-
-def retry(job: RolloutJob) -> RolloutJob:
-    base = job.rollout_id.removesuffix(f"-r{job.attempt}") if job.attempt > 1 else job.rollout_id
-    return dataclasses.replace(job, rollout_id=f"{base}-r{job.attempt + 1}", attempt=job.attempt + 1)

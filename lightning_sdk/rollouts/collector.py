@@ -1,0 +1,74 @@
+"""How rollouts run is a strategy: one `Collector` protocol, one implementation per runtime (`run.runtime`).
+
+A collector owns the inference server its rollouts call, runs a phase's jobs and returns one result per job,
+in order; the runtime loop calls only this interface. Each implementation is imported only when chosen, so Ray
+is imported only by the Ray runtime.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from lightning_sdk.config import Config
+from lightning_sdk.errors import SetupError
+from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
+from lightning_sdk.serving import InferenceServer
+from lightning_sdk.store import Store
+
+
+@dataclass(frozen=True)
+class Agent:
+    """The user's two functions, as `agent.load_agent` found them in `module`."""
+
+    module: str
+    rollout_fn: Callable
+    reward_fn: Callable
+
+
+class Collector(Protocol):
+    server: InferenceServer  # where the policy is served; started by start(), stopped by stop()
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+
+    def collect(self, jobs: list[RolloutJob], policy: str, *, label: str) -> list[RolloutResult]:
+        """Run every job against `policy`; a job whose infrastructure failed under it is re-run once as
+        `job.retry()` (the first attempt marked abandoned, its spans kept)."""
+
+    def hot_load(self, name: str, adapter: Path, *, previous: str | None = None) -> None:
+        """Serve the adapter at `adapter` as `name` from now on, and drop the `previous` adapter (never the base)."""
+
+
+# run.runtime -> "module:class", imported on demand.
+RUNTIMES = {
+    "embedded": "lightning_sdk.rollouts.embedded:EmbeddedCollector",
+    "ray": "lightning_sdk.rollouts.ray:RayCollector",
+}
+
+
+def make_collector(cfg: Config, *, agent: Agent, model_path: str, store: Store, log_dir: Path,
+                   console: Console) -> Collector:
+    module, _, name = RUNTIMES[cfg.run.runtime].partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        raise SetupError(f"run.runtime = {cfg.run.runtime!r} needs {e.name or e}: pip install "
+                         f"'lightning-sdk[{cfg.run.runtime}]' ({e})") from None
+    return cls(cfg, agent=agent, model_path=model_path, store=store, log_dir=log_dir, console=console)
+
+
+@contextmanager
+def progress_bar(console: Console, label: str, total: int) -> Iterator[Callable[[], None]]:
+    """A transient progress bar for one phase; yields the function that advances it by one rollout."""
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        bar = progress.add_task(label, total=total)
+        yield lambda: progress.advance(bar)

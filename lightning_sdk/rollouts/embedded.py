@@ -1,0 +1,131 @@
+"""The embedded runtime: rollouts run as asyncio tasks in this process, against one inference server.
+
+At most `rollout.concurrency` rollouts run at once (sync agents each in a thread of their own, see
+`rollouts.worker`). A rollout that failed because the server died under it is not the agent's fault: the server
+is restarted (once for all the rollouts it took down, at most MAX_SERVER_RESTARTS per run) with the policy it
+served, and the rollout is re-run once as a new attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from lightning_sdk.agent import LLM
+from lightning_sdk.config import Config
+from lightning_sdk.errors import RunError
+from lightning_sdk.rollouts.collector import Agent, progress_bar
+from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult, run_rollout
+from lightning_sdk.serving import ServerError
+from lightning_sdk.serving.select import make_server
+from lightning_sdk.store import Store
+
+MAX_SERVER_RESTARTS = 3  # per run: a server that keeps dying is a bug to fix, not to retry forever
+
+
+class EmbeddedCollector:
+    def __init__(self, cfg: Config, *, agent: Agent, model_path: str, store: Store, log_dir: Path,
+                 console: Console):
+        self.cfg, self.agent, self.store, self.console = cfg, agent, store, console
+        self.log_path = Path(log_dir) / "server.log"
+        self.server = make_server(cfg, model_path, self.log_path)
+        self._adapters: dict[str, Path] = {}  # policies hot-loaded and still served: reloaded after a restart
+        self._generation, self._restarts, self._gone = 0, 0, None  # see _restart
+        # One event loop for all phases: clients an agent leaves open still close on the loop that made them.
+        self._loop: asyncio.Runner | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.Runner()
+        self.server.start()
+
+    def stop(self) -> None:
+        try:
+            self.server.stop()
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+                self._loop = None
+
+    def hot_load(self, name: str, adapter: Path, *, previous: str | None = None) -> None:
+        self._adapters[name] = Path(adapter)
+        try:
+            self.server.load_adapter(name, str(adapter))
+        except ServerError as e:
+            if self._server_up():
+                raise RunError(f"hot-loading {name} from {adapter} failed: {e}") from None
+            self._adapters.pop(previous, None)
+            self._restart()  # it died during the update; it comes back serving the new adapter
+            return
+        if previous not in (None, name, self.server.served_model_name):
+            self.server.unload_adapter(previous)
+            self._adapters.pop(previous, None)
+
+    def collect(self, jobs: list[RolloutJob], policy: str, *, label: str) -> list[RolloutResult]:
+        llm = LLM(base_url=self.server.base_url, api_key=self.server.api_key or "EMPTY", model=policy)
+        timeout = self.cfg.rollout.timeout
+
+        async def go() -> list[RolloutResult]:
+            gate = asyncio.Semaphore(self.cfg.rollout.concurrency)
+            restart_lock = asyncio.Lock()
+
+            async def server_lost(generation: int) -> bool:
+                """After a failed rollout: did the server die under it? If it is down, restart it (once for all)."""
+                async with restart_lock:
+                    if self._generation != generation:
+                        return True  # it died and came back while this rollout ran
+                    if await asyncio.to_thread(self._server_up):
+                        return False
+                    await asyncio.to_thread(self._restart)
+                    return True
+
+            async def attempt(job: RolloutJob) -> RolloutResult:
+                async with gate:
+                    return await run_rollout(job, rollout_fn=self.agent.rollout_fn, reward_fn=self.agent.reward_fn,
+                                             llm=llm, store=self.store, timeout=timeout)
+
+            with progress_bar(self.console, label, len(jobs)) as advance:
+                async def one(job: RolloutJob) -> RolloutResult:
+                    generation = self._generation
+                    result = await attempt(job)
+                    if result.status == "failed" and await server_lost(generation):
+                        retry = job.retry()
+                        self.store.abandon(job.rollout_id, f"the inference server died during the rollout; re-run "
+                                                           f"as {retry.rollout_id} ({result.error})")
+                        result = await attempt(retry)
+                    advance()
+                    return result
+
+                return await asyncio.gather(*(one(j) for j in jobs))
+
+        return self._loop.run(go())
+
+    def _server_up(self) -> bool:
+        if not self.server.is_alive():
+            return False
+        try:  # a process that is alive but refuses connections is as good as dead; a slow answer is not
+            httpx.get(self.server.base_url.removesuffix("/v1") + "/health", timeout=30)
+        except httpx.TransportError as e:
+            return isinstance(e, httpx.TimeoutException)
+        return True
+
+    def _restart(self) -> None:
+        if self._gone is not None:  # other rollouts saw it die too: one failed restart is enough
+            raise self._gone
+        self._restarts += 1
+        if self._restarts > MAX_SERVER_RESTARTS:
+            raise RunError(f"the inference server died {self._restarts} times; not restarting it again. "
+                           f"Log {self.log_path}:\n{self.server.log_tail(40)}")
+        self.console.print(f"[yellow]the inference server died; restarting it (restart {self._restarts} of "
+                           f"at most {MAX_SERVER_RESTARTS}) and re-running the rollouts it took down")
+        try:
+            self.server.stop()
+            self.server.start()
+            for name, path in self._adapters.items():
+                self.server.load_adapter(name, str(path))
+        except ServerError as e:
+            self._gone = RunError(f"the inference server died and did not come back: {e}")
+            raise self._gone from None
+        self._generation += 1

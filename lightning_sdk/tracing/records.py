@@ -1,0 +1,79 @@
+"""What a finished span is, as the store keeps it: the record, our attribute names, and the sink it goes to.
+
+Attribute names are namespaced, as OpenTelemetry's conventions ask for non-standard ones; the rest of a span's
+attributes are the instrumentor's `gen_ai.*` ones, kept as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+ROLLOUT_ID = "lightning.rollout.id"
+ATTEMPT = "lightning.rollout.attempt"
+COMPONENT = "lightning.component"
+PROMPT_IDS = "lightning.llm.prompt_token_ids"
+COMPLETION_IDS = "lightning.llm.completion_token_ids"  # choice 0: the one an agent reads
+COMPLETION_LOGPROBS = "lightning.llm.completion_logprobs"
+REWARD_VALUE = "lightning.reward.value"
+REWARD_NAME = "lightning.reward.name"
+REWARD_SPAN = "lightning.reward"
+TRACER_NAME = "lightning_sdk"
+
+
+@dataclass
+class SpanRecord:
+    """A finished span as the store keeps it."""
+
+    span_id: str
+    trace_id: str
+    parent_id: str | None
+    rollout_id: str
+    attempt: int
+    component: str | None
+    name: str
+    start_ns: int
+    end_ns: int
+    status: str  # "OK" | "ERROR" | "UNSET"
+    status_message: str | None
+    attributes: dict[str, Any] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def is_error(self) -> bool:
+        return self.status == "ERROR"
+
+
+class SpanSink(Protocol):
+    """Where finished rollout spans go (the store, or the Ray runtime's writer actor)."""
+
+    def write_spans(self, records: Sequence[SpanRecord]) -> None: ...
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, (tuple, list)) else value
+
+
+def to_record(span: Any) -> SpanRecord | None:
+    """An OpenTelemetry `ReadableSpan` -> a record; None for spans outside any rollout."""
+    attrs = dict(span.attributes or {})
+    rollout_id = attrs.get(ROLLOUT_ID)
+    if rollout_id is None:
+        return None
+    ctx = span.get_span_context()
+    return SpanRecord(
+        span_id=format(ctx.span_id, "016x"),
+        trace_id=format(ctx.trace_id, "032x"),
+        parent_id=format(span.parent.span_id, "016x") if span.parent else None,
+        rollout_id=str(rollout_id),
+        attempt=int(attrs.get(ATTEMPT, 1)),
+        component=attrs.get(COMPONENT),
+        name=span.name,
+        start_ns=span.start_time or 0,
+        end_ns=span.end_time or 0,
+        status=span.status.status_code.name,
+        status_message=span.status.description,
+        attributes={k: _plain(v) for k, v in attrs.items()},
+        events=[{"name": e.name, "time_ns": e.timestamp,
+                 "attributes": {k: _plain(v) for k, v in (e.attributes or {}).items()}} for e in span.events],
+    )

@@ -1,0 +1,196 @@
+"""Exact token ids and log-probs from the server's response, put on the instrumentor's span. Never re-tokenized.
+
+`opentelemetry-instrumentation-openai` records each OpenAI-client call as a span (prompt, completion, model,
+usage) but not token ids. These wrappers, installed *inside* the instrumentor's wrapper (so its span is current
+when they run), ask registered endpoints for token ids (`return_token_ids`, vLLM's flag, which the built-in
+server honours too) and copy vLLM's `prompt_token_ids` / `choices[].token_ids` fields and the sampled tokens'
+log-probs onto the span, for plain, streamed and raw-response calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry import trace
+
+from lightning_sdk.tracing.records import COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS
+
+# Base URLs whose calls ask for token ids; other providers' calls are left untouched.
+_endpoints: set[str] = set()
+
+
+def request_token_ids_from(base_url: str) -> None:
+    """Make OpenAI-client calls to this server ask for token ids (`return_token_ids`, vLLM's flag)."""
+    _endpoints.add(base_url.rstrip("/"))
+
+
+def _extra(obj: Any, name: str) -> Any:
+    """A field the OpenAI models don't declare but keep (vLLM's extras), from a model or a dict."""
+    if obj is None:
+        return None
+    if isinstance(obj, dict):
+        return obj.get(name)
+    value = getattr(obj, name, None)
+    if value is None:
+        extra = getattr(obj, "model_extra", None) or {}
+        value = extra.get(name)
+    return value
+
+
+def _choice_logprobs(choice: Any) -> list[float] | None:
+    lp = _extra(choice, "logprobs")
+    content = _extra(lp, "content") if lp is not None else None
+    if not content:
+        return None
+    return [float(_extra(t, "logprob")) for t in content]
+
+
+def _set_ids(span: Any, prompt_ids: Any, completion_ids: Any, logprobs: list[float] | None) -> None:
+    if not span.is_recording():
+        return
+    if prompt_ids is not None:
+        span.set_attribute(PROMPT_IDS, [int(t) for t in prompt_ids])
+    if completion_ids is not None:
+        span.set_attribute(COMPLETION_IDS, [int(t) for t in completion_ids])
+    if logprobs is not None and completion_ids is not None and len(logprobs) == len(completion_ids):
+        span.set_attribute(COMPLETION_LOGPROBS, logprobs)
+
+
+def _record_response(span: Any, response: Any) -> None:
+    choices = _extra(response, "choices") or []
+    first = next((c for c in choices if (_extra(c, "index") or 0) == 0), choices[0] if choices else None)
+    _set_ids(span, _extra(response, "prompt_token_ids"), _extra(first, "token_ids"), _choice_logprobs(first))
+
+
+class _StreamIds:
+    """Accumulates token ids and log-probs from stream chunks (choice 0)."""
+
+    def __init__(self, span: Any):
+        self.span = span
+        self.prompt_ids: list[int] | None = None
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.have_logprobs = True
+        self.saw_ids = False
+        self.done = False
+
+    def add(self, chunk: Any) -> None:
+        if self.prompt_ids is None and _extra(chunk, "prompt_token_ids") is not None:
+            self.prompt_ids = list(_extra(chunk, "prompt_token_ids"))
+        for choice in _extra(chunk, "choices") or []:
+            if (_extra(choice, "index") or 0) != 0:
+                continue
+            ids = _extra(choice, "token_ids")
+            if ids:
+                self.saw_ids = True
+                self.ids.extend(ids)
+                lps = _choice_logprobs(choice)
+                if lps is None or len(lps) != len(ids):
+                    self.have_logprobs = False
+                else:
+                    self.logprobs.extend(lps)
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.saw_ids or self.prompt_ids is not None:
+            _set_ids(self.span, self.prompt_ids, self.ids if self.saw_ids else None,
+                     self.logprobs if self.have_logprobs and self.saw_ids else None)
+
+
+def _wrap_stream(stream: Any, span: Any) -> Any:
+    from wrapt import ObjectProxy
+
+    acc = _StreamIds(span)
+
+    # An ObjectProxy keeps `isinstance(x, openai.Stream)` true, which the instrumentor relies on.
+    class IdStream(ObjectProxy):
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            try:
+                chunk = self.__wrapped__.__next__()
+            except StopIteration:
+                acc.finish()
+                raise
+            acc.add(chunk)
+            return chunk
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            try:
+                chunk = await self.__wrapped__.__anext__()
+            except StopAsyncIteration:
+                acc.finish()
+                raise
+            acc.add(chunk)
+            return chunk
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            acc.finish()
+            return self.__wrapped__.__exit__(*exc)
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            acc.finish()
+            return await self.__wrapped__.__aexit__(*exc)
+
+        def close(self):
+            acc.finish()
+            return self.__wrapped__.close()
+
+    return IdStream(stream)
+
+
+def _is_stream(obj: Any) -> bool:
+    import openai
+
+    return isinstance(obj, (openai.Stream, openai.AsyncStream))
+
+
+def _prepare_request(instance: Any, kwargs: dict) -> dict:
+    """Ask registered endpoints (vLLM) for token ids and log-probs; leaves other providers' calls untouched."""
+    base = str(getattr(getattr(instance, "_client", None), "base_url", "") or "").rstrip("/")
+    if not any(base.startswith(u) for u in _endpoints):
+        return kwargs
+    kwargs = dict(kwargs)
+    extra_body = dict(kwargs.get("extra_body") or {})
+    extra_body.setdefault("return_token_ids", True)
+    kwargs["extra_body"] = extra_body
+    if kwargs.get("logprobs") in (None, False) and not kwargs.get("top_logprobs"):
+        kwargs["logprobs"] = True
+    return kwargs
+
+
+def _parsed(response: Any) -> Any:
+    # `with_raw_response` calls hand back an APIResponse; parse() caches, so the caller's own parse() is free.
+    from openai._legacy_response import LegacyAPIResponse
+
+    return response.parse() if isinstance(response, LegacyAPIResponse) else response
+
+
+def sync_wrapper(wrapped, instance, args, kwargs):
+    span = trace.get_current_span()  # the instrumentor's span: it wraps us and makes its span current
+    response = wrapped(*args, **_prepare_request(instance, kwargs))
+    if _is_stream(response):
+        return _wrap_stream(response, span)
+    _record_response(span, _parsed(response))
+    return response
+
+
+async def async_wrapper(wrapped, instance, args, kwargs):
+    span = trace.get_current_span()
+    response = await wrapped(*args, **_prepare_request(instance, kwargs))
+    if _is_stream(response):
+        return _wrap_stream(response, span)
+    _record_response(span, _parsed(response))
+    return response

@@ -1,0 +1,62 @@
+"""Transitions -> padded micro-batches on the device, laid out so the model needs logits only for completions."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_sdk.transitions import Transition
+
+
+@dataclass
+class Batch:
+    """One micro-batch on the device: prompts left-padded, completions right-padded, so every completion starts at
+    the same column and the model only needs logits for the last C+1 positions."""
+
+    input_ids: torch.Tensor  # [B, P+C]
+    attention_mask: torch.Tensor  # [B, P+C]
+    position_ids: torch.Tensor  # [B, P+C] positions count from each row's first real token, as when sampling
+    targets: torch.Tensor  # [B, C] completion ids (0 on padding)
+    weights: torch.Tensor  # [B, C] loss weight per token (0 on padding)
+    adv: torch.Tensor  # [B, 1]
+    temperature: torch.Tensor  # [B, 1, 1]
+    sampler_logp: torch.Tensor  # [B, C] the sampler's log-probs (0 where absent)
+    has_sampler_logp: torch.Tensor  # [B, C] bool
+
+
+def collate(ts: Sequence[Transition], adv: torch.Tensor, w: torch.Tensor, device: str) -> Batch:
+    P = max(len(t.prompt_ids) for t in ts)
+    C = max(len(t.completion_ids) for t in ts)
+    B = len(ts)
+    ids = torch.zeros(B, P + C, dtype=torch.long)
+    mask = torch.zeros(B, P + C, dtype=torch.long)
+    slp = torch.zeros(B, C)
+    has = torch.zeros(B, C, dtype=torch.bool)
+    weights = torch.zeros(B, C)
+    for i, t in enumerate(ts):
+        p, c = len(t.prompt_ids), len(t.completion_ids)
+        if p == 0:
+            raise ValueError(f"transition {t.span_id}: empty prompt_ids (the first completion token needs a context)")
+        ids[i, P - p:P + c] = torch.tensor(t.prompt_ids + t.completion_ids)
+        mask[i, P - p:P + c] = 1
+        weights[i, :c] = w[i]
+        if t.logprobs is not None:
+            if len(t.logprobs) != c:
+                raise ValueError(f"transition {t.span_id}: {len(t.logprobs)} logprobs for {c} completion tokens")
+            slp[i, :c] = torch.tensor(t.logprobs)
+            has[i, :c] = True
+    temps = torch.tensor([t.temperature for t in ts]).view(B, 1, 1)  # > 0: transitions map greedy calls to 1
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    fields = (ids, mask, pos, ids[:, P:], weights, adv.view(B, 1), temps, slp, has)
+    return Batch(*(x.to(device) for x in fields))
+
+
+def drop_single_rollout_groups(ts: Sequence[Transition]) -> list[Transition]:
+    """A group with one rollout has no baseline to compare against: it carries no GRPO signal."""
+    rollouts: dict[str, set[str]] = defaultdict(set)
+    for t in ts:
+        rollouts[t.group_id].add(t.rollout_id)
+    return [t for t in ts if len(rollouts[t.group_id]) > 1]

@@ -1,0 +1,62 @@
+"""A run's checkpoints: what each holds, where it lives, and how one appears only complete.
+
+    run.dir/checkpoints/iter-00003/
+        state.json              RunState: iterations done, their metrics, the eval scores, the policy's name
+        trainer/                GRPOTrainer.save_state: adapter/, optimizer, RNG, step counter
+            adapter/            the PEFT adapter (what the server hot-loads and `lightning eval` scores)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_sdk.files import atomic_dir
+
+CHECKPOINTS = "checkpoints"
+STATE = "state.json"
+TRAINER = "trainer"
+ADAPTER = "adapter"  # inside TRAINER: GRPOTrainer.save_state puts the PEFT adapter there
+
+
+@dataclass
+class RunState:
+    """What a checkpoint remembers besides the weights: finished iterations and their metrics."""
+
+    completed: int = 0  # iterations finished and checkpointed
+    history: list[dict[str, Any]] = field(default_factory=list)
+    baseline_eval: float | None = None
+    adapter_name: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def read(cls, checkpoint: Path) -> "RunState":
+        return cls(**json.loads((checkpoint / STATE).read_text()))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    # A checkpoint directory only ever appears by an atomic rename of a complete one.
+    done = sorted((Path(run_dir) / CHECKPOINTS).glob("iter-*"))
+    return done[-1] if done else None
+
+
+def adapter_dir(checkpoint: Path) -> Path:
+    """The checkpoint's PEFT adapter (what `PeftModel.from_pretrained` and the server's hot-load take)."""
+    return checkpoint / TRAINER / ADAPTER
+
+
+def write_checkpoint(run_dir: Path, iteration: int, trainer: Any, state: RunState, keep: int = 3) -> Path:
+    """Checkpoint `trainer` and `state` as iter-<iteration>; only the newest `keep` checkpoints stay."""
+    root = Path(run_dir) / CHECKPOINTS
+    final = root / f"iter-{iteration:05d}"
+    with atomic_dir(final) as tmp:
+        trainer.save_state(tmp / TRAINER)
+        (tmp / STATE).write_text(state.to_json())
+    for old in sorted(root.glob("iter-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final

@@ -1,0 +1,250 @@
+"""GRPO on LoRA / QLoRA adapters: the update phase of one training iteration.
+
+The math is in `train.grpo` (pure functions), batching in `train.batch`; `GRPOTrainer` runs the model and steps
+AdamW. One `step(transitions)` is one update phase over one collected batch:
+  advantages per transition (GRPO group baseline) -> per-token weights summing to 1 over the batch
+  -> (old / reference log-probs, no grad) -> for each epoch: accumulate grads over micro-batches, clip, step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lightning_sdk import models
+from lightning_sdk.config import TrainConfig
+from lightning_sdk.files import atomic_dir
+from lightning_sdk.train.batch import Batch, collate, drop_single_rollout_groups
+from lightning_sdk.train.checkpoint import ADAPTER
+from lightning_sdk.train.grpo import grpo_loss, group_advantages, sampler_is_weight, token_weights
+from lightning_sdk.transitions import Transition
+
+# What step() reports when a batch leaves nothing to train on (e.g. every group has a single rollout).
+_EMPTY_METRICS = {"loss": 0.0, "grad_norm": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 1.0, "adv_mean": 0.0,
+                  "adv_std": 0.0, "num_transitions": 0.0, "num_tokens": 0.0, "logprob_gap": math.nan}
+
+
+@dataclass
+class _Plan:
+    """One update's input, prepared: the transitions kept, their advantages, and micro-batches in length order."""
+
+    ts: list[Transition]
+    adv: torch.Tensor
+    order: list[int]  # indices into ts of the transitions with completion tokens, shortest first
+    batches: list[Batch]
+
+
+def lora_targets(model: torch.nn.Module, target_modules: list[str] | str) -> list[str] | str:
+    """peft's target_modules. "all-linear" alone is peft's own shorthand (every linear layer but the output head);
+    a list may hold "all-linear" plus extras such as "lm_head", which peft does not accept, so expand it here."""
+    if isinstance(target_modules, str) or "all-linear" not in target_modules:
+        return target_modules
+    head = model.get_output_embeddings()
+    names = {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+    return sorted(names | (set(target_modules) - {"all-linear"}))
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+
+class GRPOTrainer:
+    """A LoRA (or QLoRA) adapter on a frozen base model, trained with GRPO from transitions."""
+
+    def __init__(self, model_path: str, config: TrainConfig, *, quantization: str = "none", dtype: str = "auto",
+                 seed: int = 0) -> None:
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.global_step = 0
+        torch.manual_seed(seed)  # the LoRA init
+        random.seed(seed)
+        base = models.load_causal_lm(model_path, dtype=dtype, quantization=quantization, device=self.device)
+        ckpt = {"use_reentrant": False}  # non-reentrant: works with frozen inputs, no enable_input_require_grads
+        with warnings.catch_warnings():
+            # peft still calls transformers' v5-deprecated *gradient_checkpointing* names; nothing for a user to fix
+            warnings.filterwarnings("ignore", message=".*deprecated and will be removed in v6", category=FutureWarning)
+            if quantization == "4bit":
+                # fp32 norms/head and (optionally) checkpointing: the standard QLoRA preparation
+                base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=config.gradient_checkpointing,
+                                                       gradient_checkpointing_kwargs=ckpt)
+            elif config.gradient_checkpointing:
+                if hasattr(base, "activation_checkpointing_enable"):
+                    base.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt)
+                else:  # transformers < 5.20 (what vllm 0.32, the [gpu] extra, allows) has only the older name
+                    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
+            base.config.use_cache = False
+            lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                              target_modules=lora_targets(base, config.target_modules), task_type="CAUSAL_LM")
+            self.model = get_peft_model(base, lora)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Without dropout a training-mode forward computes exactly the log-probs an eval-mode one does.
+        self._train_forward_is_eval = not any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()
+        ) and not any(getattr(base.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout"))
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+
+    def _logprobs(self, b: Batch) -> torch.Tensor:
+        """Log-probs [B, C] of the completion tokens under the current model, from temperature-scaled logits."""
+        C = b.targets.shape[1]
+        out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
+                         logits_to_keep=C + 1, use_cache=False)
+        logits = out.logits[:, :-1].float() / b.temperature  # position j predicts token j+1
+        return torch.log_softmax(logits, dim=-1).gather(-1, b.targets.unsqueeze(-1)).squeeze(-1)
+
+    @torch.no_grad()
+    def _logprobs_frozen(self, batches: list[Batch], *, reference: bool) -> list[torch.Tensor]:
+        """Old-policy (reference=False) or base-model (reference=True: adapter off, no second weight copy) log-probs."""
+        self.model.eval()
+        with self.model.disable_adapter() if reference else nullcontext():
+            return [self._logprobs(b) for b in batches]
+
+    def step(self, transitions: Sequence[Transition]) -> dict[str, float]:
+        """One update phase over one collected batch: `epochs` optimizer steps, metrics averaged over them."""
+        t0, cfg = time.perf_counter(), self.config
+        plan = self._prepare(transitions)
+        if not plan.batches:  # nothing left to learn from: no update, not an error
+            return self._metrics(transitions, plan, Counter(), t0)
+        olds, refs = self._frozen_logprobs(plan.batches)
+        self.model.train()
+        totals: Counter[str] = Counter()
+        for epoch in range(cfg.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for i, (b, ref) in enumerate(zip(plan.batches, refs)):
+                logp = self._logprobs(b)
+                if olds[i] is None:  # epoch 0 without a separate pass: this is the old policy
+                    olds[i] = logp.detach()
+                if epoch == 0:  # no update yet: the policy the sampler ran, so compare with its log-probs
+                    totals.update(_sampler_gap(logp, b))
+                is_w = (None if cfg.importance_sampling_cap is None else
+                        sampler_is_weight(olds[i], b.sampler_logp, b.has_sampler_logp, cfg.importance_sampling_cap))
+                loss, st = grpo_loss(logp, olds[i], b.adv, b.weights, clip_eps=cfg.clip_eps,
+                                     clip_eps_high=cfg.clip_eps_high, ref_logp=ref, beta=cfg.beta, is_weight=is_w)
+                loss.backward()  # weights sum to 1 over the whole batch: accumulated grads == full-batch grads
+                totals.update({"loss": loss.item(), **{k: v.item() for k, v in st.items()}})
+            totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+            self.optimizer.step()
+        self.model.eval()
+        self.global_step += 1
+        if self.device.startswith("cuda"):
+            # Hand the allocator's cached blocks back, so a sleeping inference server on this GPU can wake into them.
+            torch.cuda.empty_cache()
+        return self._metrics(transitions, plan, totals, t0)
+
+    def _prepare(self, transitions: Sequence[Transition]) -> _Plan:
+        """Advantages and token weights over the whole batch, then micro-batches of similar lengths (less padding).
+
+        Groups with a single rollout have no baseline and are left out (counted in num_skipped); transitions with
+        empty completions have no tokens to train.
+        """
+        cfg = self.config
+        if not transitions:
+            raise ValueError("GRPOTrainer.step: empty batch, no transitions to train on")
+        ts = drop_single_rollout_groups(transitions)
+        if not any(t.completion_ids for t in ts):
+            return _Plan(ts, torch.zeros(len(ts)), [], [])
+        adv = group_advantages([t.reward for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts],
+                               cfg.scale_rewards)
+        w = token_weights([len(t.completion_ids) for t in ts], [t.rollout_id for t in ts], cfg.loss_norm)
+        order = sorted((i for i, t in enumerate(ts) if t.completion_ids),
+                       key=lambda i: len(ts[i].prompt_ids) + len(ts[i].completion_ids))
+        chunks = [order[k:k + cfg.micro_batch_size] for k in range(0, len(order), cfg.micro_batch_size)]
+        return _Plan(ts, adv, order, [collate([ts[i] for i in c], adv[c], w[c], self.device) for c in chunks])
+
+    def _frozen_logprobs(self, batches: list[Batch]) -> tuple[list, list]:
+        """Old-policy and reference log-probs, each computed only when needed ([None] * n otherwise).
+
+        The old policy is the one before this update, i.e. the current one during epoch 0, whose ratio is
+        exp(logp - logp.detach()) = 1 with the same gradient; epoch 0's own log-probs then serve as the old ones
+        for later epochs. Only a model with dropout (train-mode log-probs differ) pays for a separate no-grad pass.
+        """
+        cfg, none = self.config, [None] * len(batches)
+        separate = cfg.epochs > 1 and not self._train_forward_is_eval
+        olds = self._logprobs_frozen(batches, reference=False) if separate else list(none)
+        refs = self._logprobs_frozen(batches, reference=True) if cfg.beta > 0 else none
+        return olds, refs
+
+    def _metrics(self, transitions: Sequence[Transition], plan: _Plan, totals: Counter, t0: float) -> dict[str, float]:
+        """Loss statistics averaged over epochs; logprob_gap is the mean |trainer - sampler| log-prob before the
+        update (the train/inference mismatch)."""
+        m = {**_EMPTY_METRICS, "reward_mean": _rollout_mean(transitions),
+             "num_skipped": float(len(transitions) - len(plan.ts))}
+        if plan.batches:
+            gap, gap_n = totals.pop("gap", 0.0), totals.pop("gap_n", 0)
+            kept = plan.adv[plan.order]
+            m.update({k: v / self.config.epochs for k, v in totals.items()})
+            m.update(adv_mean=kept.mean().item(), adv_std=kept.std().item() if len(plan.order) > 1 else 0.0,
+                     num_transitions=float(len(plan.order)),
+                     num_tokens=float(sum(len(plan.ts[i].completion_ids) for i in plan.order)),
+                     logprob_gap=gap / gap_n if gap_n else math.nan)
+        return {**m, "step": float(self.global_step), "seconds": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+
+    def save_adapter(self, path: str | Path) -> None:
+        """A PEFT adapter dir (adapter_config.json + adapter_model.safetensors) for PeftModel.from_pretrained."""
+        with atomic_dir(path) as tmp:
+            self._save_adapter_files(tmp)
+
+    def _save_adapter_files(self, path: Path) -> None:
+        # The adapter only: with lm_head targeted peft would also copy the frozen head (vocab x hidden), which
+        # the base model already has.
+        self.model.save_pretrained(path, save_embedding_layers=False)
+
+    def save_state(self, path: str | Path) -> None:
+        """Everything needed to resume: adapter, optimizer, step counter, RNG. Appears only once complete."""
+        with atomic_dir(path) as tmp:
+            self._save_adapter_files(tmp / ADAPTER)
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            torch.save(rng, tmp / "rng.pt")
+            (tmp / "trainer_state.json").write_text(json.dumps({"global_step": self.global_step}))
+
+    def load_state(self, path: str | Path) -> None:
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "trainer_state.json").exists():
+            raise FileNotFoundError(f"{path}: not a trainer checkpoint (no trainer_state.json)")
+        weights = load_file(path / ADAPTER / "adapter_model.safetensors", device=self.device)
+        result = set_peft_model_state_dict(self.model, weights)
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing:
+            raise ValueError(f"{path}: adapter does not match this model (missing {missing[:3]}...)")
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
+        rng = torch.load(path / "rng.pt")
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.global_step = json.loads((path / "trainer_state.json").read_text())["global_step"]
+
+
+def _rollout_mean(ts: Sequence[Transition]) -> float:
+    """Mean reward with every rollout counted once (its transitions' mean), however many calls it made."""
+    per: dict[str, list[float]] = defaultdict(list)
+    for t in ts:
+        per[t.rollout_id].append(t.reward)
+    return sum(sum(v) / len(v) for v in per.values()) / len(per)
+
+
+def _sampler_gap(logp: torch.Tensor, b: Batch) -> dict[str, float]:
+    """Sum and count of |trainer - sampler| log-prob over the tokens the sampler reported."""
+    return {"gap": ((logp.detach() - b.sampler_logp).abs() * b.has_sampler_logp).sum().item(),
+            "gap_n": int(b.has_sampler_logp.sum())}
