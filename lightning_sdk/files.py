@@ -1,4 +1,4 @@
-"""File-system plumbing shared by every layer: directories that appear only complete, and loading a .py file."""
+"""File-system plumbing shared by every layer: directories and files that appear only complete, loading a .py file."""
 
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ def atomic_dir(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Replace the file at `path` with `text` in one rename: readers see the old file or the new, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def load_py_file(path: str | Path, module_name: str | None = None, *, importable_siblings: bool = False) -> ModuleType:

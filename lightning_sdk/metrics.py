@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lightning_sdk.files import atomic_write_text
+
 
 class MetricsLog:
     def __init__(self, run_dir: Path):
@@ -15,9 +17,7 @@ class MetricsLog:
 
     def rewrite(self, history: list[dict[str, Any]]) -> None:
         """Make metrics.jsonl hold exactly the checkpointed iterations (after a resume nothing is doubled)."""
-        tmp = self.jsonl.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in history))
-        tmp.replace(self.jsonl)
+        atomic_write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in history))
 
     def log(self, row: dict[str, Any]) -> None:
         with self.jsonl.open("a") as f:

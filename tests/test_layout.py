@@ -1,0 +1,99 @@
+"""The house rules, checked on the source: no import circle, no arrow that runs back up the data flow
+(agent -> tracing -> store -> transitions/credit -> trainer -> serving, the runtime on top), one collector per
+runtime the config accepts."""
+
+import ast
+import typing
+from pathlib import Path
+
+import lightning_sdk
+from lightning_sdk import config
+from lightning_sdk.rollouts.collector import RUNTIMES
+
+PKG = Path(lightning_sdk.__file__).parent
+
+# Top-level part -> its height. A module may import only parts at its height or below.
+HEIGHT = {
+    "errors": 0, "files": 0, "config": 1, "data": 1,
+    "agent": 2, "tracing": 3,                      # the agent side: no store, trainer or server below them
+    "store": 4, "credit": 5, "transitions": 6, "models": 5, "tiny": 5,
+    "train": 7, "serving": 7, "metrics": 7,
+    "rollouts": 8, "runtime": 9, "cli": 10,
+}
+AGENT_SIDE = {"agent", "tracing"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = path.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every lightning_sdk module `name` imports, at any depth of its code (lazy imports count too)."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("lightning_sdk")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("lightning_sdk"):
+                continue
+            for a in node.names:  # `from pkg import submodule` is an import of the submodule
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return found - {name}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_no_import_circle():
+    mods = _modules()
+    graph = {m: _imports(m, p, set(mods)) & set(mods) for m, p in mods.items()}
+    done, stack = set(), []
+
+    def visit(m: str) -> None:
+        if m in stack:
+            raise AssertionError("import circle: " + " -> ".join(stack[stack.index(m):] + [m]))
+        if m in done:
+            return
+        stack.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        stack.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+
+
+def test_no_arrow_runs_back_up():
+    mods = _modules()
+    wrong = []
+    for m, p in mods.items():
+        src = _part(m)
+        if src == "__init__":  # the public surface: the agent side only
+            allowed = lambda dst: dst in AGENT_SIDE  # noqa: E731
+        else:
+            assert src in HEIGHT, f"{m}: a new top-level part; give it a height in this test"
+            allowed = lambda dst, src=src: dst == src or HEIGHT[dst] <= HEIGHT[src]  # noqa: E731
+        for target in _imports(m, p, set(mods)):
+            dst = _part(target)
+            if dst != "__init__" and not allowed(dst):
+                wrong.append(f"{m} imports {target}")
+            if src in AGENT_SIDE and dst not in AGENT_SIDE | {"errors", "files", "__init__"}:
+                wrong.append(f"{m} (agent side) imports {target}")
+    assert not wrong, wrong
+
+
+def test_every_runtime_the_config_accepts_has_one_collector():
+    accepted = set(typing.get_args(config.RunConfig.model_fields["runtime"].annotation))
+    assert accepted == set(RUNTIMES)
