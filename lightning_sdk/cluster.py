@@ -106,7 +106,7 @@ class _RolloutWorker:
 
 class _ServerActor:
     def __init__(self, model: str, kw: dict, log_path: str, local: bool):
-        from lightning_sdk.serving import CPUServer
+        from lightning_sdk.serving.cpu import CPUServer
 
         host = "127.0.0.1" if local else ray.util.get_node_ip_address()
         self.server = CPUServer(model, host=host, log_path=log_path, **kw)

@@ -151,7 +151,7 @@ class TaskFeed:
 # ----------------------------------------------------------------------------------------------- the runtime
 
 def make_server(cfg: Config, model_path: str, log_path: Path):
-    from lightning_sdk.serving import CPUServer
+    from lightning_sdk.serving.cpu import CPUServer
 
     if cfg.run.runtime == "ray":  # server actors behind a router, plus the rollout pool: lightning_sdk/cluster.py
         try:

@@ -19,9 +19,7 @@ from pathlib import Path
 
 import httpx
 
-
-class ServerError(RuntimeError):
-    """The inference server failed to start, died, or refused an adapter operation."""
+from lightning_sdk.serving import ServerError
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -17,7 +17,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightning_sdk.serving import ServerError, free_port
+from lightning_sdk.serving import ServerError
+from lightning_sdk.serving.process import free_port
 
 _HOP = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
