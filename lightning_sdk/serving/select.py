@@ -1,0 +1,55 @@
+"""Which inference server a run gets: `serve.backend` ("cpu", "vllm" or "auto") made into an unstarted server.
+
+The single-process choice only; the Ray runtime builds its own servers. Backends are imported inside the
+functions, so that choosing one never imports the other's modules.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_sdk.errors import SetupError
+
+if TYPE_CHECKING:
+    from lightning_sdk.config import Config
+
+log = logging.getLogger("lightning_sdk")  # the runtime's logger: these lines are part of a run's log
+
+
+def make_server(cfg: Config, model_path: str, log_path: Path):
+    from lightning_sdk.serving.cpu import CPUServer
+
+    backend = cfg.serve.backend
+    if backend != "cpu":
+        from lightning_sdk.serving.vllm import vllm_unavailable_reason
+
+        why_not = vllm_unavailable_reason()
+        if backend == "auto":
+            backend = "cpu" if why_not else "vllm"
+            log.info("serve.backend = 'auto': using %s", f"the built-in CPU server ({why_not})" if why_not
+                     else "vLLM (CUDA GPU and vllm found)")
+        elif why_not:
+            raise SetupError(f"serve.backend = 'vllm': {why_not}. Install the GPU extra with "
+                             f"`pip install 'lightning-sdk[gpu]'` (its own environment, docs/gpu.md) on a CUDA "
+                             f"machine, or set serve.backend = 'cpu'")
+    if backend == "vllm":
+        return vllm_server(cfg, model_path, log_path)
+    return CPUServer(
+        model_path, served_model_name=cfg.model.name, host=cfg.serve.host, port=cfg.serve.port,
+        api_key=cfg.serve.api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
+        dtype=cfg.model.dtype, startup_timeout=cfg.serve.startup_timeout, log_path=log_path,
+    )
+
+
+def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
+    """vLLM serving the bf16 base (also for QLoRA: the nf4 copy is the trainer's) with room for rank lora_r."""
+    from lightning_sdk.serving.vllm import VLLMServer
+
+    s = cfg.serve
+    return VLLMServer(model_path, served_model_name=cfg.model.name, lora_r=cfg.train.lora_r, host=s.host,
+                      port=s.port, api_key=s.api_key, max_loras=s.max_loras, dtype=cfg.model.dtype,
+                      max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
+                      sleep_level=s.sleep_level, extra_args=s.extra_args, startup_timeout=s.startup_timeout,
+                      log_path=log_path, **kw)
