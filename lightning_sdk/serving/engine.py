@@ -41,6 +41,7 @@ from lightning_sdk.serving.requests import (
     _Job,
     _set_future,
 )
+from lightning_sdk.serving.sampling import _eos_ids, _find_stop, _sample
 
 log = logging.getLogger("lightning_sdk.serving")
 
@@ -307,7 +308,7 @@ class Engine:
                          logits_to_keep=1, **{self._cache_kw: batch.cache})
         batch.cache = out.cache if hasattr(out, "cache") else out.past_key_values
         batch.positions = batch.positions[:, -1:]
-        tokens, logps, top = self._sample(out.logits[:, -1, :].float(), batch.temps, batch.top_ps, batch.rows)
+        tokens, logps, top = _sample(out.logits[:, -1, :].float(), batch.temps, batch.top_ps, batch.rows, self._gen)
         batch.tokens = tokens
         keep = [b for b, r in enumerate(batch.rows)
                 if not self._append(r, int(tokens[b]), float(logps[b]), top[b] if top else None)]
@@ -364,42 +365,6 @@ class Engine:
         self.model.set_adapter(adapter)
         return contextlib.nullcontext()
 
-    def _sample(self, logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, rows: list[_Row]):
-        """Per-row greedy or temperature/top-p sampling.
-
-        Log-probs are of the temperature-scaled distribution (not renormalised to the top-p nucleus), the one a
-        trainer recomputes from its own logits; greedy rows report the raw log-softmax.
-        """
-        greedy = temps == 0
-        logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(1), dim=-1)
-        probs = logp.exp()
-        # Inverse-CDF sampling with one uniform per row, so a request with a seed draws from its own generator
-        # and gets the same reply whatever else shares the batch. Each row's CDF runs over the same token order
-        # whatever its neighbours ask for: vocabulary order, or (top-p rows only) descending probability.
-        u = torch.rand(len(rows), generator=self._gen)
-        seeded: dict[int, list[int]] = {}
-        for b, r in enumerate(rows):
-            if r.job.generator is not None:
-                seeded.setdefault(id(r.job), []).append(b)
-        for bs in seeded.values():
-            u[bs] = torch.rand(len(bs), generator=rows[bs[0]].job.generator)
-        picked = _inverse_cdf(probs, u)
-        nucleus = (top_ps < 1).nonzero().squeeze(1)
-        if len(nucleus):
-            sorted_probs, order = probs[nucleus].sort(dim=-1, descending=True)
-            mass_before = sorted_probs.cumsum(-1) - sorted_probs
-            sorted_probs = sorted_probs * (mass_before < top_ps[nucleus].unsqueeze(1))  # its first token stays
-            picked[nucleus] = order.gather(1, _inverse_cdf(sorted_probs, u[nucleus]))
-        tokens = torch.where(greedy, logits.argmax(-1), picked.squeeze(1))
-        token_logp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        k = max(r.req.top_logprobs for r in rows)
-        top = None
-        if k:
-            values, indices = logp.topk(k, dim=-1)
-            top = [list(zip(indices[b, :r.req.top_logprobs].tolist(), values[b, :r.req.top_logprobs].tolist()))
-                   for b, r in enumerate(rows)]
-        return tokens, token_logp, top
-
     def _append(self, row: _Row, token: int, logprob: float, top: list[tuple[int, float]] | None) -> bool:
         """Record one sampled token; True when the row is finished (its job resolved if it was the last)."""
         if row.job.cancelled:
@@ -453,32 +418,6 @@ class Engine:
     def _decode(self, tokens: list[int]) -> str:
         with self._tok_lock:
             return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """[B, 1] index of the token each row's uniform falls on, under its (unnormalised) probabilities."""
-    cdf = probs.cumsum(-1)
-    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=cdf.shape[1] - 1)
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
-    """Earliest stop string in `text` that ends after `start` (the text before it was already checked)."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, max(0, start - len(s) + 1))
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
 
 
 def _normalise_message(message: dict) -> dict:
