@@ -1,36 +1,25 @@
 """Batched generation over a Hugging Face causal LM, with LoRA adapters swapped in at run time.
 
-One generation thread owns the model and runs continuous batching: a decode loop for one adapter (or the base)
-takes every pending request for it (up to `max_batch_size` rows, one row per choice), prefills them together
-(left-padded prompts), then samples one token per step from the KV cache. Between steps, requests for the same
-adapter that arrived meanwhile join: they are prefilled on their own and their cache rows are merged into the
-running batch (left-padded to a common length, the padding masked out). Finished rows are dropped from the batch
-(and the cache) as they finish, so a long reply makes neither the short ones nor the newcomers wait for it. The
-loop ends when it runs empty, or stops taking newcomers once a request for another adapter or an adapter
-load/unload is waiting, so those are never starved.
-
-What comes back is exactly what was sampled: the token ids, and the log-probability of each under the distribution
-it was drawn from. RL training needs both and must never re-tokenize the text.
+The engine holds the tokenizer, the model and its adapters, and makes the model calls: a prefill of new
+requests and one decode step of a batch, each sampling one token per row. Around it: `requests` (what is asked
+and what comes back), `batch` (the rows and their KV cache), `sampling` (the next token and its log-prob, stop
+strings) and `scheduler` (the generation thread and its continuous batching).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import inspect
 import logging
-import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator
 
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.serving.batch import _Batch, _mergeable, _Row
+from lightning_sdk.serving.batch import _Batch, _Row
 from lightning_sdk.serving.requests import (
     Choice,
     ChoiceDelta,
@@ -39,25 +28,13 @@ from lightning_sdk.serving.requests import (
     ModelNotFound,
     RequestError,
     _Job,
-    _set_future,
 )
 from lightning_sdk.serving.sampling import _eos_ids, _find_stop, _sample
+from lightning_sdk.serving.scheduler import Scheduler
 
 log = logging.getLogger("lightning_sdk.serving")
 
 MAX_TOP_LOGPROBS = 20
-
-
-_STOP = object()  # queued by close(): the generation thread ends
-
-
-@dataclass
-class _Control:
-    """Work that must not overlap generation (adapter load/unload), run on the generation thread."""
-
-    fn: Callable[[], Any]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
 
 
 class Engine:
@@ -86,14 +63,12 @@ class Engine:
         self._gen = torch.Generator().manual_seed(seed)
         self._tok_lock = threading.Lock()  # HF fast tokenizers raise "Already borrowed" under concurrent use
         self._token_text: dict[int, str] = {}
-        self._queue: queue.Queue[_Job | _Control | object] = queue.Queue()
-        self._backlog: collections.deque[_Job | _Control | object] = collections.deque()
         # batches: batches started from nothing; prefills: prompt passes (one per batch plus one per group of
         # newcomers); joined: requests that joined rows already decoding.
         self.stats = {"requests": 0, "batches": 0, "prefills": 0, "joined": 0, "max_batch_rows": 0,
                       "generated_tokens": 0}
-        self._thread = threading.Thread(target=self._loop, name="lightning-generate", daemon=True)
-        self._thread.start()
+        self._scheduler = Scheduler(self._prefill, self._forward, self._adapter_context,
+                                    max_batch_size=max_batch_size, stats=self.stats)
         log.info("loaded %s in %.1fs (%s, max_model_len %d)", model_path, time.monotonic() - t0,
                  self.model.dtype, self.max_model_len)
 
@@ -168,115 +143,21 @@ class Engine:
             job.abandoned = True
 
     async def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
-        await self._control(lambda: self._load_adapter(name, path, replace))
+        await self._scheduler.control(lambda: self._load_adapter(name, path, replace))
 
     async def unload_adapter(self, name: str) -> None:
-        await self._control(lambda: self._unload_adapter(name))
+        await self._scheduler.control(lambda: self._unload_adapter(name))
 
     def close(self) -> None:
-        self._queue.put(_STOP)
-        self._thread.join(timeout=10)
+        self._scheduler.close()
 
     def _submit(self, req: GenerationRequest, *, stream: bool) -> _Job:
         self.check(req)
         job = _Job(req, asyncio.get_running_loop(), stream)
-        self._queue.put(job)
+        self._scheduler.submit(job)
         return job
 
-    async def _control(self, fn: Callable[[], Any]) -> Any:
-        loop = asyncio.get_running_loop()
-        ctl = _Control(fn, loop, loop.create_future())
-        self._queue.put(ctl)
-        return await ctl.future
-
-    # ---- the generation thread ----
-
-    def _next(self, block: bool) -> _Job | _Control | object | None:
-        if self._backlog:
-            return self._backlog.popleft()
-        try:
-            return self._queue.get(block=block)
-        except queue.Empty:
-            return None
-
-    def _loop(self) -> None:
-        while True:
-            item = self._next(block=True)
-            if item is _STOP:
-                return
-            if isinstance(item, _Control):
-                self._run_control(item)
-            elif not item.cancelled:
-                self._decode_loop(item)
-
-    def _admit(self, adapter: str | None, rows: int) -> tuple[list[_Job], bool]:
-        """Pending jobs for `adapter` that fit beside `rows` running rows, and whether to go on admitting.
-
-        Anything else that is pending goes back to the front of the backlog in its order. Once something waits
-        that cannot join (another adapter, a control item, a job too big for the room left), the loop admits
-        no more, so that it runs empty and the waiting item goes next. A control item ends the scan: jobs
-        queued after an adapter load/unload must run after it.
-        """
-        admitted: list[_Job] = []
-        held: list[_Job | _Control | object] = []
-        while rows < self.max_batch_size:
-            item = self._next(block=False)
-            if item is None:
-                break
-            if not isinstance(item, _Job):
-                held.append(item)
-                break
-            if item.cancelled:
-                continue
-            if item.req.adapter != adapter or rows + item.req.n > self.max_batch_size:
-                held.append(item)
-                continue
-            admitted.append(item)
-            rows += item.req.n
-        self._backlog.extendleft(reversed(held))
-        return admitted, not held
-
-    def _decode_loop(self, first: _Job) -> None:
-        """One continuous-batching loop for `first`'s adapter; resolves every job it took, errors included."""
-        adapter = first.req.adapter
-        taken = [first]
-        try:
-            with torch.inference_mode(), self._adapter_context(adapter):
-                self._run(adapter, first, taken)
-        except (RequestError, ModelNotFound) as e:  # e.g. the adapter was unloaded while queued
-            for job in taken:
-                if not job.done:
-                    job.finish(e)
-        except Exception as e:  # one broken batch must not take the server down
-            log.exception("generation failed")
-            for job in taken:
-                if not job.done:
-                    job.finish(RuntimeError(f"generation failed: {e}"))
-
-    def _run(self, adapter: str | None, first: _Job, taken: list[_Job]) -> None:
-        more, admitting = self._admit(adapter, first.req.n)
-        newcomers = [first, *more]
-        taken += more
-        batch: _Batch | None = None
-        while True:
-            if batch is not None:  # one decode step for the running rows
-                self._forward(batch, batch.tokens.unsqueeze(1))
-                if admitting:
-                    newcomers, admitting = self._admit(adapter, len(batch.rows))
-                    taken += newcomers
-                    self.stats["joined"] += len(newcomers) if batch.rows else 0
-            if newcomers and (batch is None or not batch.rows):
-                self.stats["batches"] += 1  # a batch starts from nothing (newcomers into an emptied one too)
-            if newcomers:
-                fresh = self._prefill(newcomers)
-                newcomers = []
-                if fresh is not None:
-                    batch = fresh if batch is None or not batch.rows else batch.join(fresh)
-                    # A cache that cannot be merged (sliding-window, recurrent layers): newcomers wait for the
-                    # next loop instead.
-                    admitting = admitting and _mergeable(batch.cache)
-            if batch is None or not batch.rows:
-                return
+    # ---- the generation thread (the scheduler calls these) ----
 
     def _prefill(self, jobs: list[_Job]) -> _Batch | None:
         """Prompt pass for new jobs, left-padded together; their first token is sampled. None if all finished."""
@@ -314,14 +195,6 @@ class Engine:
                 if not self._append(r, int(tokens[b]), float(logps[b]), top[b] if top else None)]
         if len(keep) < len(batch.rows):
             batch.select(keep)
-
-    def _run_control(self, ctl: _Control) -> None:
-        try:
-            result = ctl.fn()
-        except Exception as e:
-            ctl.loop.call_soon_threadsafe(_set_future, ctl.future, e)
-        else:
-            ctl.loop.call_soon_threadsafe(_set_future, ctl.future, result)
 
     def _load_adapter(self, name: str, path: str, replace: bool) -> None:
         from peft import PeftModel
