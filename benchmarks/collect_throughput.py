@@ -22,7 +22,7 @@ import httpx
 from lightning_sdk import data, tracing
 from lightning_sdk.agent import LLM
 from lightning_sdk.agent import load_agent
-from lightning_sdk.serving import CPUServer
+from lightning_sdk.serving.cpu import CPUServer
 from lightning_sdk.store import Store
 from lightning_sdk.rollouts.worker import RolloutJob, run_rollout
 

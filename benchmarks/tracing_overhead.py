@@ -27,7 +27,7 @@ import openai
 from openai.resources.chat.completions import Completions
 
 from lightning_sdk import tracing
-from lightning_sdk.serving import CPUServer
+from lightning_sdk.serving.cpu import CPUServer
 from lightning_sdk.store import Store
 
 p = argparse.ArgumentParser()

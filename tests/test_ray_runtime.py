@@ -136,7 +136,7 @@ def test_router_picks_least_loaded_and_fans_out_adapters(tiny_model_path, tmp_pa
     from peft import LoraConfig, get_peft_model
 
     from lightning_sdk import models
-    from lightning_sdk.serving import CPUServer
+    from lightning_sdk.serving.cpu import CPUServer
     from lightning_sdk.serving.router import Router
 
     servers = [CPUServer(tiny_model_path, served_model_name="tiny", threads=1, log_path=tmp_path / f"s{i}.log")

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_sdk.config import ServeConfig
-from lightning_sdk.serving import CPUServer
+from lightning_sdk.serving.cpu import CPUServer
 from lightning_sdk.serving.app import DEFAULT_MAX_BODY_BYTES
 
 KEY = "hardening-key"

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.serving import CPUServer, InferenceServer, ServerError
+from lightning_sdk.serving import InferenceServer, ServerError
+from lightning_sdk.serving.cpu import CPUServer
 
 torch.set_num_threads(1)  # the machine is shared
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.serving import CPUServer
+from lightning_sdk.serving.cpu import CPUServer
 from lightning_sdk.serving.toolcalls import ToolCallParser, parse
 
 torch.set_num_threads(1)

@@ -15,8 +15,9 @@ import pytest
 from lightning_sdk import config
 from lightning_sdk.errors import SetupError
 from lightning_sdk.runtime import gpu_handover
+from lightning_sdk.serving import InferenceServer, ServerError, SleepableServer
+from lightning_sdk.serving.cpu import CPUServer
 from lightning_sdk.serving.select import make_server, vllm_server
-from lightning_sdk.serving import CPUServer, InferenceServer, ServerError, SleepableServer
 from lightning_sdk.serving.vllm import VLLMServer, max_lora_rank, vllm_command, vllm_environment
 
 STAND_IN = [sys.executable, str(Path(__file__).with_name("vllm_stand_in.py"))]

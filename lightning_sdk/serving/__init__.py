@@ -1,20 +1,20 @@
 """Inference servers as the runtime sees them: an OpenAI-compatible base URL plus LoRA hot-swapping.
 
-`CPUServer` runs the built-in transformers server (`python -m lightning_sdk.serving`) in a subprocess;
-`serving.vllm.VLLMServer` runs vLLM's OpenAI server the same way (GPU). Both are `process.ServerProcess`es.
-This module stays light: torch, transformers and vllm are imported only in the server process.
+Only the protocols and the error live here, so that code which merely talks to a server imports nothing else.
+`cpu.CPUServer` runs the built-in transformers server (`python -m lightning_sdk.serving`) in a subprocess;
+`vllm.VLLMServer` runs vLLM's OpenAI server the same way (GPU). Both are `process.ServerProcess`es.
+torch, transformers and vllm are imported only in the server process.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from lightning_sdk.serving.process import ServerError, ServerProcess, free_port
+__all__ = ["InferenceServer", "ServerError", "SleepableServer"]
 
-__all__ = ["CPUServer", "InferenceServer", "ServerError", "ServerProcess", "SleepableServer", "free_port"]
+
+class ServerError(RuntimeError):
+    """The inference server failed to start, died, or refused an adapter operation."""
 
 
 @runtime_checkable
@@ -39,37 +39,3 @@ class SleepableServer(Protocol):
 
     def sleep(self) -> None: ...
     def wake_up(self) -> None: ...
-
-
-class CPUServer(ServerProcess):
-    """The built-in CPU server in a subprocess. `with CPUServer(...) as server:` starts and stops it."""
-
-    def __init__(self, model: str, *, served_model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, max_batch_size: int = 64, max_model_len: int = 2048,
-                 dtype: str = "auto", quantization: str = "none", threads: int | None = None,
-                 startup_timeout: float = 120, log_path: str | Path | None = None):
-        super().__init__(served_model_name=served_model_name, host=host, port=port, api_key=api_key,
-                         startup_timeout=startup_timeout, log_path=log_path)
-        self.model = model
-        self.max_batch_size = max_batch_size
-        self.max_model_len = max_model_len
-        self.dtype = dtype
-        self.quantization = quantization
-        self.threads = threads
-
-    def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "lightning_sdk.serving", "--model", self.model,
-               "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
-               "--max-batch-size", str(self.max_batch_size), "--max-model-len", str(self.max_model_len),
-               "--dtype", self.dtype, "--quantization", self.quantization, "--parent-pid", str(os.getpid())]
-        if self.threads:
-            cmd += ["--threads", str(self.threads)]
-        return cmd
-
-    def environment(self) -> dict[str, str]:
-        # The child must import this package even when it is not installed and the cwd is elsewhere.
-        root = str(Path(__file__).resolve().parents[2])
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        if self.api_key:
-            env["LIGHTNING_SDK_SERVE_API_KEY"] = self.api_key  # not argv: the key must not show up in `ps`
-        return env

@@ -1,219 +1,40 @@
 """Batched generation over a Hugging Face causal LM, with LoRA adapters swapped in at run time.
 
-One generation thread owns the model and runs continuous batching: a decode loop for one adapter (or the base)
-takes every pending request for it (up to `max_batch_size` rows, one row per choice), prefills them together
-(left-padded prompts), then samples one token per step from the KV cache. Between steps, requests for the same
-adapter that arrived meanwhile join: they are prefilled on their own and their cache rows are merged into the
-running batch (left-padded to a common length, the padding masked out). Finished rows are dropped from the batch
-(and the cache) as they finish, so a long reply makes neither the short ones nor the newcomers wait for it. The
-loop ends when it runs empty, or stops taking newcomers once a request for another adapter or an adapter
-load/unload is waiting, so those are never starved.
-
-What comes back is exactly what was sampled: the token ids, and the log-probability of each under the distribution
-it was drawn from. RL training needs both and must never re-tokenize the text.
+The engine holds the tokenizer, the model and its adapters, and makes the model calls: a prefill of new
+requests and one decode step of a batch, each sampling one token per row. Around it: `requests` (what is asked
+and what comes back), `batch` (the rows and their KV cache), `sampling` (the next token and its log-prob, stop
+strings) and `scheduler` (the generation thread and its continuous batching).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import inspect
 import logging
-import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator
 
 import torch
 
 from lightning_sdk import models
+from lightning_sdk.serving.batch import _Batch, _Row
+from lightning_sdk.serving.requests import (
+    Choice,
+    ChoiceDelta,
+    GenerationRequest,
+    GenerationResult,
+    ModelNotFound,
+    RequestError,
+    _Job,
+)
+from lightning_sdk.serving.sampling import _eos_ids, _find_stop, _sample
+from lightning_sdk.serving.scheduler import Scheduler
 
 log = logging.getLogger("lightning_sdk.serving")
 
 MAX_TOP_LOGPROBS = 20
-
-
-class RequestError(ValueError):
-    """A request the engine cannot run; `param` names the offending field (an HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class ModelNotFound(LookupError):
-    """The request named a model or adapter that is not loaded (an HTTP 404)."""
-
-
-@dataclass
-class GenerationRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: int = 0  # alternatives to report per token: the top k of the same distribution
-    seed: int | None = None
-    adapter: str | None = None  # None: the base model, adapters disabled
-    ignore_eos: bool = False  # vLLM's sampling flag: go on past end-of-sequence until max_tokens
-
-
-@dataclass
-class Choice:
-    index: int
-    token_ids: list[int]  # every sampled id, the stop/eos token included
-    text: str  # decoded without special tokens, cut before a stop string
-    logprobs: list[float]  # one per token id
-    top_logprobs: list[list[tuple[int, float]]] | None
-    finish_reason: str  # "stop" | "length"
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
-
-
-@dataclass
-class GenerationResult:
-    prompt_ids: list[int]
-    choices: list[Choice]
-
-
-@dataclass
-class ChoiceDelta:
-    """One streamed step of one choice: the token(s) sampled and the text they made visible."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class _Job:
-    """A request in flight, with its way back to the event loop that submitted it."""
-
-    def __init__(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop, stream: bool):
-        self.req = req
-        self.loop = loop
-        self.future: asyncio.Future = loop.create_future()
-        self.events: asyncio.Queue | None = asyncio.Queue() if stream else None
-        self.choices: list[Choice | None] = [None] * req.n
-        self.abandoned = False  # set by the client side when nobody waits for the answer any more
-        self.generator = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
-
-    @property
-    def done(self) -> bool:
-        return all(c is not None for c in self.choices)
-
-    @property
-    def cancelled(self) -> bool:
-        return self.abandoned or self.future.cancelled()
-
-    def emit(self, delta: ChoiceDelta) -> None:
-        if self.events is not None:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, delta)
-
-    def finish(self, result: GenerationResult | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self._resolve, result)
-
-    def _resolve(self, result: GenerationResult | BaseException) -> None:
-        if self.events is not None:
-            self.events.put_nowait(result)  # a result or an error ends the stream
-        else:
-            _set_future(self.future, result)
-
-
-_STOP = object()  # queued by close(): the generation thread ends
-
-
-@dataclass
-class _Control:
-    """Work that must not overlap generation (adapter load/unload), run on the generation thread."""
-
-    fn: Callable[[], Any]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-
-
-@dataclass
-class _Row:
-    job: _Job
-    index: int  # choice index within the job
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    text: str = ""  # decoded so far (kept current only where stop strings or streaming need it)
-    sent: int = 0  # characters of `text` already streamed
-
-    @property
-    def req(self) -> GenerationRequest:
-        return self.job.req
-
-
-@dataclass
-class _Batch:
-    """The rows decoding together and their KV cache. `mask` covers the cache's columns (1: a real token);
-    rows are aligned on the right, so a row's padding is on its left and its next token is the next column."""
-
-    rows: list[_Row]
-    cache: Any
-    mask: torch.Tensor  # [B, cache length]
-    positions: torch.Tensor  # [B, 1] (during prefill [B, prompt]) position of each row's last token
-    temps: torch.Tensor  # [B]
-    top_ps: torch.Tensor  # [B]
-    tokens: torch.Tensor | None = None  # [B] the last sampled token of each row: the next step's input
-
-    def select(self, keep: list[int]) -> None:
-        """Keep only these rows; cache columns that are padding for every row left are cut off."""
-        self.rows = [self.rows[b] for b in keep]
-        if not keep:
-            return
-        index = torch.tensor(keep)
-        self.cache.batch_select_indices(index)
-        self.mask, self.positions = self.mask[index], self.positions[index]
-        self.temps, self.top_ps, self.tokens = self.temps[index], self.top_ps[index], self.tokens[index]
-        used = self.mask.any(dim=0).nonzero()
-        start = int(used[0]) if len(used) else 0
-        if start and _mergeable(self.cache):
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[..., start:, :], layer.values[..., start:, :]
-            self.mask = self.mask[:, start:]
-
-    def join(self, other: _Batch) -> _Batch:
-        """This batch with `other`'s rows appended: both caches left-padded to a common length and stacked."""
-        if not (_mergeable(self.cache) and _mergeable(other.cache)):
-            raise RuntimeError("this model's KV cache cannot be merged across batches")
-        length = max(self.mask.shape[1], other.mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, length), _left_pad(theirs.keys, length)])
-            mine.values = torch.cat([_left_pad(mine.values, length), _left_pad(theirs.values, length)])
-        self.mask = torch.cat([_left_pad(self.mask, length, dim=1), _left_pad(other.mask, length, dim=1)])
-        self.rows = self.rows + other.rows
-        for name in ("positions", "temps", "top_ps", "tokens"):
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        return self
-
-
-def _mergeable(cache: Any) -> bool:
-    """A cache whose layers are plain growing key/value tensors (transformers' DynamicLayer): rows of two such
-    caches can be padded and stacked. Sliding-window, quantized or recurrent layers cannot."""
-    from transformers.cache_utils import DynamicLayer
-
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
-
-
-def _left_pad(x: torch.Tensor, length: int, dim: int = -2) -> torch.Tensor:
-    missing = length - x.shape[dim]
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 class Engine:
@@ -242,14 +63,12 @@ class Engine:
         self._gen = torch.Generator().manual_seed(seed)
         self._tok_lock = threading.Lock()  # HF fast tokenizers raise "Already borrowed" under concurrent use
         self._token_text: dict[int, str] = {}
-        self._queue: queue.Queue[_Job | _Control | object] = queue.Queue()
-        self._backlog: collections.deque[_Job | _Control | object] = collections.deque()
         # batches: batches started from nothing; prefills: prompt passes (one per batch plus one per group of
         # newcomers); joined: requests that joined rows already decoding.
         self.stats = {"requests": 0, "batches": 0, "prefills": 0, "joined": 0, "max_batch_rows": 0,
                       "generated_tokens": 0}
-        self._thread = threading.Thread(target=self._loop, name="lightning-generate", daemon=True)
-        self._thread.start()
+        self._scheduler = Scheduler(self._prefill, self._forward, self._adapter_context,
+                                    max_batch_size=max_batch_size, stats=self.stats)
         log.info("loaded %s in %.1fs (%s, max_model_len %d)", model_path, time.monotonic() - t0,
                  self.model.dtype, self.max_model_len)
 
@@ -324,115 +143,21 @@ class Engine:
             job.abandoned = True
 
     async def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
-        await self._control(lambda: self._load_adapter(name, path, replace))
+        await self._scheduler.control(lambda: self._load_adapter(name, path, replace))
 
     async def unload_adapter(self, name: str) -> None:
-        await self._control(lambda: self._unload_adapter(name))
+        await self._scheduler.control(lambda: self._unload_adapter(name))
 
     def close(self) -> None:
-        self._queue.put(_STOP)
-        self._thread.join(timeout=10)
+        self._scheduler.close()
 
     def _submit(self, req: GenerationRequest, *, stream: bool) -> _Job:
         self.check(req)
         job = _Job(req, asyncio.get_running_loop(), stream)
-        self._queue.put(job)
+        self._scheduler.submit(job)
         return job
 
-    async def _control(self, fn: Callable[[], Any]) -> Any:
-        loop = asyncio.get_running_loop()
-        ctl = _Control(fn, loop, loop.create_future())
-        self._queue.put(ctl)
-        return await ctl.future
-
-    # ---- the generation thread ----
-
-    def _next(self, block: bool) -> _Job | _Control | object | None:
-        if self._backlog:
-            return self._backlog.popleft()
-        try:
-            return self._queue.get(block=block)
-        except queue.Empty:
-            return None
-
-    def _loop(self) -> None:
-        while True:
-            item = self._next(block=True)
-            if item is _STOP:
-                return
-            if isinstance(item, _Control):
-                self._run_control(item)
-            elif not item.cancelled:
-                self._decode_loop(item)
-
-    def _admit(self, adapter: str | None, rows: int) -> tuple[list[_Job], bool]:
-        """Pending jobs for `adapter` that fit beside `rows` running rows, and whether to go on admitting.
-
-        Anything else that is pending goes back to the front of the backlog in its order. Once something waits
-        that cannot join (another adapter, a control item, a job too big for the room left), the loop admits
-        no more, so that it runs empty and the waiting item goes next. A control item ends the scan: jobs
-        queued after an adapter load/unload must run after it.
-        """
-        admitted: list[_Job] = []
-        held: list[_Job | _Control | object] = []
-        while rows < self.max_batch_size:
-            item = self._next(block=False)
-            if item is None:
-                break
-            if not isinstance(item, _Job):
-                held.append(item)
-                break
-            if item.cancelled:
-                continue
-            if item.req.adapter != adapter or rows + item.req.n > self.max_batch_size:
-                held.append(item)
-                continue
-            admitted.append(item)
-            rows += item.req.n
-        self._backlog.extendleft(reversed(held))
-        return admitted, not held
-
-    def _decode_loop(self, first: _Job) -> None:
-        """One continuous-batching loop for `first`'s adapter; resolves every job it took, errors included."""
-        adapter = first.req.adapter
-        taken = [first]
-        try:
-            with torch.inference_mode(), self._adapter_context(adapter):
-                self._run(adapter, first, taken)
-        except (RequestError, ModelNotFound) as e:  # e.g. the adapter was unloaded while queued
-            for job in taken:
-                if not job.done:
-                    job.finish(e)
-        except Exception as e:  # one broken batch must not take the server down
-            log.exception("generation failed")
-            for job in taken:
-                if not job.done:
-                    job.finish(RuntimeError(f"generation failed: {e}"))
-
-    def _run(self, adapter: str | None, first: _Job, taken: list[_Job]) -> None:
-        more, admitting = self._admit(adapter, first.req.n)
-        newcomers = [first, *more]
-        taken += more
-        batch: _Batch | None = None
-        while True:
-            if batch is not None:  # one decode step for the running rows
-                self._forward(batch, batch.tokens.unsqueeze(1))
-                if admitting:
-                    newcomers, admitting = self._admit(adapter, len(batch.rows))
-                    taken += newcomers
-                    self.stats["joined"] += len(newcomers) if batch.rows else 0
-            if newcomers and (batch is None or not batch.rows):
-                self.stats["batches"] += 1  # a batch starts from nothing (newcomers into an emptied one too)
-            if newcomers:
-                fresh = self._prefill(newcomers)
-                newcomers = []
-                if fresh is not None:
-                    batch = fresh if batch is None or not batch.rows else batch.join(fresh)
-                    # A cache that cannot be merged (sliding-window, recurrent layers): newcomers wait for the
-                    # next loop instead.
-                    admitting = admitting and _mergeable(batch.cache)
-            if batch is None or not batch.rows:
-                return
+    # ---- the generation thread (the scheduler calls these) ----
 
     def _prefill(self, jobs: list[_Job]) -> _Batch | None:
         """Prompt pass for new jobs, left-padded together; their first token is sampled. None if all finished."""
@@ -464,20 +189,12 @@ class Engine:
                          logits_to_keep=1, **{self._cache_kw: batch.cache})
         batch.cache = out.cache if hasattr(out, "cache") else out.past_key_values
         batch.positions = batch.positions[:, -1:]
-        tokens, logps, top = self._sample(out.logits[:, -1, :].float(), batch.temps, batch.top_ps, batch.rows)
+        tokens, logps, top = _sample(out.logits[:, -1, :].float(), batch.temps, batch.top_ps, batch.rows, self._gen)
         batch.tokens = tokens
         keep = [b for b, r in enumerate(batch.rows)
                 if not self._append(r, int(tokens[b]), float(logps[b]), top[b] if top else None)]
         if len(keep) < len(batch.rows):
             batch.select(keep)
-
-    def _run_control(self, ctl: _Control) -> None:
-        try:
-            result = ctl.fn()
-        except Exception as e:
-            ctl.loop.call_soon_threadsafe(_set_future, ctl.future, e)
-        else:
-            ctl.loop.call_soon_threadsafe(_set_future, ctl.future, result)
 
     def _load_adapter(self, name: str, path: str, replace: bool) -> None:
         from peft import PeftModel
@@ -520,42 +237,6 @@ class Engine:
             raise ModelNotFound(f"The model `{adapter}` does not exist.")
         self.model.set_adapter(adapter)
         return contextlib.nullcontext()
-
-    def _sample(self, logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, rows: list[_Row]):
-        """Per-row greedy or temperature/top-p sampling.
-
-        Log-probs are of the temperature-scaled distribution (not renormalised to the top-p nucleus), the one a
-        trainer recomputes from its own logits; greedy rows report the raw log-softmax.
-        """
-        greedy = temps == 0
-        logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(1), dim=-1)
-        probs = logp.exp()
-        # Inverse-CDF sampling with one uniform per row, so a request with a seed draws from its own generator
-        # and gets the same reply whatever else shares the batch. Each row's CDF runs over the same token order
-        # whatever its neighbours ask for: vocabulary order, or (top-p rows only) descending probability.
-        u = torch.rand(len(rows), generator=self._gen)
-        seeded: dict[int, list[int]] = {}
-        for b, r in enumerate(rows):
-            if r.job.generator is not None:
-                seeded.setdefault(id(r.job), []).append(b)
-        for bs in seeded.values():
-            u[bs] = torch.rand(len(bs), generator=rows[bs[0]].job.generator)
-        picked = _inverse_cdf(probs, u)
-        nucleus = (top_ps < 1).nonzero().squeeze(1)
-        if len(nucleus):
-            sorted_probs, order = probs[nucleus].sort(dim=-1, descending=True)
-            mass_before = sorted_probs.cumsum(-1) - sorted_probs
-            sorted_probs = sorted_probs * (mass_before < top_ps[nucleus].unsqueeze(1))  # its first token stays
-            picked[nucleus] = order.gather(1, _inverse_cdf(sorted_probs, u[nucleus]))
-        tokens = torch.where(greedy, logits.argmax(-1), picked.squeeze(1))
-        token_logp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        k = max(r.req.top_logprobs for r in rows)
-        top = None
-        if k:
-            values, indices = logp.topk(k, dim=-1)
-            top = [list(zip(indices[b, :r.req.top_logprobs].tolist(), values[b, :r.req.top_logprobs].tolist()))
-                   for b, r in enumerate(rows)]
-        return tokens, token_logp, top
 
     def _append(self, row: _Row, token: int, logprob: float, top: list[tuple[int, float]] | None) -> bool:
         """Record one sampled token; True when the row is finished (its job resolved if it was the last)."""
@@ -612,32 +293,6 @@ class Engine:
             return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """[B, 1] index of the token each row's uniform falls on, under its (unnormalised) probabilities."""
-    cdf = probs.cumsum(-1)
-    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=cdf.shape[1] - 1)
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
-    """Earliest stop string in `text` that ends after `start` (the text before it was already checked)."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, max(0, start - len(s) + 1))
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
-
-
 def _normalise_message(message: dict) -> dict:
     """OpenAI content parts -> one string, which is what chat templates expect."""
     content = message.get("content")
@@ -655,13 +310,4 @@ def _normalise_message(message: dict) -> dict:
     elif content is None:
         message = {**message, "content": ""}
     return message
-
-
-def _set_future(future: asyncio.Future, result: Any) -> None:
-    if future.done():
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
 

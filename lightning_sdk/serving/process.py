@@ -3,7 +3,8 @@
 What every backend shares: start the command with its log in a file, wait for `/health` (failing fast, with
 the exit code and the log's tail, when the process dies while starting), hot-load LoRA adapters through the
 `/v1/load_lora_adapter` routes vLLM defined, and stop cleanly (terminate, then kill). A backend says only how
-its process is started: `command()` and `environment()`.
+its process is started: `command()` and `environment()`. `control_request` is the one way to call a server's
+(or the router's) control routes with its API key.
 """
 
 from __future__ import annotations
@@ -19,15 +20,37 @@ from pathlib import Path
 
 import httpx
 
-
-class ServerError(RuntimeError):
-    """The inference server failed to start, died, or refused an adapter operation."""
+from lightning_sdk.serving import ServerError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The bearer header a server started with an API key checks; none for a server without one."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def control_request(method: str, url: str, *, api_key: str | None, who: str, timeout: float = 300,
+                    **kw) -> httpx.Response:
+    """An authenticated call to a control route (adapter load/unload, sleep, wake); `url` is the full URL (root +
+    route), `who` names the server in errors. A transport error or a non-200 answer raises ServerError, with the
+    OpenAI-style error.message when the server sent one."""
+    route = httpx.URL(url).path
+    try:
+        r = httpx.request(method, url, headers=auth_headers(api_key), timeout=timeout, **kw)
+    except httpx.HTTPError as e:
+        raise ServerError(f"{route}: {who} unreachable ({e})") from e
+    if r.status_code != 200:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text
+        raise ServerError(f"{route} failed ({r.status_code}): {message}")
+    return r
 
 
 class ServerProcess:
@@ -145,18 +168,7 @@ class ServerProcess:
     def _request(self, method: str, route: str, **kw) -> httpx.Response:
         if self._proc is not None and not self.is_alive():  # fail fast: someone else may hold the port by now
             raise ServerError(f"{route}: the {self.name} exited with code {self._proc.returncode}")
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        try:
-            r = httpx.request(method, f"{self.url}{route}", headers=headers, timeout=300, **kw)
-        except httpx.HTTPError as e:
-            raise ServerError(f"{route}: {self.name} unreachable ({e})") from e
-        if r.status_code != 200:
-            try:
-                message = r.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = r.text
-            raise ServerError(f"{route} failed ({r.status_code}): {message}")
-        return r
+        return control_request(method, f"{self.url}{route}", api_key=self.api_key, who=self.name, **kw)
 
     def __enter__(self):
         self.start()

@@ -17,7 +17,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightning_sdk.serving import ServerError, free_port
+from lightning_sdk.serving import ServerError
+from lightning_sdk.serving.process import auth_headers, free_port
 
 _HOP = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
@@ -51,7 +52,7 @@ def create_router_app(urls: list[str], *, api_key: str | None = None) -> FastAPI
     app = FastAPI(title="lightning-sdk router")
     app.state.backends = backends
     client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=1024))
-    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    auth = auth_headers(api_key)
 
     def headers(request: Request) -> dict:
         h = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}

@@ -1,19 +1,25 @@
-"""TEMPORARY (replaced by the serving branch at merge)."""
+"""Which inference server a run gets: `serve.backend` ("cpu", "vllm" or "auto") made into an unstarted server.
+
+The single-process choice only; the Ray runtime builds its own servers. Backends are imported inside the
+functions, so that choosing one never imports the other's modules.
+"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightning_sdk.config import Config
 from lightning_sdk.errors import SetupError
 
-log = logging.getLogger("lightning_sdk")
+if TYPE_CHECKING:
+    from lightning_sdk.config import Config
+
+log = logging.getLogger("lightning_sdk")  # the runtime's logger: these lines are part of a run's log
 
 
 def make_server(cfg: Config, model_path: str, log_path: Path):
-    from lightning_sdk.serving import CPUServer
+    from lightning_sdk.serving.cpu import CPUServer
 
     backend = cfg.serve.backend
     if backend != "cpu":
@@ -38,6 +44,7 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
 
 
 def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
+    """vLLM serving the bf16 base (also for QLoRA: the nf4 copy is the trainer's) with room for rank lora_r."""
     from lightning_sdk.serving.vllm import VLLMServer
 
     s = cfg.serve

@@ -1,0 +1,77 @@
+"""Choosing each row's next token, and knowing when a row is done.
+
+What comes back is exactly what was sampled: the token ids, and the log-probability of each under the distribution
+it was drawn from. RL training needs both and must never re-tokenize the text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_sdk.serving.batch import _Row
+
+
+def _sample(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, rows: list[_Row],
+            generator: torch.Generator):
+    """Per-row greedy or temperature/top-p sampling.
+
+    Log-probs are of the temperature-scaled distribution (not renormalised to the top-p nucleus), the one a
+    trainer recomputes from its own logits; greedy rows report the raw log-softmax.
+    """
+    greedy = temps == 0
+    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(1), dim=-1)
+    probs = logp.exp()
+    # Inverse-CDF sampling with one uniform per row, so a request with a seed draws from its own generator
+    # and gets the same reply whatever else shares the batch. Each row's CDF runs over the same token order
+    # whatever its neighbours ask for: vocabulary order, or (top-p rows only) descending probability.
+    u = torch.rand(len(rows), generator=generator)
+    seeded: dict[int, list[int]] = {}
+    for b, r in enumerate(rows):
+        if r.job.generator is not None:
+            seeded.setdefault(id(r.job), []).append(b)
+    for bs in seeded.values():
+        u[bs] = torch.rand(len(bs), generator=rows[bs[0]].job.generator)
+    picked = _inverse_cdf(probs, u)
+    nucleus = (top_ps < 1).nonzero().squeeze(1)
+    if len(nucleus):
+        sorted_probs, order = probs[nucleus].sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs * (mass_before < top_ps[nucleus].unsqueeze(1))  # its first token stays
+        picked[nucleus] = order.gather(1, _inverse_cdf(sorted_probs, u[nucleus]))
+    tokens = torch.where(greedy, logits.argmax(-1), picked.squeeze(1))
+    token_logp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    k = max(r.req.top_logprobs for r in rows)
+    top = None
+    if k:
+        values, indices = logp.topk(k, dim=-1)
+        top = [list(zip(indices[b, :r.req.top_logprobs].tolist(), values[b, :r.req.top_logprobs].tolist()))
+               for b, r in enumerate(rows)]
+    return tokens, token_logp, top
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B, 1] index of the token each row's uniform falls on, under its (unnormalised) probabilities."""
+    cdf = probs.cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=cdf.shape[1] - 1)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    """Earliest stop string in `text` that ends after `start` (the text before it was already checked)."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
