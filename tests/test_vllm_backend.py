@@ -220,3 +220,11 @@ def test_stop_ends_the_server(stand_in):
     server.stop()
     assert proc.poll() is not None and not server.is_alive()
     server.stop()  # twice is fine
+
+
+def test_config_refuses_every_flag_vllm_command_sets():
+    from lightning_sdk.config import VLLM_MANAGED_FLAGS
+    from lightning_sdk.serving.vllm import vllm_command
+
+    cmd = vllm_command("/m", served_model_name="m", host="127.0.0.1", port=1, lora_r=8, sleep=True)
+    assert {a for a in cmd if a.startswith("--")} <= set(VLLM_MANAGED_FLAGS)

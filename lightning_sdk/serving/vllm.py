@@ -23,14 +23,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_sdk.serving.process import ServerError, ServerProcess
+from lightning_sdk.config import VLLM_MANAGED_FLAGS
+from lightning_sdk.serving import ServerError
+from lightning_sdk.serving.process import ServerProcess
 
 # The LoRA ranks vLLM accepts for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# Flags VLLMServer sets itself; serve.extra_args must not repeat them.
-MANAGED_FLAGS = ("--host", "--port", "--served-model-name", "--api-key", "--enable-lora", "--max-lora-rank",
-                 "--max-loras", "--dtype", "--max-model-len", "--gpu-memory-utilization", "--enable-sleep-mode",
-                 "--logprobs-mode", "--generation-config")
+MANAGED_FLAGS = VLLM_MANAGED_FLAGS  # the flags vllm_command sets itself; config refuses them in serve.extra_args
 
 
 def vllm_unavailable_reason() -> str | None:
