@@ -5,7 +5,8 @@ import shutil
 
 import pytest
 
-from lightning_sdk import data, models, tiny
+from lightning_sdk import data, models
+from lightning_sdk.models import tiny
 
 
 def test_builtin_model_is_a_normal_hf_directory(tiny_model_path, tmp_path):

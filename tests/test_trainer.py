@@ -8,9 +8,10 @@ import random
 import pytest
 import torch
 
-from lightning_sdk import models, tiny
+from lightning_sdk import models
 from lightning_sdk.adapter import Transition
 from lightning_sdk.config import TrainConfig
+from lightning_sdk.models import tiny
 from lightning_sdk.trainer import (
     GRPOTrainer,
     _atomic_dir,

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from lightning_sdk import tiny
+from lightning_sdk.models import tiny
 
 out = Path(__file__).parent / "data" / "train.jsonl"
 out.parent.mkdir(exist_ok=True)

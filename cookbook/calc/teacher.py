@@ -20,7 +20,7 @@ from pathlib import Path
 
 from autogen_core.tools import FunctionTool
 
-from lightning_sdk import tiny
+from lightning_sdk.models import tiny
 
 HERE = Path(__file__).parent
 

@@ -18,7 +18,7 @@ import random
 import re
 from pathlib import Path
 
-from lightning_sdk import tiny
+from lightning_sdk.models import tiny
 
 HERE = Path(__file__).parent
 

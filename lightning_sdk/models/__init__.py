@@ -21,7 +21,7 @@ def resolve(name: str) -> str:
     a hub id, which loads from the local Hugging Face cache (or the hub, where one is reachable).
     """
     if name.startswith(BUILTIN):
-        from lightning_sdk import tiny
+        from lightning_sdk.models import tiny
 
         if name[len(BUILTIN):] != tiny.NAME:
             raise ModelLoadError(f"model {name!r}: unknown builtin model; expected {BUILTIN}{tiny.NAME}")
@@ -40,7 +40,7 @@ def _build_tiny(name: str) -> str:
     import hashlib
     import importlib.util
 
-    from lightning_sdk import tiny
+    from lightning_sdk.models import tiny
 
     path = Path(name[len(TINY):]).expanduser()
     if path.suffix != ".py" or not path.exists():
