@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightning_sdk.files import load_py_file
+
 BUILTIN = "builtin:"
 TINY = "tiny:"  # tiny:<teacher.py>: a tiny model pretrained offline on what that file's `teacher` says
 # builtin:<name> is tiny:<that teacher file of the repository>; a wheel install has no cookbook beside the package.
@@ -49,15 +51,12 @@ def _builtin_teacher(name: str) -> Path:
 
 def _build_tiny(name: str, path: Path) -> str:
     import hashlib
-    import importlib.util
 
     from lightning_sdk.models import tiny
 
     if path.suffix != ".py" or not path.exists():
         raise ModelLoadError(f"model {name!r}: expected tiny:<path to a .py file that defines `teacher`>")
-    spec = importlib.util.spec_from_file_location(f"lightning_teacher_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_py_file(path, f"lightning_teacher_{path.stem}")
     teacher = getattr(mod, "teacher", None)
     if teacher is None or not callable(getattr(teacher, "samples", None)) or not isinstance(getattr(teacher, "key", None), str):
         raise ModelLoadError(f"model {name!r}: {path} must define `teacher` with a `key` and `samples(rng, n)`")

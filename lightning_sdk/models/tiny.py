@@ -15,11 +15,11 @@ import functools
 import json
 import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Union
+
+from lightning_sdk.files import atomic_dir
 
 VERSION = 3  # bump when the recipe changes, so stale caches are rebuilt
 
@@ -100,12 +100,8 @@ def ensure_built(teacher: Teacher, *, steps: int = 300, batch: int = 128) -> Pat
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
-            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-            try:
+            with atomic_dir(target, replace=False) as tmp:
                 build(tmp, teacher, steps=steps, batch=batch)
-                tmp.rename(target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
