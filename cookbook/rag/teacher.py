@@ -58,8 +58,8 @@ def _drill(rng: random.Random) -> tuple[str, str]:
 
 
 class RagTeacher:
-    # The data it draws from and holds out, and the agent's prompt and tool, are part of the recipe (models.py
-    # keys the cache on this file only).
+    # The data it draws from and holds out, and the agent's prompt and tool, are part of the recipe
+    # (lightning_sdk.models keys the cache on this file only).
     key = "rag-agents-" + hashlib.sha1(b"".join((HERE / f).read_bytes() for f in RECIPE)
                                        + json.dumps([agent.INSTRUCTIONS, TOOLS]).encode()).hexdigest()[:8]
     space_tokens = True

@@ -65,7 +65,8 @@ def _chat(system: str, human: str) -> str:
 
 
 class SqlTeacher:
-    # The data it draws from and holds out is part of the recipe (models.py keys the cache on this file only).
+    # The data it draws from and holds out is part of the recipe (lightning_sdk.models keys the cache on this file
+    # only).
     key = "sql-langgraph-" + hashlib.sha1(b"".join((HERE / f).read_bytes() for f in RECIPE)).hexdigest()[:8]
 
     def samples(self, rng: random.Random, n: int) -> list[tuple[str, str]]:

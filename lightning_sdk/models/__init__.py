@@ -1,4 +1,5 @@
-"""Finding and loading base models: `builtin:` names, local directories and Hugging Face hub ids."""
+"""Finding and loading base models: `builtin:` and `tiny:` names (built by `models.tiny`), local directories and
+Hugging Face hub ids."""
 
 from __future__ import annotations
 
