@@ -16,7 +16,7 @@ PKG = Path(lightning_sdk.__file__).parent
 HEIGHT = {
     "errors": 0, "files": 0, "config": 1, "data": 1,
     "agent": 2, "tracing": 3,                      # the agent side: no store, trainer or server below them
-    "store": 4, "credit": 5, "transitions": 6, "models": 5, "tiny": 5,
+    "store": 4, "credit": 5, "transitions": 6, "models": 5,
     "train": 7, "serving": 7, "metrics": 7,
     "rollouts": 8, "runtime": 9, "cli": 10,
 }

@@ -2,16 +2,21 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
-from lightning_sdk import data, models, tiny
+from lightning_sdk import data, models
+from lightning_sdk.files import load_py_file
+
+ARITH = Path(__file__).parents[1] / "cookbook" / "arith" / "teacher.py"  # builtin:tiny-arith's teacher
+arith = load_py_file(ARITH)
 
 
 def test_builtin_model_is_a_normal_hf_directory(tiny_model_path, tmp_path):
     tok = models.load_tokenizer(tiny_model_path)
     assert len(tok) >= 256 and tok.eos_token == "<|im_end|>"
-    ids = tok.apply_chat_template([{"role": "user", "content": tiny.question(2, 3)}], add_generation_prompt=True)
+    ids = tok.apply_chat_template([{"role": "user", "content": arith.question(2, 3)}], add_generation_prompt=True)
     text = tok.decode(ids["input_ids"])
     assert text.endswith("<|im_start|>assistant\n") and "What is 2 + 3?" in text
     # Copied elsewhere it loads as a local model directory, exactly like a downloaded checkpoint.
@@ -20,6 +25,13 @@ def test_builtin_model_is_a_normal_hf_directory(tiny_model_path, tmp_path):
     assert models.resolve(str(local)) == str(local.resolve())
     model = models.load_causal_lm(models.resolve(str(local)), dtype="float32")
     assert model.config.vocab_size == len(tok) and not model.config.tie_word_embeddings
+
+
+def test_builtin_tiny_arith_is_the_repositorys_arith_teacher(tiny_model_path, tmp_path, monkeypatch):
+    assert models.resolve(f"tiny:{ARITH}") == tiny_model_path  # the same model, the same cache entry
+    monkeypatch.setattr(models, "REPO", tmp_path)  # a wheel install: no cookbook beside the package
+    with pytest.raises(models.ModelLoadError, match=r"built from cookbook/arith/teacher.py .* use tiny:<path/to/"):
+        models.resolve("builtin:tiny-arith")
 
 
 def test_bad_model_names_are_clear_errors(tmp_path):

@@ -4,7 +4,8 @@ word the same tokens wherever it stands, and a warmup the teacher chooses. Real 
 import json
 from pathlib import Path
 
-from lightning_sdk import models, tiny
+from lightning_sdk import models
+from lightning_sdk.models import tiny
 
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search.",
                                            "parameters": {"properties": {"query": {"type": "string"}}}}}]

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_sdk import models, tiny
+from lightning_sdk import models
 from lightning_sdk.config import TrainConfig
 from lightning_sdk.files import atomic_dir as _atomic_dir
+from lightning_sdk.files import load_py_file
 from lightning_sdk.train.grpo import group_advantages, grpo_loss, sampler_is_weight, token_weights
 from lightning_sdk.train.trainer import GRPOTrainer, lora_targets, resolve_device
 from lightning_sdk.transitions import Transition
 
 torch.set_num_threads(1)  # the CI machine is small and shared
+arith = load_py_file(Path(__file__).parents[1] / "cookbook" / "arith" / "teacher.py")  # builtin:tiny-arith's teacher
 
 
 # ---------------------------------------------------------------------------------------------- advantages
@@ -172,7 +175,7 @@ def tok(model_path):
 
 
 def prompt_ids(tok, a: int, b: int) -> tuple[int, ...]:
-    msgs = [{"role": "user", "content": tiny.question(a, b)}]
+    msgs = [{"role": "user", "content": arith.question(a, b)}]
     return tuple(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
 
 
@@ -342,11 +345,11 @@ def learn_arithmetic(model_path: str, tok, *, seed: int = 0, steps: int = 60, pr
     @torch.no_grad()
     def p_correct() -> float:
         total = 0.0
-        for a, b in tiny.problems():
+        for a, b in arith.problems():
             ans = answer_ids(tok, str(a + b))
             logits = tr.model(input_ids=torch.tensor([prompt_ids(tok, a, b) + ans])).logits[0, -len(ans) - 1:-1]
             total += logits.log_softmax(-1).gather(-1, torch.tensor(ans)[:, None]).sum().exp().item()
-        return total / len(tiny.problems())
+        return total / len(arith.problems())
 
     @torch.no_grad()
     def sample(step: int, tasks: list[tuple[int, int]]) -> list[Transition]:
@@ -368,7 +371,7 @@ def learn_arithmetic(model_path: str, tok, *, seed: int = 0, steps: int = 60, pr
 
     before, train_s, gaps = p_correct(), 0.0, []
     for step in range(steps):
-        m = tr.step(sample(step, [rng.choice(tiny.problems()) for _ in range(problems)]))
+        m = tr.step(sample(step, [rng.choice(arith.problems()) for _ in range(problems)]))
         gaps.append(m["logprob_gap"])
         train_s += m["seconds"]
     return {"before": before, "after": p_correct(), "first_gap": gaps[0], "train_s_per_step": train_s / steps}

@@ -12,7 +12,6 @@ of this.
 """
 
 import hashlib
-import importlib.util
 import json
 import random
 import re
@@ -20,19 +19,11 @@ from pathlib import Path
 
 from autogen_core.tools import FunctionTool
 
-from lightning_sdk import tiny
+from lightning_sdk.files import load_py_file
+from lightning_sdk.models import tiny
 
 HERE = Path(__file__).parent
-
-
-def _sibling(name: str):
-    spec = importlib.util.spec_from_file_location(f"calc_{name}", HERE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-agent, make_data = _sibling("agent"), _sibling("make_data")
+agent, make_data = (load_py_file(HERE / f"{m}.py", f"calc_{m}") for m in ("agent", "make_data"))
 TOOLS = [{"type": "function", "function": FunctionTool(agent.calculator, description=agent.calculator.__doc__).schema}]
 GUESS, BROKEN = 0.55, 0.05  # how often the teacher skips the calculator, and writes a broken expression
 RECIPE = ("make_data.py", "data/test.jsonl")
@@ -48,7 +39,8 @@ def _broken(rng: random.Random, chain: str) -> str:
 
 
 class CalcTeacher:
-    # The data it draws from and holds out is part of the recipe (models.py keys the cache on this file only).
+    # The data it draws from and holds out is part of the recipe (lightning_sdk.models keys the cache on this file
+    # only).
     key = "calc-autogen-" + hashlib.sha1(b"".join((HERE / f).read_bytes() for f in RECIPE)).hexdigest()[:8]
 
     def samples(self, rng: random.Random, n: int) -> list[tuple[str, str]]:

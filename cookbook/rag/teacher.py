@@ -18,25 +18,16 @@ gets about 20% of the name tokens right after 1200 steps, with them about 98% af
 
 import functools
 import hashlib
-import importlib.util
 import json
 import random
 import re
 from pathlib import Path
 
-from lightning_sdk import tiny
+from lightning_sdk.files import load_py_file
+from lightning_sdk.models import tiny
 
 HERE = Path(__file__).parent
-
-
-def _sibling(name: str):
-    spec = importlib.util.spec_from_file_location(f"rag_{name}", HERE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-agent, make_data = _sibling("agent"), _sibling("make_data")
+agent, make_data = (load_py_file(HERE / f"{m}.py", f"rag_{m}") for m in ("agent", "make_data"))
 TOOLS = [{"type": "function", "function": {"name": agent.search.name, "description": agent.search.description,
                                            "parameters": agent.search.params_json_schema}}]
 GUESS, ONE_HOP = 0.35, 0.3  # how often the teacher answers without searching, and stops after the first search
@@ -67,8 +58,8 @@ def _drill(rng: random.Random) -> tuple[str, str]:
 
 
 class RagTeacher:
-    # The data it draws from and holds out, and the agent's prompt and tool, are part of the recipe (models.py
-    # keys the cache on this file only).
+    # The data it draws from and holds out, and the agent's prompt and tool, are part of the recipe
+    # (lightning_sdk.models keys the cache on this file only).
     key = "rag-agents-" + hashlib.sha1(b"".join((HERE / f).read_bytes() for f in RECIPE)
                                        + json.dumps([agent.INSTRUCTIONS, TOOLS]).encode()).hexdigest()[:8]
     space_tokens = True

@@ -12,25 +12,16 @@ instruct model needs none of this.
 """
 
 import hashlib
-import importlib.util
 import json
 import random
 import re
 from pathlib import Path
 
-from lightning_sdk import tiny
+from lightning_sdk.files import load_py_file
+from lightning_sdk.models import tiny
 
 HERE = Path(__file__).parent
-
-
-def _sibling(name: str):
-    spec = importlib.util.spec_from_file_location(f"sql_{name}", HERE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-agent, make_data = _sibling("agent"), _sibling("make_data")
+agent, make_data = (load_py_file(HERE / f"{m}.py", f"sql_{m}") for m in ("agent", "make_data"))
 RIGHT, BROKEN, FIXED = 0.25, 0.3, 0.4  # writer right / wrong column (else no WHERE); rewriter fixes a failure
 RECIPE = ("make_data.py", "data/test.jsonl", "data/shop.sqlite", "data/school.sqlite", "data/library.sqlite")
 HELD_OUT = {json.loads(line)["question"] for line in (HERE / "data" / "test.jsonl").read_text().splitlines()}
@@ -74,7 +65,8 @@ def _chat(system: str, human: str) -> str:
 
 
 class SqlTeacher:
-    # The data it draws from and holds out is part of the recipe (models.py keys the cache on this file only).
+    # The data it draws from and holds out is part of the recipe (lightning_sdk.models keys the cache on this file
+    # only).
     key = "sql-langgraph-" + hashlib.sha1(b"".join((HERE / f).read_bytes() for f in RECIPE)).hexdigest()[:8]
 
     def samples(self, rng: random.Random, n: int) -> list[tuple[str, str]]:

@@ -1,12 +1,18 @@
-"""Finding and loading base models: `builtin:` names, local directories and Hugging Face hub ids."""
+"""Finding and loading base models: `builtin:` and `tiny:` names (built by `models.tiny`), local directories and
+Hugging Face hub ids."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from lightning_sdk.files import load_py_file
+
 BUILTIN = "builtin:"
 TINY = "tiny:"  # tiny:<teacher.py>: a tiny model pretrained offline on what that file's `teacher` says
+# builtin:<name> is tiny:<that teacher file of the repository>; a wheel install has no cookbook beside the package.
+BUILTINS = {"tiny-arith": "cookbook/arith/teacher.py"}
+REPO = Path(__file__).parents[2]  # lightning_sdk/models/__init__.py -> the checkout's root
 
 
 class ModelLoadError(RuntimeError):
@@ -16,18 +22,15 @@ class ModelLoadError(RuntimeError):
 def resolve(name: str) -> str:
     """Turn a configured model name into something `from_pretrained` takes.
 
-    `builtin:tiny-arith` is built locally on first use, and so is `tiny:<path/teacher.py>` (the same tiny model
-    shape, pretrained on the `teacher` that file defines; see `tiny.Teacher`); an existing directory is used as it is; anything else is
-    a hub id, which loads from the local Hugging Face cache (or the hub, where one is reachable).
+    `tiny:<path/teacher.py>` is built locally on first use (a tiny model pretrained on the `teacher` that file
+    defines; see `tiny.Teacher`), and so is `builtin:tiny-arith` (the repository's cookbook/arith/teacher.py); an
+    existing directory is used as it is; anything else is a hub id, which loads from the local Hugging Face cache
+    (or the hub, where one is reachable).
     """
     if name.startswith(BUILTIN):
-        from lightning_sdk import tiny
-
-        if name[len(BUILTIN):] != tiny.NAME:
-            raise ModelLoadError(f"model {name!r}: unknown builtin model; expected {BUILTIN}{tiny.NAME}")
-        return str(tiny.ensure_built())
+        return _build_tiny(name, _builtin_teacher(name))
     if name.startswith(TINY):
-        return _build_tiny(name)
+        return _build_tiny(name, Path(name[len(TINY):]).expanduser())
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
@@ -36,18 +39,25 @@ def resolve(name: str) -> str:
     return name
 
 
-def _build_tiny(name: str) -> str:
+def _builtin_teacher(name: str) -> Path:
+    file = BUILTINS.get(name[len(BUILTIN):])
+    if file is None:
+        known = ", ".join(BUILTIN + b for b in BUILTINS)
+        raise ModelLoadError(f"model {name!r}: unknown builtin model; expected {known}")
+    if not (REPO / file).exists():
+        raise ModelLoadError(f"model {name!r}: {name} is built from {file} of the lightning-sdk repository, which this "
+                             f"install does not have; use tiny:<path/to/teacher.py>")
+    return REPO / file
+
+
+def _build_tiny(name: str, path: Path) -> str:
     import hashlib
-    import importlib.util
 
-    from lightning_sdk import tiny
+    from lightning_sdk.models import tiny
 
-    path = Path(name[len(TINY):]).expanduser()
     if path.suffix != ".py" or not path.exists():
         raise ModelLoadError(f"model {name!r}: expected tiny:<path to a .py file that defines `teacher`>")
-    spec = importlib.util.spec_from_file_location(f"lightning_teacher_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_py_file(path, f"lightning_teacher_{path.stem}")
     teacher = getattr(mod, "teacher", None)
     if teacher is None or not callable(getattr(teacher, "samples", None)) or not isinstance(getattr(teacher, "key", None), str):
         raise ModelLoadError(f"model {name!r}: {path} must define `teacher` with a `key` and `samples(rng, n)`")

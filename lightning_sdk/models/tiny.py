@@ -1,13 +1,10 @@
-"""A tiny chat model the project builds offline: the default demo and test model.
+"""Tiny chat models the project builds offline, each pretrained on what a `Teacher` says.
 
-No model hub is reachable from a fresh machine, so `builtin:tiny-arith` is built on first use from data this
-module generates: a byte-level BPE tokenizer with a ChatML chat template, and a small Llama pretrained on
-single-digit addition by a teacher that knows the sums but is *chatty*: it gives the bare number only a quarter
-of the time and otherwise wraps it ("The answer is 8.", "8.", "It is 8"). A task that asks for the bare number
-then finds a model that can do it but mostly doesn't -- the situation RL fine-tuning of a real instruct model is
-in -- and the reward can rise only by training.
+No model hub is reachable from a fresh machine, so the default demo and test model (`builtin:tiny-arith`, taught
+by cookbook/arith/teacher.py) and every `tiny:<teacher.py>` model are built on first use: a byte-level BPE
+tokenizer with a ChatML chat template, and a small Llama pretrained on the teacher's samples.
 
-The build is seeded and takes seconds on a CPU; the result is an ordinary Hugging Face model directory that
+The build is seeded and runs on a CPU; the result is an ordinary Hugging Face model directory that
 `AutoModelForCausalLM` / `AutoTokenizer` load like any downloaded checkpoint.
 """
 
@@ -18,13 +15,12 @@ import functools
 import json
 import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Union
 
-NAME = "tiny-arith"
+from lightning_sdk.files import atomic_dir
+
 VERSION = 3  # bump when the recipe changes, so stale caches are rebuilt
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -56,14 +52,6 @@ CHAT_TEMPLATE = (  # no "{%-" and no newline right after "%}": both would eat th
 )
 
 
-def question(a: int, b: int) -> str:
-    return f"What is {a} + {b}?"
-
-
-def problems() -> list[tuple[int, int]]:
-    return [(a, b) for a in range(10) for b in range(10)]
-
-
 @dataclass
 class Conversation:
     """A whole chat (OpenAI messages, tool calls with object arguments) whose assistant turns are all learned.
@@ -84,10 +72,12 @@ class Teacher(Protocol):
 
     `samples(rng, n)` gives n samples: (prompt text, reply text) pairs, where the model learns the reply (then
     <|im_end|>), or `Conversation`s. `key` names the recipe in the cache: change it when the recipe changes.
+    Optional, the tokenizer:
+    - `vocab_size` (default 512) and `split_digits` (default True: numbers are tokens digit by digit).
+    - `tokenizer_corpus(rng) -> list[str]`: the texts the vocabulary is learnt from (default: 1000 samples).
     Optional, for teachers whose model must copy words (a name out of a passage into a tool call):
     - `space_tokens = True`: spaces become tokens of their own, so a word is the same tokens wherever it stands
       (after a space, a quote or a newline). Without it byte-level BPE glues the space on ('ĠZel' vs 'Zel').
-    - `tokenizer_corpus(rng) -> list[str]`: the texts the vocabulary is learnt from (default: 1000 samples).
     - `warmup_steps` and `warmup_samples(rng, n)`: what the first steps train on instead of `samples`.
     """
 
@@ -96,41 +86,23 @@ class Teacher(Protocol):
     def samples(self, rng: random.Random, n: int) -> list[Sample]: ...
 
 
-def cache_dir(key: str | None = None) -> Path:
+def cache_dir(key: str) -> Path:
     root = os.environ.get("LIGHTNING_SDK_CACHE") or Path.home() / ".cache" / "lightning_sdk"
-    return Path(root) / "models" / (key or f"{NAME}-v{VERSION}")
+    return Path(root) / "models" / key
 
 
-def ensure_built(teacher: Teacher | None = None, *, steps: int = 300, batch: int = 128) -> Path:
-    """Path of the built model, building it once (safe when several processes ask at the same time).
-
-    Without a teacher it is the builtin tiny-arith; with one, a tiny model of the same shape taught by it.
-    """
-    target = cache_dir(f"tiny-{teacher.key}-v{VERSION}" if teacher is not None else None)
+def ensure_built(teacher: Teacher, *, steps: int = 300, batch: int = 128) -> Path:
+    """Path of the model `teacher` teaches, building it once (safe when several processes ask at the same time)."""
+    target = cache_dir(f"tiny-{teacher.key}-v{VERSION}")
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
-            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-            try:
-                build(tmp, teacher=teacher, steps=steps, batch=batch)
-                tmp.rename(target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            with atomic_dir(target) as tmp:  # a target without config.json (a broken copy) is replaced
+                build(tmp, teacher, steps=steps, batch=batch)
     return target
-
-
-REPLY_FORMATS = ("{}", "The answer is {}.", "{}.", "It is {}")  # the first is what the default task rewards
-
-
-def _teacher_answer(rng: random.Random, a: int, b: int) -> str:
-    return rng.choice(REPLY_FORMATS).format(a + b)
-
-
-def _chat(q: str, answer: str) -> str:
-    return f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
 
 
 def render(messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True) -> str:
@@ -148,22 +120,11 @@ def _template():
     return env.from_string(CHAT_TEMPLATE)
 
 
-class _ArithTeacher:
-    key = NAME
-
-    def samples(self, rng: random.Random, n: int) -> list[tuple[str, str]]:
-        batch = [rng.choice(problems()) for _ in range(n)]
-        return [(f"<|im_start|>user\n{question(a, b)}<|im_end|>\n<|im_start|>assistant\n", _teacher_answer(rng, a, b))
-                for a, b in batch]
-
-
-def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int = 320, split_digits: bool = False,
+def build_tokenizer(out: Path, corpus: list[str], *, vocab_size: int, split_digits: bool = False,
                     space_tokens: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if corpus is None:
-        corpus = [_chat(question(a, b), f.format(a + b)) for a, b in problems() for f in REPLY_FORMATS]
     corpus = corpus + ["The quick brown fox jumps over the lazy dog. 0123456789 +-*/=()?!.,:;'\"\n"] * 4
     tok = Tokenizer(models.BPE())
     splits = [pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -207,25 +168,23 @@ def _labelled(sample: Sample) -> tuple[str, list[tuple[int, int]]]:
     return prefix + f"{reply}<|im_end|>\n", [(len(prefix), len(prefix) + len(reply) + len("<|im_end|>\n"))]
 
 
-def build(out: Path, *, seed: int = 0, steps: int = 300, batch: int = 128, teacher: Teacher | None = None) -> Path:
-    """Build tokenizer + model into `out` (a Hugging Face model directory), taught by `teacher` (default: arith)."""
+def build(out: Path, teacher: Teacher, *, seed: int = 0, steps: int = 300, batch: int = 128) -> Path:
+    """Build tokenizer + model into `out` (a Hugging Face model directory), taught by `teacher`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if teacher is None:
-        tok = build_tokenizer(out)
-    else:  # its own vocabulary, from its own prompts and replies
-        if callable(getattr(teacher, "tokenizer_corpus", None)):
-            corpus = teacher.tokenizer_corpus(random.Random(seed + 1))
-        else:
-            corpus = [_labelled(s)[0] for s in teacher.samples(random.Random(seed + 1), 1000)]
-        tok = build_tokenizer(out, corpus, vocab_size=512, split_digits=True,
-                              space_tokens=bool(getattr(teacher, "space_tokens", False)))
+    # The teacher's own vocabulary, from its own prompts and replies unless it gives the texts.
+    if callable(getattr(teacher, "tokenizer_corpus", None)):
+        corpus = teacher.tokenizer_corpus(random.Random(seed + 1))
+    else:
+        corpus = [_labelled(s)[0] for s in teacher.samples(random.Random(seed + 1), 1000)]
+    tok = build_tokenizer(out, corpus, vocab_size=int(getattr(teacher, "vocab_size", 512)),
+                          split_digits=bool(getattr(teacher, "split_digits", True)),
+                          space_tokens=bool(getattr(teacher, "space_tokens", False)))
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    teacher = teacher or _ArithTeacher()
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=128,
