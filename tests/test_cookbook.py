@@ -89,8 +89,8 @@ def test_calc_autogen_trains_and_evals(tmp_path):
     assert len(everything) == 9 + 2 + 2
     tools = 0
     for r in everything:
-        kinds = ["llm" if adapter.is_llm_call(s) else "tool" for s in store.spans(r.rollout_id)
-                 if adapter.is_llm_call(s) or s.name == "execute_tool calculator"]
+        kinds = ["llm" if transitions.is_llm_call(s) else "tool" for s in store.spans(r.rollout_id)
+                 if transitions.is_llm_call(s) or s.name == "execute_tool calculator"]
         assert kinds == ["llm"] or (kinds[0] == kinds[-1] == "llm" and set(kinds[1:-1]) == {"tool"}), kinds
         tools += kinds.count("tool")
     assert tools > 0
@@ -101,9 +101,9 @@ def test_sql_langgraph_trains_only_writer_and_rewriter(tmp_path):
     assert all(r.reward in (0.0, 1.0) for r in rollouts)  # execution match
     # Each rollout is the LangGraph flow: writer, checker, and the rewriter only when the checker objected.
     for r in rollouts + store.rollouts(phase="eval"):
-        nodes = [s.component for s in store.spans(r.rollout_id) if adapter.is_llm_call(s)]
+        nodes = [s.component for s in store.spans(r.rollout_id) if transitions.is_llm_call(s)]
         assert nodes in (["writer", "checker"], ["writer", "checker", "rewriter"]), nodes
-    calls = [s for r in rollouts for s in store.spans(r.rollout_id) if adapter.is_llm_call(s)]
+    calls = [s for r in rollouts for s in store.spans(r.rollout_id) if transitions.is_llm_call(s)]
     assert {"writer", "checker"} <= {s.component for s in calls}  # every LangGraph node's call is traced
     trained = {t.span_id for t in transitions}
     assert {t.component for t in transitions} <= {"writer", "rewriter"} and transitions
@@ -118,7 +118,7 @@ def test_rag_agents_sdk_trains(tmp_path):
     # The pretrained model searches in most of its answers (teacher.py): the SDK ran the search tool on the
     # model's query, and the next LLM call of the rollout has exactly what BM25 returned for it in its prompt.
     rag = load_module(ROOT / "cookbook/rag/agent.py")
-    calls = [[s for s in store.spans(r.rollout_id) if adapter.is_llm_call(s)]
+    calls = [[s for s in store.spans(r.rollout_id) if transitions.is_llm_call(s)]
              for r in rollouts + store.rollouts(phase="eval")]
     assert all(1 <= len(c) <= 4 for c in calls)  # agent.py's max_turns
     searched = [json.loads(c[1].attributes["gen_ai.input.messages"]) for c in calls if len(c) > 1]
