@@ -3,7 +3,7 @@ learning.
 
 The agent-side surface is all here and imports no torch: mark the episode with `@rollout`, its score with
 `@reward`, tag roles with `component(...)`, add intermediate rewards with `emit_reward(...)`.
-Training is started by `lightning run`, or from Python (a script or a notebook) by `train(...)` (lightning_sdk.api,
+Training is started by `lightning run`, or from Python (a script or a notebook) by `run(...)` (lightning_sdk.api,
 imported on first use so that importing the agent side stays light).
 """
 
@@ -14,15 +14,15 @@ from lightning_sdk.distribution import VERSION as __version__
 from lightning_sdk.distribution import conflict_line as _conflict_line
 from lightning_sdk.tracing import component, emit_reward
 
-__all__ = ["LLM", "TrainResult", "component", "emit_reward", "reward", "rollout", "train"]
+__all__ = ["LLM", "RunResult", "component", "emit_reward", "reward", "rollout", "run"]
 
 if (_line := _conflict_line()) is not None:
     print(_line, file=_sys.stderr)
 
 
 def __getattr__(name: str):
-    # train / TrainResult pull in the runtime (torch, transformers): only when asked for.
-    if name in ("train", "TrainResult"):
+    # run / RunResult pull in the runtime (torch, transformers): only when asked for.
+    if name in ("run", "RunResult"):
         from lightning_sdk import api
 
         return getattr(api, name)

@@ -81,7 +81,7 @@ def test_no_arrow_runs_back_up():
     for m, p in mods.items():
         src = _part(m)
         if src == "__init__":  # the public surface: the agent side only
-            # plus `train` (api), imported only when asked for, and the distribution check
+            # plus `run` (api), imported only when asked for, and the distribution check
             allowed = lambda dst: dst in AGENT_SIDE | {"api", "distribution"}  # noqa: E731
         else:
             assert src in HEIGHT, f"{m}: a new top-level part; give it a height in this test"
