@@ -100,7 +100,7 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Score this checkpoint (checkpoints/iter-N) or PEFT adapter directory.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Override run.dir.")
-@click.option("--data", "data_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--data", "data_path", type=click.Path(path_type=Path),  # a directory: a datasets save_to_disk
               help="Held-out tasks (default: data.eval).")
 @click.option("--limit", type=click.IntRange(min=1), help="Score only the first N tasks.")
 def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Path | None,

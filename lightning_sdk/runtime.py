@@ -118,7 +118,7 @@ class Runtime:
                 if not eval_tasks:
                     self.console.print("no eval: data.eval is not set, so the untrained and trained models are not "
                                        "scored on held-out tasks; set data.eval (a dataset) for a before/after score",
-                                       highlight=False)
+                                       highlight=False, soft_wrap=True)
                 if eval_tasks and state.baseline_eval is None:
                     state.baseline_eval = self._evaluate(eval_tasks, collector.server.served_model_name, "untrained")
                 for it in range(state.completed, cfg.run.iterations):
@@ -290,7 +290,7 @@ class Runtime:
         self.console.print(f"run directory: {self.run_dir}  (metrics.jsonl, reward_curve.png, tensorboard/, "
                            f"store.sqlite, checkpoints/)"
                            + (f"; trained adapter: {adapter_dir(last)}" if last is not None else ""),
-                           highlight=False)
+                           highlight=False, soft_wrap=True)
 
 
 def _fmt(value: float | None) -> str:
