@@ -92,7 +92,7 @@ def main() -> int:
     for row in state.history:
         tok_s = row["completion_tokens"] / row["collect_s"]
         handover = row.get("sleep_s", 0.0) + row.get("wake_s", 0.0)
-        print(f"iteration {row['iteration'] + 1}: collect {row['completion_tokens']} tokens in "
+        print(f"iteration {row['iteration']}: collect {row['completion_tokens']} tokens in "
               f"{row['collect_s']:.2f} s = {tok_s:.0f} tokens/s | update step {row['update_s']:.2f} s | "
               f"hot-load {row['hotload_s']:.3f} s | sleep {row.get('sleep_s', float('nan')):.2f} s, "
               f"wake {row.get('wake_s', float('nan')):.2f} s (sleep+wake / update step = "

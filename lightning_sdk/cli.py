@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,23 +16,47 @@ from rich.markup import escape
 from rich.table import Table
 
 from lightning_sdk import config as config_mod
+from lightning_sdk.distribution import DISTRIBUTION, VERSION
 
 EXIT_USAGE = 2  # click's convention for bad input
+LOG_WIDTH = 200  # columns when the output is not a terminal: the iteration table's 11 columns fit uncut
 
 
 def _fail(console: Console, message: str) -> None:
-    # escape: messages quote things like "pip install 'lightning-sdk[gpu]'", which rich would take for markup
+    # escape: messages quote things like "pip install 'lightning-agent-rl[gpu]'", which rich would take for markup
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(EXIT_USAGE)
 
 
 @click.group()
-@click.version_option(package_name="lightning-sdk")
+@click.version_option(version=VERSION, package_name=DISTRIBUTION)
 def main() -> None:
     """Train the LLM inside an existing agent with reinforcement learning."""
-    # Our own log lines at INFO; libraries (httpx logs every request at INFO) only when they warn.
+    configure_output()
+
+
+def configure_output() -> None:
+    """`lightning` and `lightning_sdk.train`: our own log lines (the model-build status) at INFO; libraries (httpx
+    logs every request at INFO) only when they warn. basicConfig leaves an application's own logging alone."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("lightning_sdk").setLevel(logging.INFO)
+    quiet_progress_bars()
+
+
+def quiet_progress_bars() -> None:
+    """Output that is not a terminal (a log file, nohup, CI) gets no transformers / hub progress bars: there each
+    redraw is a line of noise. Set before huggingface_hub is imported; server subprocesses inherit it."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def make_console() -> Console:
+    """The run's console. Not a terminal and no COLUMNS: rich would fall back to 80 columns and cut every value of
+    the summary table ('ari…'); a log file has no width to respect, so lines may be as long as the table needs."""
+    console = Console()
+    if not console.is_terminal and not console.is_jupyter and "COLUMNS" not in os.environ:
+        console = Console(width=LOG_WIDTH)
+    return console
 
 
 @main.command()
@@ -43,7 +68,7 @@ def main() -> None:
 @click.option("--iterations", type=click.IntRange(min=1), help="Override run.iterations.")
 def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, iterations: int | None) -> None:
     """Start the embedded runtime: serve the model, run the agent, train it with GRPO."""
-    console = Console()
+    console = make_console()
     if resume and overwrite:
         _fail(console, "--resume and --overwrite exclude each other")
     try:
@@ -75,13 +100,13 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Score this checkpoint (checkpoints/iter-N) or PEFT adapter directory.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Override run.dir.")
-@click.option("--data", "data_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--data", "data_path", type=click.Path(path_type=Path),  # a directory: a datasets save_to_disk
               help="Held-out tasks (default: data.eval).")
 @click.option("--limit", type=click.IntRange(min=1), help="Score only the first N tasks.")
 def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Path | None,
           data_path: Path | None, limit: int | None) -> None:
     """Score a policy on held-out tasks: the base model, or a trained adapter (--trained / --checkpoint)."""
-    console = Console()
+    console = make_console()
     if trained and checkpoint is not None:
         _fail(console, "--trained and --checkpoint exclude each other")
     try:
@@ -132,7 +157,7 @@ def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str 
     """List recent rollouts with their reward and LLM calls (or one rollout's spans)."""
     from lightning_sdk.store import Store
 
-    console = Console()
+    console = make_console()
     if run_dir is None:
         try:
             run_dir = config_mod.load(config_path).run.dir
@@ -151,7 +176,10 @@ def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str 
         if record.error:
             console.print(f"[red]{record.error}[/]")
         for span in store.spans(rollout_id):
-            console.print("  " + describe(span), highlight=False)
+            console.print("  " + describe(span), highlight=False, markup=False)
+            for role, text in conversation(span.attributes):  # the whole call: every prompt turn, then the reply
+                console.print(f"      {role:>9}: " + text.replace("\n", "\n" + " " * 17), highlight=False,
+                              markup=False)  # agent text is not rich markup
         return
     rows = store.rollouts(status=status, limit=limit, newest_first=True)
     calls = store.call_counts([r.rollout_id for r in rows])
@@ -176,6 +204,44 @@ def describe(record: Any) -> str:
     text = text if len(text) < 60 else text[:57] + "..."
     n_prompt, n_out = len(a.get(PROMPT_IDS) or []), len(a.get(COMPLETION_IDS) or [])
     return f"{record.name} [{record.component or '-'}] {n_prompt}->{n_out} tokens {record.status} {json.dumps(text)}"
+
+
+def conversation(attrs: dict[str, Any]) -> list[tuple[str, str]]:
+    """An LLM call's messages as (role, text): the prompt (`gen_ai.input.messages`: system, user, assistant and
+    tool turns), then the completion (`gen_ai.output.messages`, role "assistant" shown as "→ reply")."""
+    out = []
+    for key, reply in (("gen_ai.system_instructions", False), ("gen_ai.input.messages", False),
+                       ("gen_ai.output.messages", True)):
+        raw = attrs.get(key)
+        if not raw:
+            continue
+        try:
+            messages = json.loads(raw)
+        except (TypeError, ValueError):
+            out.append((key, str(raw)))
+            continue
+        if key == "gen_ai.system_instructions":  # a list of parts, not of messages
+            messages = [{"role": "system", "parts": messages}]
+        for m in messages if isinstance(messages, list) else [messages]:
+            if not isinstance(m, dict):
+                out.append(("?", json.dumps(m)))
+                continue
+            role = "→ reply" if reply else str(m.get("role", "?"))
+            out.append((role, "\n".join(_part_text(p) for p in m.get("parts") or [])))
+    return out
+
+
+def _part_text(part: Any) -> str:
+    if not isinstance(part, dict):
+        return str(part)
+    kind = part.get("type")
+    if kind == "tool_call":
+        return f"<tool call {part.get('name')}({json.dumps(part.get('arguments'))}) id={part.get('id')}>"
+    if kind == "tool_call_response":
+        return f"<tool result id={part.get('id')}> {part.get('response')}"
+    if "content" in part:
+        return str(part["content"])
+    return json.dumps(part)
 
 
 def _output_text(attrs: dict[str, Any]) -> str:

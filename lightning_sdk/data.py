@@ -1,10 +1,16 @@
-"""Datasets of tasks: local jsonl or parquet files, one task (a JSON object) per row."""
+"""Datasets of tasks: local jsonl or parquet files, one task (a JSON object) per row; and what Hugging Face
+`datasets` reads locally (a save_to_disk directory, csv, a JSON array), with the `datasets` extra."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from pathlib import Path
+
+# Read through Hugging Face `datasets` (imported only for these: it costs seconds to import): a directory that
+# `save_to_disk` wrote, and the file formats below (a .json file only when it holds one JSON array).
+DATASETS_BUILDERS = {".csv": "csv", ".json": "json"}
 
 
 class DatasetError(ValueError):
@@ -16,7 +22,9 @@ def load(path: str | Path, required_fields: list[str] | tuple[str, ...] = ()) ->
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"dataset {path}: file not found")
-    if path.suffix == ".parquet":
+    if path.is_dir() or path.suffix == ".csv" or (path.suffix == ".json" and _is_json_array(path)):
+        rows = _hf_rows(path)
+    elif path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
@@ -35,7 +43,8 @@ def load(path: str | Path, required_fields: list[str] | tuple[str, ...] = ()) ->
                 raise DatasetError(f"dataset {path}, line {n}: expected a JSON object, got {type(row).__name__}")
             rows.append(row)
     else:
-        raise DatasetError(f"dataset {path}: expected a .jsonl or .parquet file")
+        raise DatasetError(f"dataset {path}: expected a .jsonl, .parquet or .csv file, or a datasets save_to_disk "
+                           f"directory")
     if not rows:
         raise DatasetError(f"dataset {path}: no tasks")
     for n, row in enumerate(rows, 1):
@@ -44,6 +53,40 @@ def load(path: str | Path, required_fields: list[str] | tuple[str, ...] = ()) ->
             raise DatasetError(f"dataset {path}, row {n}: no field {missing[0]!r} (data.required_fields = "
                                f"{list(required_fields)}; the row has {sorted(row)})")
     return rows
+
+
+def _is_json_array(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4096).lstrip()[:1] == b"["
+
+
+def _hf_rows(path: Path) -> list[dict]:
+    """The rows of a dataset that Hugging Face `datasets` reads: a save_to_disk directory, csv, a JSON array."""
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(f"dataset {path}: reading it needs Hugging Face datasets "
+                           f"(pip install 'lightning-agent-rl[datasets]')") from None
+    if path.is_dir():
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except FileNotFoundError:
+            raise DatasetError(f"dataset {path}: a directory, but not one that datasets' save_to_disk wrote; "
+                               f"expected a dataset directory, or a .jsonl/.parquet/.csv file") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if len(ds) != 1:
+                raise DatasetError(f"dataset {path}: holds the splits {sorted(ds)}; name one, e.g. "
+                                   f"{path / sorted(ds)[0]}")
+            (ds,) = ds.values()
+        return ds.to_list()
+    # load_dataset caches an Arrow copy: a throwaway cache, so reading a file writes nothing that stays.
+    with tempfile.TemporaryDirectory(prefix="lightning-data-") as cache:
+        try:
+            ds = datasets.load_dataset(DATASETS_BUILDERS[path.suffix], data_files=str(path), split="train",
+                                       cache_dir=cache)
+        except Exception as e:  # noqa: BLE001 - datasets raises its own error types per builder; name the file
+            raise DatasetError(f"dataset {path}: datasets cannot read it ({type(e).__name__}: {e})") from None
+        return ds.to_list()
 
 
 def task_id(task: dict) -> str:

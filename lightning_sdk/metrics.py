@@ -46,7 +46,7 @@ class MetricsLog:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        its = [row["iteration"] + 1 for row in history]  # as the table counts them
+        its = [row["iteration"] for row in history]  # numbered from 1, as everywhere
         means = [row["reward_mean"] for row in history]
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
         ax.plot(its, means, marker="o", label="training rollouts (mean reward)")

@@ -115,6 +115,10 @@ class Runtime:
                     policy = state.adapter_name
                     collector.hot_load(policy, adapter_dir(checkpoint))
                     self.console.print(f"resumed {self.run_dir} after iteration {state.completed} ({checkpoint.name})")
+                if not eval_tasks:
+                    self.console.print("no eval: data.eval is not set, so the untrained and trained models are not "
+                                       "scored on held-out tasks; set data.eval (a dataset) for a before/after score",
+                                       highlight=False, soft_wrap=True)
                 if eval_tasks and state.baseline_eval is None:
                     state.baseline_eval = self._evaluate(eval_tasks, collector.server.served_model_name, "untrained")
                 for it in range(state.completed, cfg.run.iterations):
@@ -188,21 +192,22 @@ class Runtime:
     def _iteration(self, it: int, tasks: list[dict], policy: str, state: RunState, store: Store, trainer: Any,
                    metrics: MetricsLog) -> str:
         cfg, collector = self.cfg, self.collector
-        jobs = [RolloutJob(rollout_id=f"it{it:04d}-{i:03d}-{g}-{uuid.uuid4().hex[:8]}", task_id=data.task_id(t),
-                           group_id=f"{it}:{i}", task=t, iteration=it)
+        n = it + 1  # iterations are numbered from 1 everywhere a user sees one (table, store, metrics, adapter names)
+        jobs = [RolloutJob(rollout_id=f"it{n:04d}-{i:03d}-{g}-{uuid.uuid4().hex[:8]}", task_id=data.task_id(t),
+                           group_id=f"{n}:{i}", task=t, iteration=n)
                 for i, t in enumerate(tasks) for g in range(cfg.data.group_size)]
         t0 = time.perf_counter()
-        results = self._collect(jobs, policy, f"iteration {it + 1}/{cfg.run.iterations} collect")
+        results = self._collect(jobs, policy, f"iteration {n}/{cfg.run.iterations} collect")
         collect_s = time.perf_counter() - t0
         ok = [r for r in results if r.status == "succeeded"]
         failed = len(results) - len(ok)
         if len(ok) < len(results) / 2:
             errors = sorted({r.error for r in results if r.error})[:3]
-            raise RunError(f"iteration {it}: {failed} of {len(results)} rollouts failed; not training on the rest. "
+            raise RunError(f"iteration {n}: {failed} of {len(results)} rollouts failed; not training on the rest. "
                            f"First errors: {errors}. See `lightning traces --run-dir {self.run_dir}`.")
         transitions = self._transitions(ok, store)
         handover: dict[str, float] = {}  # sleep_s / wake_s: the server's GPU memory goes to the trainer meanwhile
-        with self.console.status(f"iteration {it + 1}/{cfg.run.iterations} update: {len(transitions)} transitions"), \
+        with self.console.status(f"iteration {n}/{cfg.run.iterations} update: {len(transitions)} transitions"), \
                 gpu_handover(collector.server, handover):
             t1 = time.perf_counter()
             train_metrics = trainer.step(transitions)
@@ -210,22 +215,22 @@ class Runtime:
         rewards = [r.reward for r in ok]
         mean = sum(rewards) / len(rewards)
         row = {
-            "iteration": it, "policy": policy, "reward_mean": mean,
+            "iteration": n, "policy": policy, "reward_mean": mean,
             "reward_std": (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
             "rollouts": len(results), "failed": failed, "transitions": len(transitions),
             "completion_tokens": sum(len(t.completion_ids) for t in transitions),
             "collect_s": collect_s, "update_s": update_s, **handover,
             **{f"train.{k}": v for k, v in train_metrics.items()},
         }
-        new_policy = f"{cfg.run.name}-iter{it + 1}"
-        state.completed, state.adapter_name = it + 1, new_policy
+        new_policy = f"{cfg.run.name}-iter{n}"  # trained by iteration n, sampled by iteration n + 1
+        state.completed, state.adapter_name = n, new_policy
         state.history.append(row)
-        checkpoint = write_checkpoint(self.run_dir, it + 1, trainer, state)
+        checkpoint = write_checkpoint(self.run_dir, n, trainer, state)
         t2 = time.perf_counter()
         collector.hot_load(new_policy, adapter_dir(checkpoint), previous=policy)
         row["hotload_s"] = time.perf_counter() - t2
         metrics.log(row)
-        self.console.print(f"iteration {it + 1}: reward {mean:.3f}  ({len(ok)} rollouts, {len(transitions)} "
+        self.console.print(f"iteration {n}: reward {mean:.3f}  ({len(ok)} rollouts, {len(transitions)} "
                            f"transitions, collect {collect_s:.1f}s, update {update_s:.1f}s, "
                            f"hot-load {row['hotload_s']:.2f}s)")
         return new_policy
@@ -274,15 +279,18 @@ class Runtime:
             table.add_row("eval", "untrained", f"{state.baseline_eval:.3f}", "", "", "", "", "", "", "", "",
                           style="dim")
         for row in state.history:
-            table.add_row(str(row["iteration"] + 1), row["policy"], f"{row['reward_mean']:.3f}",
+            table.add_row(str(row["iteration"]), row["policy"], f"{row['reward_mean']:.3f}",
                           f"{row['reward_std']:.3f}", str(row["failed"]), str(row["transitions"]),
                           _fmt(row.get("train.loss")), _fmt(row.get("train.kl")),
                           _fmt(row.get("train.logprob_gap")), f"{row['collect_s']:.1f}", f"{row['update_s']:.1f}")
         if final is not None:
             table.add_row("eval", "trained", f"{final:.3f}", "", "", "", "", "", "", "", "", style="bold green")
         self.console.print(table)
+        last = latest_checkpoint(self.run_dir)
         self.console.print(f"run directory: {self.run_dir}  (metrics.jsonl, reward_curve.png, tensorboard/, "
-                           f"store.sqlite, checkpoints/)")
+                           f"store.sqlite, checkpoints/)"
+                           + (f"; trained adapter: {adapter_dir(last)}" if last is not None else ""),
+                           highlight=False, soft_wrap=True)
 
 
 def _fmt(value: float | None) -> str:

@@ -59,7 +59,7 @@ def test_run_trains_and_writes_everything(project):
     assert "reward per iteration" in first.stdout and "untrained" in first.stdout and "trained" in first.stdout
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [0, 1]
+    assert [r["iteration"] for r in rows] == [1, 2]  # numbered from 1, as in the table
     assert all(r["transitions"] == 16 and r["rollouts"] == 16 for r in rows)
     assert rows[0]["policy"] == "builtin:tiny-arith" and rows[1]["policy"] == "e2e-iter1"
     assert (run / "reward_curve.png").stat().st_size > 0 and any((run / "tensorboard").iterdir())
@@ -67,7 +67,7 @@ def test_run_trains_and_writes_everything(project):
     store = Store(run / "store.sqlite")
     train = store.rollouts(phase="train")
     assert len(train) == 32 and all(r.status == "succeeded" for r in train)
-    assert {r.model for r in train if r.iteration == 1} == {"e2e-iter1"}  # iteration 2 sampled the new adapter
+    assert {r.model for r in train if r.iteration == 2} == {"e2e-iter1"}  # iteration 2 sampled the new adapter
     assert len(store.rollouts(phase="eval")) == 10
     assert store.count("spans") >= 42  # one LLM call per rollout
 
@@ -125,7 +125,8 @@ def test_agent_that_bypasses_the_server_is_a_loud_capture_error(project, tmp_pat
     (tmp_path / "lightning.toml").write_text(text)
     out = lightning("run", cwd=tmp_path)
     assert out.returncode == 1
-    assert "no LLM call was captured" in out.stdout and "rollout it0000-" in out.stdout
+    assert "no LLM call was captured" in out.stdout and "rollout it0001-" in out.stdout
+    assert "no eval: data.eval is not set" in out.stdout  # the file has no data.eval: the run says so
 
 
 # ------------------------------------------------------------------------------------ kill -9, then --resume
@@ -190,10 +191,10 @@ def test_kill_9_during_collection_and_during_update_then_resume_loses_nothing(pr
     spans = lambda: {r[0] for r in _query(db, "SELECT span_id FROM spans")}  # noqa: E731
     checkpoints = lambda: sorted(p.name for p in (run / "checkpoints").glob("iter-*"))  # noqa: E731
 
-    # 1. Kill during collection: iteration 2 (index 1) has rollouts running and LLM calls stored.
+    # 1. Kill during collection: iteration 2 has rollouts running and LLM calls stored.
     proc = _start("run", *three, cwd=tmp_path)
-    _wait_for(lambda: len(_query(db, "SELECT 1 FROM spans JOIN rollouts USING (rollout_id) WHERE iteration = 1"))
-              >= 2, "iteration 1 collection", proc)
+    _wait_for(lambda: len(_query(db, "SELECT 1 FROM spans JOIN rollouts USING (rollout_id) WHERE iteration = 2"))
+              >= 2, "iteration 2 collection", proc)
     _kill9(proc)
     server_pid = int(re.findall(r"Started server process \[(\d+)\]", (run / "server.log").read_text())[-1])
     before_1, spans_1 = rollouts(), spans()
@@ -204,11 +205,11 @@ def test_kill_9_during_collection_and_during_update_then_resume_loses_nothing(pr
         assert time.monotonic() < deadline, "the orphaned server did not exit"
         time.sleep(0.2)
 
-    # 2. Resume, then kill during the update of iteration 3 (index 2): all its rollouts done, no checkpoint yet.
+    # 2. Resume, then kill during the update of iteration 3: all its rollouts done, no checkpoint yet.
     proc = _start("run", "--resume", *three, cwd=tmp_path)
     done = "SELECT COUNT(*) FILTER (WHERE status = 'succeeded'), COUNT(*) FILTER (WHERE status = 'running') " \
-           "FROM rollouts WHERE iteration = 2"
-    _wait_for(lambda: (_query(db, done) or [(0, 1)])[0] == (16, 0), "iteration 2 update", proc)
+           "FROM rollouts WHERE iteration = 3"
+    _wait_for(lambda: (_query(db, done) or [(0, 1)])[0] == (16, 0), "iteration 3 update", proc)
     _kill9(proc)
     before_2, spans_2 = rollouts(), spans()
     assert checkpoints() == ["iter-00001", "iter-00002"]  # killed inside the update, before its checkpoint
@@ -228,7 +229,7 @@ def test_kill_9_during_collection_and_during_update_then_resume_loses_nothing(pr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     state = json.loads((run / "checkpoints/iter-00003/state.json").read_text())
     trainer_state = json.loads((run / "checkpoints/iter-00003/trainer/trainer_state.json").read_text())
-    assert [r["iteration"] for r in rows] == [0, 1, 2] == [r["iteration"] for r in state["history"]]
+    assert [r["iteration"] for r in rows] == [1, 2, 3] == [r["iteration"] for r in state["history"]]
     assert [r["train.step"] for r in rows] == [1, 2, 3] and trainer_state["global_step"] == 3 == state["completed"]
     assert [r["policy"] for r in rows] == ["builtin:tiny-arith", "e2e-iter1", "e2e-iter2"]
     print(f"kill -9 x2: {len(before_2)} rollouts and {len(spans_2)} spans stored before the kills, "

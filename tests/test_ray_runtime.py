@@ -59,9 +59,9 @@ def test_demo_runs_two_iterations_on_ray(ray_local, tmp_path):
         assert all(counts.get(r.rollout_id) == 1 for r in rollouts)
         assert all(store.spans(r.rollout_id)[0].attributes.get("lightning.llm.completion_token_ids")
                    for r in rollouts)
-        assert {r.model for r in rollouts if r.iteration == 1} == {"ray-iter1"}  # hot-loaded through the router
+        assert {r.model for r in rollouts if r.iteration == 2} == {"ray-iter1"}  # hot-loaded through the router
     rows = [json.loads(x) for x in (cfg.run.dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [0, 1]
+    assert [r["iteration"] for r in rows] == [1, 2]
     assert all(r["failed"] == 0 and r["rollouts"] == 16 and r["transitions"] == 16 for r in rows)
 
 
@@ -99,7 +99,7 @@ def test_killed_worker_rollouts_are_retried_and_nothing_is_lost(ray_local, tmp_p
             assert again.attempt == 2 and again.status == "succeeded" and again.group_id == r.group_id
         ok = [r for r in rollouts if r.status == "succeeded"]
         assert len(ok) == 2 * 16 and len({r.rollout_id for r in ok}) == len(ok)
-        for it in (0, 1):  # every GRPO group is whole, with no duplicates
+        for it in (1, 2):  # every GRPO group is whole, with no duplicates
             groups = [r.group_id for r in ok if r.iteration == it]
             assert sorted(groups.count(g) for g in set(groups)) == [4] * 4
         assert {r.status for r in rollouts} <= {"succeeded", "abandoned"}

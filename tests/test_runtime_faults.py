@@ -94,7 +94,7 @@ def test_agent_and_reward_faults_are_failed_rollouts_the_run_goes_on_until_most_
     cfg = make_project(tmp_path, rows, run='name = "faults"\ndir = "run"\niterations = 2',
                        data='train = "train.jsonl"\ntasks_per_iteration = 8\ngroup_size = 2\nshuffle = false',
                        rollout="concurrency = 16\ntimeout = 20.0")  # generous: a loaded CI machine
-    with pytest.raises(RunError, match=r"iteration 1: 16 of 16 rollouts failed; not training on the rest.*"
+    with pytest.raises(RunError, match=r"iteration 2: 16 of 16 rollouts failed; not training on the rest.*"
                                        r"KeyError: 'question' \(task \w+ has no field 'question'; its fields: "
                                        r"'prompt', 'answer'"):
         Runtime(cfg, console=Console(file=io.StringIO())).run()
@@ -107,14 +107,14 @@ def test_agent_and_reward_faults_are_failed_rollouts_the_run_goes_on_until_most_
 
     store = Store(run / "store.sqlite")
     by_fault: dict[str | None, set[str]] = {}
-    for r in store.rollouts(phase="train", iteration=0):
+    for r in store.rollouts(phase="train", iteration=1):
         fault = store.task(r.task_id).get("fault")
         by_fault.setdefault(fault, set()).add(r.status)
         if r.status == "failed":
             assert r.error and r.traceback and r.reward is None
     assert by_fault == {None: {"succeeded"}, "none": {"succeeded"}, "raise": {"failed"}, "nan": {"failed"},
                         "hang": {"failed"}, "string": {"failed"}}
-    errors = {store.task(r.task_id).get("fault"): r.error for r in store.rollouts(status="failed", iteration=0)}
+    errors = {store.task(r.task_id).get("fault"): r.error for r in store.rollouts(status="failed", iteration=1)}
     assert "agent blew up" in errors["raise"] and "rollout.timeout=20.0" in errors["hang"]
     assert "nan" in errors["nan"] and "'1.0' (str)" in errors["string"] and "finite float" in errors["string"]
 
@@ -122,7 +122,7 @@ def test_agent_and_reward_faults_are_failed_rollouts_the_run_goes_on_until_most_
 def test_reward_error_with_stop_ends_the_run_naming_rollout_and_value(tmp_path):
     rows = [task(1, 2), task(2, 2, "nan"), task(3, 2), task(4, 2)]
     cfg = make_project(tmp_path, rows, rollout='on_reward_error = "stop"')
-    with pytest.raises(RunError, match=r"on_reward_error = 'stop'.*returned nan \(float\) for rollout it0000-001-"):
+    with pytest.raises(RunError, match=r"on_reward_error = 'stop'.*returned nan \(float\) for rollout it0001-001-"):
         Runtime(cfg, console=Console(file=io.StringIO())).run()
     assert not (tmp_path / "run/checkpoints").exists() or not any((tmp_path / "run/checkpoints").iterdir())
     assert len(Store(tmp_path / "run/store.sqlite").rollouts(status="failed")) == 4  # recorded before stopping
@@ -169,13 +169,13 @@ def test_server_killed_mid_collection_is_restarted_then_one_that_cannot_come_bac
     thread.start()
     blocker = socket.socket()
     try:
-        # Kill 1: SIGKILL the server while iteration 2 (index 1, policy = the iter-1 adapter) is collecting.
-        _wait(lambda: _spans_of_iteration(db, 1) >= 2, "iteration 1 collection")
+        # Kill 1: SIGKILL the server while iteration 2 (policy = the iter-1 adapter) is collecting.
+        _wait(lambda: _spans_of_iteration(db, 2) >= 2, "iteration 2 collection")
         first_pid = rt.collector.server._proc.pid
         os.kill(first_pid, signal.SIGKILL)
 
         # Kill 2, during that iteration's update: SIGKILL it again and take its port, so no restart can bind.
-        _wait(lambda: _collected(db, 1, 8), "iteration 1 update")
+        _wait(lambda: _collected(db, 2, 8), "iteration 2 update")
         second_pid, port = rt.collector.server._proc.pid, rt.collector.server.port
         assert second_pid != first_pid
         os.kill(second_pid, signal.SIGKILL)
@@ -194,7 +194,7 @@ def test_server_killed_mid_collection_is_restarted_then_one_that_cannot_come_bac
     assert "the inference server died; restarting it" in out.getvalue()
 
     store = Store(db)
-    it1 = store.rollouts(phase="train", iteration=1)
+    it1 = store.rollouts(phase="train", iteration=2)
     retries = [r for r in it1 if r.attempt == 2]
     originals = {r.rollout_id: r for r in it1 if r.attempt == 1}
     assert retries, "no rollout was in flight when the server was killed"
@@ -204,9 +204,9 @@ def test_server_killed_mid_collection_is_restarted_then_one_that_cannot_come_bac
         assert old.status == "abandoned" and f"re-run as {r.rollout_id}" in old.error
     assert all(r.status == "succeeded" for r in it1 if r.attempt == 1 and r.rollout_id + "-r2" not in
                {x.rollout_id for x in retries})
-    assert store.rollouts(phase="train", iteration=2) == []  # noticed at the hot-load, before any new rollout
+    assert store.rollouts(phase="train", iteration=3) == []  # noticed at the hot-load, before any new rollout
     (row,) = [r for r in json.loads((tmp_path / "run/checkpoints/iter-00002/state.json").read_text())["history"]
-              if r["iteration"] == 1]
+              if r["iteration"] == 2]
     assert row["rollouts"] == 8 and row["failed"] == 0
     print(f"server kill: {len(retries)} in-flight rollouts re-run after the restart, all succeeded")
 

@@ -108,7 +108,7 @@ def test_auto_falls_back_to_the_cpu_server_and_says_why(tmp_path, caplog):
 
 
 def test_vllm_backend_without_vllm_is_a_setup_error(tmp_path):
-    with pytest.raises(SetupError, match=r"serve.backend = 'vllm'.*pip install 'lightning-sdk\[gpu\]'"):
+    with pytest.raises(SetupError, match=r"serve.backend = 'vllm'.*pip install 'lightning-agent-rl\[gpu\]'"):
         make_server(make_cfg(tmp_path, backend="vllm"), "/models/qwen", tmp_path / "server.log")
 
 
@@ -127,7 +127,7 @@ backend = "vllm"
     out = subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "run"], cwd=tmp_path, text=True,
                          capture_output=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "serve.backend = 'vllm'" in out.stdout and "pip install 'lightning-sdk[gpu]'" in out.stdout
+    assert "serve.backend = 'vllm'" in out.stdout and "pip install 'lightning-agent-rl[gpu]'" in out.stdout
 
 
 # ------------------------------------------------------------------------- the process, against the stand-in

@@ -68,7 +68,8 @@ def _build_tiny(name: str, path: Path) -> str:
         def __getattr__(self, name: str):  # everything else is the teacher's own
             return getattr(teacher, name)
 
-    return str(tiny.ensure_built(Keyed(), steps=int(getattr(mod, "steps", 300)), batch=int(getattr(mod, "batch", 128))))
+    return str(tiny.ensure_built(Keyed(), steps=int(getattr(mod, "steps", 300)), batch=int(getattr(mod, "batch", 128)),
+                                 what=name if name.startswith(TINY) else f"{name}, taught by {path}"))
 
 
 def load_tokenizer(name_or_path: str):

@@ -13,8 +13,10 @@ from __future__ import annotations
 import fcntl
 import functools
 import json
+import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Union
@@ -22,6 +24,8 @@ from typing import Protocol, Union
 from lightning_sdk.files import atomic_dir
 
 VERSION = 3  # bump when the recipe changes, so stale caches are rebuilt
+
+log = logging.getLogger(__name__)  # the build's status lines (`lightning` shows lightning_sdk.* at INFO)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, with tools the Qwen2.5 way: offered tools in the system turn, calls as <tool_call>{json}</tool_call> in
@@ -91,8 +95,10 @@ def cache_dir(key: str) -> Path:
     return Path(root) / "models" / key
 
 
-def ensure_built(teacher: Teacher, *, steps: int = 300, batch: int = 128) -> Path:
-    """Path of the model `teacher` teaches, building it once (safe when several processes ask at the same time)."""
+def ensure_built(teacher: Teacher, *, steps: int = 300, batch: int = 128, what: str = "") -> Path:
+    """Path of the model `teacher` teaches, building it once (safe when several processes ask at the same time).
+
+    `what` names the model in the status line a build prints (e.g. "builtin:tiny-arith from cookbook/...")."""
     target = cache_dir(f"tiny-{teacher.key}-v{VERSION}")
     if (target / "config.json").exists():
         return target
@@ -100,8 +106,15 @@ def ensure_built(teacher: Teacher, *, steps: int = 300, batch: int = 128) -> Pat
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
+            # A first run otherwise sits silent here for 20 s (a free CPU) to 10+ min (a loaded 2-core machine).
+            log.info(f"building the model {what or teacher.key} (first use only, then cached in {target}): no model "
+                     f"hub is reachable offline, so a tokenizer and a small Llama are pretrained here on what its "
+                     f"teacher says ({steps} steps of {batch}); the default model takes about 20 s on a free CPU and minutes on a "
+                     f"busy one; the lines below say how long is left")
+            start = time.monotonic()
             with atomic_dir(target) as tmp:  # a target without config.json (a broken copy) is replaced
                 build(tmp, teacher, steps=steps, batch=batch)
+            log.info(f"built {what or teacher.key} in {time.monotonic() - start:.0f} s")
     return target
 
 
@@ -204,7 +217,12 @@ def build(out: Path, teacher: Teacher, *, seed: int = 0, steps: int = 300, batch
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
     model.train()
     warmup = int(getattr(teacher, "warmup_steps", 0))
+    began, every = time.monotonic(), max(steps // 10, 1)
     for step in range(steps):
+        if step and step % every == 0:  # a line per 10%: readable in a log file, unlike a progress bar
+            spent = time.monotonic() - began
+            log.info(f"  pretraining step {step}/{steps}, {spent:.0f} s so far, about "
+                     f"{spent * (steps - step) / step:.0f} s left")
         draw = teacher.warmup_samples if step < warmup else teacher.samples
         texts, learned = zip(*(_labelled(s) for s in draw(rng, batch)))
         enc = tok(list(texts), return_tensors="pt", padding=True, return_offsets_mapping=True)

@@ -61,7 +61,7 @@ def make_collector(cfg: Config, *, agent: Agent, model_path: str, store: Store, 
         cls = getattr(importlib.import_module(module), name)
     except ImportError as e:
         raise SetupError(f"run.runtime = {cfg.run.runtime!r} needs {e.name or e}: pip install "
-                         f"'lightning-sdk[{cfg.run.runtime}]' ({e})") from None
+                         f"'lightning-agent-rl[{cfg.run.runtime}]' ({e})") from None
     return cls(cfg, agent=agent, model_path=model_path, store=store, log_dir=log_dir, console=console)
 
 

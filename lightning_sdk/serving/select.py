@@ -32,7 +32,7 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
                      else "vLLM (CUDA GPU and vllm found)")
         elif why_not:
             raise SetupError(f"serve.backend = 'vllm': {why_not}. Install the GPU extra with "
-                             f"`pip install 'lightning-sdk[gpu]'` (its own environment, docs/gpu.md) on a CUDA "
+                             f"`pip install 'lightning-agent-rl[gpu]'` (its own environment, docs/gpu.md) on a CUDA "
                              f"machine, or set serve.backend = 'cpu'")
     if backend == "vllm":
         return vllm_server(cfg, model_path, log_path)

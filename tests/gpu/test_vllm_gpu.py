@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU and vllm (pip install 'lightning-sdk[gpu]')")
+                                reason="needs a CUDA GPU and vllm (pip install 'lightning-agent-rl[gpu]')")
 
 from lightning_sdk import config, models, tracing  # noqa: E402
 from lightning_sdk.runtime import Runtime  # noqa: E402

@@ -1,0 +1,81 @@
+"""The Python API: `lightning_sdk.run(...)`, what `lightning run` does, from a script or a notebook.
+
+(Not `train`: `lightning_sdk.train` is the trainer's package, lightning_sdk/train/.)
+
+    import lightning_sdk as ls
+    result = ls.run("lightning.toml", iterations=2, run_dir="runs/try", **{"train.lr": 1e-3})
+    result.eval_trained, result.history[-1]["reward_mean"], result.adapter
+
+A notebook (Jupyter, IPython) runs its cells inside an event loop, and the embedded collector owns an
+asyncio.Runner, which refuses to start inside a running loop ("Runner.run() cannot be called from a running event
+loop"). So when a loop is running in this thread the whole run goes to a worker thread, and this call waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_sdk import config as config_mod
+from lightning_sdk.config import Config
+from lightning_sdk.train.checkpoint import RunState, adapter_dir, latest_checkpoint
+
+__all__ = ["RunResult", "run"]
+
+# Keyword shortcuts: the `lightning run` flags of the same name.
+ALIASES = {"iterations": "run.iterations", "run_dir": "run.dir"}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a finished run left: its directory, its checkpointed state, and the eval scores (None: no data.eval)."""
+
+    run_dir: Path
+    state: RunState
+    eval_untrained: float | None
+    eval_trained: float | None
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One row per iteration, as in metrics.jsonl (iteration numbers from 1)."""
+        return self.state.history
+
+    @property
+    def adapter(self) -> Path | None:
+        """The PEFT adapter of the last checkpoint (checkpoints/iter-0000N/trainer/adapter)."""
+        checkpoint = latest_checkpoint(self.run_dir)
+        return adapter_dir(checkpoint) if checkpoint is not None else None
+
+
+def run(config: str | Path | Config = "lightning.toml", *, resume: bool = False, overwrite: bool = False,
+          **overrides: Any) -> RunResult:
+    """Train as `lightning run` does and return the run's state.
+
+    `config` is a lightning.toml path (or a `Config`). `overrides` set config keys for this run: `iterations=` and
+    `run_dir=` like the command's flags, any key by its dotted name through a dict (`**{"train.lr": 1e-3}`);
+    relative paths are taken from the current directory, as the flags' are. Bad input raises (ConfigError,
+    DatasetError, ModelLoadError, SetupError) before anything is written; a run that stops raises RunError.
+    Works inside a running event loop (a notebook) too: see the module docstring.
+    """
+    cfg = config if isinstance(config, Config) else config_mod.load(config)
+    cfg = config_mod.override(cfg, {ALIASES.get(k, k): v for k, v in overrides.items()})
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return _run(cfg, resume=resume, overwrite=overwrite)
+    with ThreadPoolExecutor(1, thread_name_prefix="lightning-train") as pool:
+        return pool.submit(_run, cfg, resume=resume, overwrite=overwrite).result()
+
+
+def _run(cfg: Config, *, resume: bool, overwrite: bool) -> RunResult:
+    from lightning_sdk.cli import configure_output, make_console
+    from lightning_sdk.runtime import Runtime
+
+    configure_output()
+    runtime = Runtime(cfg, resume=resume, overwrite=overwrite, console=make_console())
+    state = runtime.run()
+    return RunResult(run_dir=Path(cfg.run.dir), state=state, eval_untrained=state.baseline_eval,
+                       eval_trained=runtime.final_eval)
