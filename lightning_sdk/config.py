@@ -61,7 +61,7 @@ class ServeConfig(_Section):
     backend: Literal["cpu", "vllm", "auto"] = "cpu"
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
-    api_key: str | None = None
+    api_key: str | None = Field(None, description="the servers' bearer key; none = a new one for each run")
     max_batch_size: int = Field(64, ge=1)
     max_model_len: int = Field(2048, ge=16)
     startup_timeout: float = Field(120.0, gt=0)
@@ -71,6 +71,15 @@ class ServeConfig(_Section):
                                                       "weights, free the KV cache; 0 = stay awake")
     max_loras: int = Field(2, ge=1, description="LoRA adapters vLLM holds on the GPU at once")
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` flags, e.g. --enforce-eager")
+
+    @field_validator("api_key")
+    @classmethod
+    def _usable_key(cls, v):
+        # An empty key used to turn authentication off without a word; a header cannot carry spaces or non-ASCII.
+        if v is not None and (not v or not v.isascii() or not v.isprintable() or " " in v):
+            raise ValueError("must be a non-empty string of printable ASCII without spaces; leave serve.api_key "
+                             "out to get a new key for each run")
+        return v
 
     @field_validator("extra_args")
     @classmethod

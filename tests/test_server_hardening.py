@@ -1,10 +1,16 @@
 """The inference server under bad input: loopback only, 401 without the key, OpenAI-shaped 4xx for malformed
 JSON, huge max_tokens, unknown models and oversized bodies, and a bounded fuzz run after which it still serves.
+Also what used to give 5xx or stall it: caller chat templates, a 15 MB message, lone surrogates, seeds past
+int64, and slow clients (half-open connections, trickled headers, more connections than the cap).
 """
 
 from __future__ import annotations
 
 import json
+import selectors
+import socket
+import threading
+import time
 
 import httpx
 import pytest
@@ -21,10 +27,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 VALID = {"model": NAME, "messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 2}
 
 
+HEADER_TIMEOUT = 10  # seconds; the tests open all their sockets well within it
+MAX_CONNECTIONS = 350
+
+
 @pytest.fixture(scope="module")
 def server():
     with CPUServer("builtin:tiny-arith", served_model_name=NAME, api_key=KEY, threads=1, max_model_len=128,
-                   max_batch_size=8) as s:
+                   max_batch_size=8, header_timeout=HEADER_TIMEOUT, max_connections=MAX_CONNECTIONS) as s:
         yield s
 
 
@@ -140,3 +150,141 @@ def test_fuzz_1000_malformed_requests_leave_it_serving(http):
     assert sum(seen.values()) >= 1000
     assert seen.get(400, 0) > 500  # most were malformed, as intended
     still_serves(http)
+
+
+def test_caller_chat_templates_are_refused(http):
+    loops = "{% for a in range(10**5) %}{% for b in range(10**5) %}{% endfor %}{% endfor %}"
+    for field, value in [("chat_template", loops), ("chat_template_kwargs", {"loop": loops, "enable_thinking": False}),
+                         ("chat_template_kwargs", {})]:
+        r = http.post("/v1/chat/completions", json={**VALID, field: value}, headers=AUTH)
+        err = assert_openai_error(r, 400)
+        assert err["param"] == field and field in err["message"]
+    still_serves(http)
+
+
+def test_a_15_mb_message_is_refused_before_tokenising_and_health_answers_meanwhile(http, server):
+    body = {**VALID, "messages": [{"role": "user", "content": "7 + 8 = 15. " * (15 * 1024 * 1024 // 12)}]}
+    health: list[int] = []
+    done = threading.Event()
+
+    def probe():
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            while not done.is_set():
+                health.append(c.get("/health").status_code)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    try:
+        err = assert_openai_error(http.post("/v1/chat/completions", json=body, headers=AUTH), 400)
+    finally:
+        done.set()
+        t.join()
+    assert "limit of" in err["message"] and "max_model_len 128" in err["message"] and err["param"] == "messages"
+    assert health and set(health) == {200}
+    still_serves(http)
+
+
+SURROGATE = b'"\\ud800"'
+
+
+def test_lone_surrogates_and_seeds_past_int64_get_4xx(http):
+    chat = json.dumps(VALID).encode()
+    bodies = {
+        "model": ("/v1/chat/completions", chat.replace(b'"policy"', SURROGATE)),
+        "messages": ("/v1/chat/completions", chat.replace(b'"What is 2 + 3?"', SURROGATE)),
+        "stop": ("/v1/chat/completions", chat[:-1] + b', "stop": [' + SURROGATE + b"]}"),
+        "tools": ("/v1/chat/completions", chat[:-1] + b', "tools": [{"type": "function", "function": {"name": '
+                  + SURROGATE + b"}}]}"),
+        "lora_path": ("/v1/load_lora_adapter", b'{"lora_name": "a", "lora_path": ' + SURROGATE + b"}"),
+        "lora_name": ("/v1/unload_lora_adapter", b'{"lora_name": ' + SURROGATE + b"}"),
+    }
+    tried = 0
+    for field, (route, raw) in bodies.items():
+        for stream in (False, True):
+            if stream and route != "/v1/chat/completions":
+                continue
+            content = raw[:-1] + b', "stream": true}' if stream else raw
+            r = http.post(route, content=content, headers={**AUTH, "Content-Type": "application/json"})
+            err = assert_openai_error(r, 400)
+            assert err["param"] == field and "surrogate" in err["message"], (field, r.text)
+            tried += 1
+    for seed in (2**63, 2**64, 2**64 + 1, 10**30, -(2**63) - 1, -(10**30)):
+        for stream in (False, True):
+            r = http.post("/v1/chat/completions", json={**VALID, "seed": seed, "stream": stream}, headers=AUTH)
+            assert assert_openai_error(r, 400)["param"] == "seed"
+            tried += 1
+    for seed in (2**63 - 1, -(2**63), 0):  # int64's ends are fine
+        assert http.post("/v1/chat/completions", json={**VALID, "seed": seed}, headers=AUTH).status_code == 200
+    print(f"surrogates and seeds: {tried} requests, {tried} answered 400 naming the field")
+    still_serves(http)
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    sock.settimeout(60)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_slow_clients_time_out_and_a_connection_cap_answers_503(http, server):
+    half_open = []
+    for _ in range(300):  # headers begun, never finished
+        s = socket.create_connection((server.host, server.port))
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
+        half_open.append(s)
+    trickle = socket.create_connection((server.host, server.port))  # one header line every 0.5 s
+    trickle.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
+    try:
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # 302 open: under the cap
+        # Beyond the cap: answered 503 at once, OpenAI-shaped, and closed.
+        extra = [socket.create_connection((server.host, server.port)) for _ in range(60)]
+        sel = selectors.DefaultSelector()
+        for s in extra:
+            sel.register(s, selectors.EVENT_READ)
+        refused = []
+        while ready := sel.select(timeout=2):  # what the server answers straight away (the rest stay silent)
+            for key, _ in ready:
+                sel.unregister(key.fileobj)
+                refused.append(_read_until_closed(key.fileobj))
+                key.fileobj.close()
+        sel.close()
+        # 300 half-open + the trickle + the fixture's client hold slots: at least 9 of the 60 are over the cap.
+        assert len(refused) >= 60 - (MAX_CONNECTIONS - 300) - 1, len(refused)
+        for raw in refused:
+            head, _, payload = raw.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503"), raw[:100]
+            assert json.loads(payload)["error"]["code"] == 503
+        half_open += [s for s in extra if s.fileno() != -1]
+        # Every half-open connection (and the trickle) is closed by the server at the header deadline.
+        sel = selectors.DefaultSelector()
+        for s in half_open + [trickle]:
+            sel.register(s, selectors.EVENT_READ)
+        open_, lines, last_line = set(half_open + [trickle]), 0, 0.0
+        while open_ and lines < 6 * HEADER_TIMEOUT:  # the trickle would have sent 3x the deadline's worth
+            for key, _ in sel.select(timeout=0.5):
+                try:
+                    closed = not key.fileobj.recv(4096)
+                except ConnectionResetError:  # the trickle wrote after the server had closed
+                    closed = True
+                if closed:
+                    sel.unregister(key.fileobj)
+                    open_.discard(key.fileobj)
+            if trickle in open_ and time.monotonic() - last_line >= 0.5:
+                last_line = time.monotonic()
+                try:
+                    trickle.sendall(f"X-Slow-{lines}: 1\r\n".encode())
+                    lines += 1
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # closed by the server; the select above sees it
+        assert not open_, f"{len(open_)} connections left open"
+        print(f"slow clients: {len(half_open) + 1} half-open or trickling connections, all closed by the server; "
+              f"{len(refused)} of 60 over the cap answered 503; trickle cut after {lines} header lines")
+    finally:
+        for s in half_open + [trickle]:
+            s.close()
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    still_serves(http)
+    log = server.log_tail(5000)
+    assert "Too many open files" not in log and "Traceback" not in log
+    assert 1 <= log.count("refused with 503") <= 2  # logged once per 10 s, not once per connection

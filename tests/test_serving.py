@@ -142,7 +142,7 @@ def test_concurrent_requests_are_batched(server, client):
     prompts = [([{"role": "system", "content": "Add."}] if i % 2 else []) + ask(i % 10, i // 2) for i in range(16)]
     kw = dict(model=NAME, temperature=0, max_tokens=8, logprobs=True)
     alone = [client.chat.completions.create(messages=m, **kw).choices[0] for m in prompts]
-    stats = lambda: httpx.get(f"{server.url}/stats").json()  # noqa: E731
+    stats = lambda: httpx.get(f"{server.url}/stats", headers={"Authorization": f"Bearer {KEY}"}).json()  # noqa: E731
     before = stats()
 
     async def burst():

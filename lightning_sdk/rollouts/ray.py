@@ -31,7 +31,7 @@ from lightning_sdk.errors import RunError, SetupError
 from lightning_sdk.rollouts.collector import Agent, progress_bar
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult, run_rollout
 from lightning_sdk.serving import ServerError
-from lightning_sdk.serving.process import control_request
+from lightning_sdk.serving.process import control_request, new_api_key
 from lightning_sdk.serving.router import Router
 from lightning_sdk.store import Store
 
@@ -129,7 +129,7 @@ class RayServers:
         self.cfg, self.rc = cfg, cfg.ray
         self.model_path, self.log_dir = model_path, Path(log_dir)
         self.served_model_name = cfg.model.name
-        self.api_key = cfg.serve.api_key
+        self.api_key = cfg.serve.api_key or new_api_key()  # the router and every server actor check it
         self.router: Router | None = None
         self.actors: list = []
         self._started_ray = False

@@ -37,7 +37,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the runtime) is gone")
     p.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 16 MiB)")
+    p.add_argument("--header-timeout", type=float, default=None,
+                   help="seconds a client has to send a request's headers, then it is disconnected (default 15)")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at once; more get 503 and are closed (default 1000)")
     args = p.parse_args(argv)
+    if args.api_key == "":
+        p.error("--api-key / $LIGHTNING_SDK_SERVE_API_KEY is empty: give a key, or unset it for a server without one")
+    if args.header_timeout is not None and args.header_timeout <= 0:
+        p.error(f"--header-timeout must be above 0 (got {args.header_timeout})")
+    if args.max_connections is not None and args.max_connections < 1:
+        p.error(f"--max-connections must be at least 1 (got {args.max_connections})")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.parent_pid:
@@ -48,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     from lightning_sdk import models
     from lightning_sdk.serving.app import create_app
     from lightning_sdk.serving.engine import Engine
+    from lightning_sdk.serving.guard import (DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, connection_cap,
+                                             guarded_protocol)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -55,8 +67,13 @@ def main(argv: list[str] | None = None) -> None:
                     max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, seed=args.seed)
     app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                      **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}))
+    if args.api_key is None:
+        logging.getLogger("lightning_sdk.serving").warning(
+            "no API key: any local user can call every route, adapter loads included (lightning run always sets one)")
+    protocol = guarded_protocol(header_timeout=args.header_timeout or DEFAULT_HEADER_TIMEOUT,
+                                max_connections=connection_cap(args.max_connections or DEFAULT_MAX_CONNECTIONS))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, http=protocol)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@ exceptions (400 BadRequestError, 401 AuthenticationError, 404 NotFoundError).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from lightning_sdk.serving import toolcalls
 from lightning_sdk.serving.engine import (
@@ -34,17 +35,58 @@ from lightning_sdk.serving.engine import (
     ModelNotFound,
     RequestError,
 )
+from lightning_sdk.serving.guard import KeyCheck, error_body
 
 log = logging.getLogger("lightning_sdk.serving")
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any chat request that fits max_model_len
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
-                500: "InternalServerError"}
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_INT64 = 2**63  # vLLM's seed range is int64's, and torch.Generator takes no more
+
+
+def _surrogate_at(value: Any) -> str | None:
+    """Where in a decoded JSON value a lone surrogate is (JSON allows "\\ud800", UTF-8 cannot hold it)."""
+    if isinstance(value, str):
+        return "" if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and _SURROGATE.search(k):
+            return f".{k.encode('utf-8', 'backslashreplace').decode()}"
+        if (at := _surrogate_at(v)) is not None:
+            return f".{k}{at}"
+    return None
+
+
+def _text_size(value: Any) -> int:
+    """Characters in all the strings (keys included) of a decoded JSON value."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(k) + _text_size(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_text_size(v) for v in value)
+    return 0
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """The most characters one token stands for. Vocabulary strings are byte-level (GPT-2's Ġ) or pieces (▁), so
+    their length is at least the characters they decode to: a prompt of more than max_model_len x this many
+    characters cannot fit in max_model_len tokens, and need not be tokenised to know it."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI and vLLM do
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, v: Any, info: ValidationInfo) -> Any:
+        # A lone surrogate would fail later, wherever the text is encoded (tokenizer, file path, log, response).
+        if (at := _surrogate_at(v)) is not None:
+            raise ValueError(f"{info.field_name}{at} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
+                             f"valid Unicode text")
+        return v
 
 
 class StreamOptions(_Lenient):
@@ -65,13 +107,24 @@ class ChatCompletionRequest(_Lenient):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None  # checked, not enforced (no constrained decoding): see serving/toolcalls.py
     return_token_ids: bool | None = None  # accepted; ids are always returned
     add_generation_prompt: bool = True  # vLLM extras for chat templates
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's request fields that put a caller's Jinja template (or arguments into ours) on the server: refused
+    # (400), since rendering one is arbitrary work. The model's own template is what the trainer tokenises with.
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+
+    @field_validator("chat_template", "chat_template_kwargs")
+    @classmethod
+    def _no_caller_template(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            raise ValueError(f"{info.field_name} is not accepted: this server renders the model's own chat template "
+                             f"only")
+        return v
 
 
 class LoadLoraRequest(_Lenient):
@@ -88,11 +141,6 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": param,
-                      "code": status}}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -138,25 +186,10 @@ class BodyLimit:
                              None)(scope, receive, send)
 
 
-class KeyCheck:
-    """ASGI middleware: /v1 needs `Authorization: Bearer KEY`, checked before the body is read or parsed, so a
-    caller without the key gets 401 and learns nothing else. Like vLLM, /health stays open for liveness probes."""
-
-    def __init__(self, app: Any, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(header, self.expected):
-                log.warning("%s %s -> 401", scope.get("method"), scope["path"])
-                response = error_response(401, "Unauthorized: missing or wrong API key (Authorization: Bearer ...)")
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
 def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    max_prompt_chars = engine.max_model_len * _longest_token(engine.tokenizer)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -206,7 +239,7 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
 
     @app.get("/stats")
     async def stats() -> dict:
-        """Engine counters (requests, generate batches): how well concurrent requests were batched."""
+        """Engine counters (requests, generate batches): how well concurrent requests were batched (key needed)."""
         return {**engine.stats, "adapters": engine.adapters}
 
     @v1.get("/models")
@@ -244,7 +277,7 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
             body.messages = toolcalls.prompt_messages(body.messages)
         except toolcalls.ToolCallError as e:
             raise APIError(400, str(e), e.param) from e
-        req = _to_generation_request(engine, body, served_model_name)
+        req = await _to_generation_request(engine, body, served_model_name, max_prompt_chars)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -275,16 +308,23 @@ def _as_api_error(e: Exception) -> APIError:
     return APIError(400, str(e), getattr(e, "param", None))
 
 
-def _to_generation_request(engine: Engine, body: ChatCompletionRequest, served_model_name: str) -> GenerationRequest:
+async def _to_generation_request(engine: Engine, body: ChatCompletionRequest, served_model_name: str,
+                                 max_prompt_chars: int) -> GenerationRequest:
     if body.model != served_model_name and body.model not in engine.adapters:
         raise APIError(404, f"The model `{body.model}` does not exist.", "model")
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+    size = _text_size(body.messages) + _text_size(body.tools)
+    if size > max_prompt_chars:  # before tokenising: a 15 MB message must not cost seconds and gigabytes first
+        raise APIError(400, f"messages and tools hold {size} characters, more than this server's limit of "
+                            f"{max_prompt_chars} (max_model_len {engine.max_model_len} x the longest token's "
+                            f"{max_prompt_chars // engine.max_model_len} characters): the prompt cannot fit",
+                       "messages")
     try:
-        prompt_ids = engine.encode_chat(body.messages, tools=body.tools,
-                                        add_generation_prompt=body.add_generation_prompt,
-                                        continue_final_message=body.continue_final_message,
-                                        chat_template_kwargs=body.chat_template_kwargs)
+        # Template rendering and tokenising take a thread, so /health and other requests are answered meanwhile.
+        prompt_ids = await asyncio.to_thread(engine.encode_chat, body.messages, tools=body.tools,
+                                             add_generation_prompt=body.add_generation_prompt,
+                                             continue_final_message=body.continue_final_message)
     except RequestError as e:
         raise APIError(400, str(e), e.param) from e
     requested = body.max_completion_tokens or body.max_tokens

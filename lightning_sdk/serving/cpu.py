@@ -15,7 +15,8 @@ class CPUServer(ServerProcess):
     def __init__(self, model: str, *, served_model_name: str, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, max_batch_size: int = 64, max_model_len: int = 2048,
                  dtype: str = "auto", quantization: str = "none", threads: int | None = None,
-                 startup_timeout: float = 120, log_path: str | Path | None = None):
+                 startup_timeout: float = 120, log_path: str | Path | None = None,
+                 header_timeout: float | None = None, max_connections: int | None = None):
         super().__init__(served_model_name=served_model_name, host=host, port=port, api_key=api_key,
                          startup_timeout=startup_timeout, log_path=log_path)
         self.model = model
@@ -24,6 +25,8 @@ class CPUServer(ServerProcess):
         self.dtype = dtype
         self.quantization = quantization
         self.threads = threads
+        self.header_timeout = header_timeout  # None: the server's defaults (serving/guard.py)
+        self.max_connections = max_connections
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "lightning_sdk.serving", "--model", self.model,
@@ -32,6 +35,10 @@ class CPUServer(ServerProcess):
                "--dtype", self.dtype, "--quantization", self.quantization, "--parent-pid", str(os.getpid())]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
+        if self.header_timeout is not None:
+            cmd += ["--header-timeout", f"{self.header_timeout:g}"]
+        if self.max_connections is not None:
+            cmd += ["--max-connections", str(self.max_connections)]
         return cmd
 
     def environment(self) -> dict[str, str]:

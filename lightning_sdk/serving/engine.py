@@ -79,9 +79,8 @@ class Engine:
         return list(self._adapter_names)
 
     def encode_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
-        """Prompt token ids, exactly as the chat template makes them."""
+                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+        """Prompt token ids, exactly as the model's own chat template makes them (blocking: call it in a thread)."""
         try:
             with self._tok_lock:
                 enc = self.tokenizer.apply_chat_template(
@@ -91,7 +90,6 @@ class Engine:
                     continue_final_message=continue_final_message,
                     tokenize=True,
                     return_dict=True,  # transformers 5 returns a BatchEncoding either way; ask for it explicitly
-                    **(chat_template_kwargs or {}),
                 )
         except RequestError:
             raise

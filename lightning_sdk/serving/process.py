@@ -10,6 +10,7 @@ its process is started: `command()` and `environment()`. `control_request` is th
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -27,6 +28,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def new_api_key() -> str:
+    """A fresh key for one run's servers, when serve.api_key gives none: without one, any local user who reads the
+    port from the process table could swap the policy being trained (load_lora_adapter with load_inplace)."""
+    return secrets.token_urlsafe(32)
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
@@ -61,6 +68,8 @@ class ServerProcess:
 
     def __init__(self, *, served_model_name: str, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, startup_timeout: float = 120, log_path: str | Path | None = None):
+        if api_key == "":
+            raise ValueError("api_key must not be empty: give a key, or None for a server without one")
         self.served_model_name = served_model_name
         self.host = host
         self.port = port

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lightning_sdk.serving import ServerError
+from lightning_sdk.serving.guard import KeyCheck, connection_cap, guarded_protocol
 from lightning_sdk.serving.process import auth_headers, free_port
 
 _HOP = {"content-length", "transfer-encoding", "connection", "content-encoding"}
@@ -47,7 +48,8 @@ class Backends:
 
 
 def create_router_app(urls: list[str], *, api_key: str | None = None) -> FastAPI:
-    """`urls` are backend roots (http://host:port, no /v1)."""
+    """`urls` are backend roots (http://host:port, no /v1). With `api_key`, every route but /health needs it (the
+    same key as the backends', which the router forwards)."""
     backends = Backends(urls)
     app = FastAPI(title="lightning-sdk router")
     app.state.backends = backends
@@ -134,6 +136,8 @@ def create_router_app(urls: list[str], *, api_key: str | None = None) -> FastAPI
     async def unload(request: Request) -> JSONResponse:
         return await fan_out(request, "/v1/unload_lora_adapter")
 
+    if api_key is not None:
+        app.add_middleware(KeyCheck, api_key=api_key)
     return app
 
 
@@ -159,8 +163,9 @@ class Router:
         if self.port == 0:
             self.port = free_port(self.host)
         app = create_router_app(self.urls, api_key=self.api_key)
+        protocol = guarded_protocol(max_connections=connection_cap(2048))  # header timeout and connection cap
         self._server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
-                                                     lifespan="off"))
+                                                     lifespan="off", http=protocol))
         self._thread = threading.Thread(target=self._server.run, name="lightning-router", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout

@@ -19,7 +19,12 @@ log = logging.getLogger("lightning_sdk")  # the runtime's logger: these lines ar
 
 
 def make_server(cfg: Config, model_path: str, log_path: Path):
+    """The run's server, always behind an API key: serve.api_key, or one made for this run (the collector hands
+    it to the agent as `LLM.api_key`)."""
     from lightning_sdk.serving.cpu import CPUServer
+    from lightning_sdk.serving.process import new_api_key
+
+    api_key = cfg.serve.api_key or new_api_key()
 
     backend = cfg.serve.backend
     if backend != "cpu":
@@ -35,10 +40,10 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
                              f"`pip install 'lightning-agent-rl[gpu]'` (its own environment, docs/gpu.md) on a CUDA "
                              f"machine, or set serve.backend = 'cpu'")
     if backend == "vllm":
-        return vllm_server(cfg, model_path, log_path)
+        return vllm_server(cfg, model_path, log_path, api_key=api_key)
     return CPUServer(
         model_path, served_model_name=cfg.model.name, host=cfg.serve.host, port=cfg.serve.port,
-        api_key=cfg.serve.api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
+        api_key=api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
         dtype=cfg.model.dtype, startup_timeout=cfg.serve.startup_timeout, log_path=log_path,
     )
 
@@ -48,8 +53,9 @@ def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
     from lightning_sdk.serving.vllm import VLLMServer
 
     s = cfg.serve
+    kw.setdefault("api_key", s.api_key)
     return VLLMServer(model_path, served_model_name=cfg.model.name, lora_r=cfg.train.lora_r, host=s.host,
-                      port=s.port, api_key=s.api_key, max_loras=s.max_loras, dtype=cfg.model.dtype,
+                      port=s.port, max_loras=s.max_loras, dtype=cfg.model.dtype,
                       max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
                       sleep_level=s.sleep_level, extra_args=s.extra_args, startup_timeout=s.startup_timeout,
                       log_path=log_path, **kw)

@@ -1,0 +1,158 @@
+"""What stands between the network and a server's routes: the API-key check and uvicorn's connection limits.
+
+Shared by the inference server (`serving/app.py`, in its own process) and the router (`serving/router.py`, in the
+runtime's process); it imports neither torch nor the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import resource
+import time
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("lightning_sdk.serving")
+
+OPEN_PATHS = frozenset({"/health"})  # liveness probes, as vLLM leaves it open; every other route needs the key
+DEFAULT_HEADER_TIMEOUT = 15.0  # seconds a client has to send a request's complete headers
+DEFAULT_MAX_CONNECTIONS = 1000  # open connections at once; beyond them, 503 and close
+_FD_RESERVE = 128  # descriptors kept for the model files, the log, torch's threads
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error shape. A lone surrogate from the request (echoed in `message`) cannot be UTF-8 encoded:
+    escape it, so that the error itself never fails."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if param is not None:
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
+    types = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+    return {"error": {"message": message, "type": types.get(status, "APIError"), "param": param, "code": status}}
+
+
+async def _send_json(send: Any, status: int, body: dict) -> None:
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class KeyCheck:
+    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY`, checked before the body is
+    read or parsed, so a caller without the key gets 401 and learns nothing else (not /stats, not /docs, not
+    which routes exist)."""
+
+    def __init__(self, app: Any, api_key: str):
+        if not api_key:
+            raise ValueError("api_key must not be empty")
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(header, self.expected):
+                log.warning("%s %s -> 401", scope.get("method"), scope["path"].encode("utf-8", "replace")[:200])
+                return await _send_json(send, 401, error_body(
+                    401, "Unauthorized: missing or wrong API key (Authorization: Bearer ...)"))
+        await self.app(scope, receive, send)
+
+
+def connection_cap(wanted: int) -> int:
+    """`wanted` connections, lowered to what the process's descriptor limit leaves room for. The soft limit is
+    first raised to the hard one (as vLLM does), so that the cap, not EMFILE, is what a flood meets: an accept
+    that fails with "Too many open files" is logged again and again by asyncio."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = min(hard, 1 << 16) if hard != resource.RLIM_INFINITY else 1 << 16
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, target), hard))
+            soft = max(soft, target)
+        except (ValueError, OSError):
+            pass
+    cap = max(1, min(wanted, soft - _FD_RESERVE))
+    if cap < wanted:
+        log.warning("connection cap lowered from %d to %d: the open-file limit is %d", wanted, cap, soft)
+    return cap
+
+
+class _Refusals:
+    """Counts connections refused over the cap and logs them at most once per `every` seconds, not once each."""
+
+    def __init__(self, every: float = 10.0):
+        self.every, self.count, self.last = every, 0, float("-inf")
+
+    def note(self, cap: int) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            log.warning("%d connection(s) refused with 503: %d open, the cap", self.count, cap)
+            self.count, self.last = 0, now
+
+
+def guarded_protocol(*, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type[H11Protocol]:
+    """uvicorn's h11 protocol plus the two limits uvicorn lacks (pass it as `uvicorn.Config(http=...)`).
+
+    uvicorn arms its keep-alive timer only after a response, so a connection that never completes its first
+    request's headers stays open forever, and `limit_concurrency` answers 503 only once headers are complete.
+    Here a request's headers must be complete within `header_timeout` seconds of the connection opening (or of
+    the previous response), in total however slowly they trickle in; and a connection beyond `max_connections`
+    gets a 503 and is closed at once, before it holds a descriptor any longer.
+    """
+    refusals = _Refusals()
+    busy = json.dumps(error_body(503, f"the server has {max_connections} connections open, its limit; retry "
+                                      f"later")).encode()
+    busy_response = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                     b"content-length: " + str(len(busy)).encode() + b"\r\n\r\n" + busy)
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+        _refused = False
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            if len(self.connections) >= max_connections:
+                self._refused = True
+                refusals.note(max_connections)
+                transport.write(busy_response)
+                transport.close()
+                return
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._refused:
+                return
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:
+                super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_header_timer()  # the next request on this keep-alive connection gets the same deadline
+
+        def _arm_header_timer(self) -> None:
+            self._cancel_header_timer()
+            self._header_timer = self.loop.call_later(header_timeout, self._headers_overdue)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_overdue(self) -> None:
+            self._header_timer = None
+            # h11 leaves IDLE only once a request's headers are complete; a request being served is never cut.
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11Protocol

@@ -1,0 +1,121 @@
+"""Nobody in without the key: the runtime's own server (serving/select.make_server) with no serve.api_key gets a
+key made for the run, kept out of argv, and every route but /health refuses a caller without it, the router's too.
+An empty serve.api_key is refused at the edge instead of turning authentication off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from lightning_sdk import cli, config, models
+from lightning_sdk.serving.router import Router
+from lightning_sdk.serving.select import make_server
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENT = ROOT / "cookbook/arith/agent.py"
+CHAT = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 2}
+ADAPTER = {"lora_name": "swap", "lora_path": "/tmp/someone-elses-adapter", "load_inplace": True}
+
+
+def make_cfg(tmp_path: Path, **serve) -> config.Config:
+    return config.parse({"agent": {"module": str(AGENT)}, "data": {"train": str(tmp_path / "train.jsonl")},
+                         "run": {"dir": str(tmp_path / "run")}, "serve": {"max_model_len": 128, **serve}})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("auth")
+    cfg = make_cfg(tmp)
+    assert cfg.serve.api_key is None
+    s = make_server(cfg, models.resolve(cfg.model.name), tmp / "server.log")
+    with s:
+        yield s
+
+
+# Every route a caller could use to read or change the server: the OpenAI ones, the adapter swap, the stats.
+ROUTES = [("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/load_lora_adapter", ADAPTER),
+          ("POST", "/v1/unload_lora_adapter", {"lora_name": "swap"}), ("GET", "/v1/models", None),
+          ("GET", "/stats", None), ("GET", "/openapi.json", None), ("GET", "/docs", None), ("GET", "/nowhere", None)]
+
+
+def assert_refused(base: str, routes, served: str) -> int:
+    tried = 0
+    for method, route, body in routes:
+        if body is CHAT:
+            body = {**CHAT, "model": served}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "wrong"}, {"X-Api-Key": "x"}):
+            r = httpx.request(method, f"{base}{route}", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401, (route, headers, r.text)
+            assert r.json()["error"]["type"] == "AuthenticationError"
+            tried += 1
+    return tried
+
+
+def test_the_runtime_s_server_has_a_key_per_run_out_of_argv(tmp_path, server):
+    key = server.api_key
+    assert isinstance(key, str) and len(key) >= 40  # secrets.token_urlsafe(32)
+    other = make_server(make_cfg(tmp_path), "unused", tmp_path / "other.log")
+    assert other.api_key and other.api_key != key  # a new one per run
+    assert key not in " ".join(server.command())
+    pid = server._proc.pid
+    assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()  # what `ps` shows
+    assert Path(f"/proc/{pid}/environ").read_bytes().count(key.encode()) == 1  # the environment carries it
+    configured = make_server(make_cfg(tmp_path, api_key="mine"), "unused", tmp_path / "mine.log")
+    assert configured.api_key == "mine"
+
+
+def test_without_the_key_every_route_but_health_is_401(server):
+    tried = assert_refused(server.url, ROUTES, server.served_model_name)
+    assert httpx.get(f"{server.url}/health").status_code == 200  # liveness stays open
+    auth = {"Authorization": f"Bearer {server.api_key}"}
+    r = httpx.post(f"{server.base_url}/chat/completions", json={**CHAT, "model": server.served_model_name},
+                   headers=auth, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"]
+    stats = httpx.get(f"{server.url}/stats", headers=auth).json()
+    assert stats["adapters"] == []  # nothing was swapped in by the refused load_lora_adapter calls
+    print(f"auth: {tried} requests without a valid key, {tried} refused with 401")
+
+
+def test_the_router_checks_the_key_too(server):
+    router = Router([server.url], api_key=server.api_key)
+    router.start()
+    try:
+        tried = assert_refused(router.url, [("POST", "/v1/chat/completions", CHAT),
+                                            ("POST", "/v1/load_lora_adapter", ADAPTER),
+                                            ("POST", "/v1/unload_lora_adapter", {"lora_name": "swap"}),
+                                            ("GET", "/v1/models", None), ("GET", "/router/stats", None)],
+                               server.served_model_name)
+        assert httpx.get(f"{router.url}/health", timeout=30).status_code == 200
+        auth = {"Authorization": f"Bearer {server.api_key}"}
+        r = httpx.post(f"{router.base_url}/chat/completions", json={**CHAT, "model": server.served_model_name},
+                       headers=auth, timeout=60)
+        assert r.status_code == 200
+        assert httpx.get(f"{router.url}/router/stats", headers=auth).json()["served"] == [1]
+        print(f"router auth: {tried} requests without a valid key, {tried} refused with 401")
+    finally:
+        router.stop()
+
+
+def test_ray_servers_get_a_key_per_run(tmp_path):
+    pytest.importorskip("ray")
+    from lightning_sdk.rollouts.ray import RayServers
+
+    cfg = make_cfg(tmp_path)
+    a, b = RayServers(cfg, "unused", tmp_path), RayServers(cfg, "unused", tmp_path)
+    assert a.api_key and b.api_key and a.api_key != b.api_key  # the router and the server actors get it
+
+
+@pytest.mark.parametrize("value", ['""', '" "', '"k\\u00e9y"', '"two words"'])
+def test_an_unusable_serve_api_key_is_one_line_exit_2(tmp_path, value):
+    (tmp_path / "train.jsonl").write_text('{"question": "What is 1 + 2?", "answer": "3"}\n')
+    (tmp_path / "lightning.toml").write_text(f'[agent]\nmodule = "{AGENT}"\n[data]\ntrain = "train.jsonl"\n'
+                                             f'[run]\ndir = "run"\n[serve]\napi_key = {value}\n')
+    out = CliRunner().invoke(cli.main, ["run", "-c", str(tmp_path / "lightning.toml")])
+    assert out.exit_code == 2, out.output
+    assert out.output.startswith("error: ") and "serve.api_key" in out.output
+    assert out.output.strip().count("\n") == 0, out.output
+    assert not (tmp_path / "run").exists()
