@@ -1,6 +1,10 @@
 """What tracing costs an agent: OpenAI-client calls to the built-in server on loopback, traced vs untraced.
 
     python benchmarks/tracing_overhead.py --calls 400
+    python benchmarks/tracing_overhead.py --calls 400 --otlp   # spans also exported over OTLP/HTTP
+
+`--otlp` starts a local OTLP/HTTP receiver on 127.0.0.1 (it reads and discards each request) and exports every
+span to it through the batch processor, as `run.otlp_endpoint` does.
 
 One process, one server, one client. Each pair of calls makes one plain call and one traced call (inside a
 rollout context, through opentelemetry-instrumentation-openai, our token-id wrapper, the span processor and the
@@ -19,7 +23,9 @@ by an in-process httpx transport (no server: the floor of what tracing adds), an
 import argparse
 import statistics
 import tempfile
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -34,13 +40,35 @@ p = argparse.ArgumentParser()
 p.add_argument("--calls", type=int, default=400, help="pairs of calls (one traced, one untraced each)")
 p.add_argument("--warmup", type=int, default=20)
 p.add_argument("--max-tokens", type=int, default=1)
+p.add_argument("--otlp", action="store_true", help="also export every span to a local OTLP/HTTP receiver")
 args = p.parse_args()
+
+
+class Sink(BaseHTTPRequestHandler):
+    exported = 0
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        Sink.exported += 1
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+endpoint = None
+if args.otlp:
+    receiver = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
 
 plain_create = Completions.create  # before tracing.install wraps it
 tmp = Path(tempfile.mkdtemp(prefix="ls-trace-bench-"))
 with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_path=tmp / "server.log") as server:
     store = Store(tmp / "store.sqlite")
-    tracing.install(store)
+    tracing.install(store, otlp_endpoint=endpoint)
     tracing.request_token_ids_from(server.base_url)
     client = openai.OpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0)
     body = dict(model="policy", messages=[{"role": "user", "content": "What is 3 + 4?"}], temperature=1.0,
@@ -101,13 +129,14 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
                 plain_create(canned.chat.completions, **body)
             if i >= args.warmup:
                 iso["spans" if traced_call else "plain"].append(time.perf_counter() - t0)
-    tracing.flush()
+    tracing.flush(exporters=True)
     store.close()
 
 us = 1e6
 diffs = [s - u for s, u in zip(spans, plain)]
 print(f"calls: {args.calls} pairs, max_tokens={args.max_tokens}, spans stored: {stored}, "
-      f"final flush {flush_s * 1e3:.1f} ms")
+      f"final flush {flush_s * 1e3:.1f} ms, OTLP export "
+      + (f"on ({Sink.exported} export requests received, errors: {tracing.export_errors()})" if args.otlp else "off"))
 print(f"untraced: mean {statistics.mean(plain) * us:.0f} us, median {statistics.median(plain) * us:.0f} us")
 print(f"traced:   mean {statistics.mean(spans) * us:.0f} us, median {statistics.median(spans) * us:.0f} us")
 print(f"overhead per call (one span): mean {statistics.mean(diffs) * us:.0f} us, "
@@ -115,7 +144,7 @@ print(f"overhead per call (one span): mean {statistics.mean(diffs) * us:.0f} us,
 agent_cpu = statistics.mean(cpu["spans"]) - statistics.mean(cpu["plain"])
 print(f"CPU per span: calling thread +{agent_cpu * us:.0f} us (traced {statistics.mean(cpu['spans']) * us:.0f} vs "
       f"untraced {statistics.mean(cpu['plain']) * us:.0f} us per call), span writer thread "
-      f"{writer_cpu / args.calls * us:.0f} us (records + SQLite, off the calling thread)")
+      f"{writer_cpu / args.calls * us:.0f} us (deferred attributes, records, SQLite, export hand-off: off the calling thread)")
 print(f"replayed reply (no server): untraced {statistics.median(iso['plain']) * us:.0f} us, traced "
       f"{statistics.median(iso['spans']) * us:.0f} us per call (medians): client-side cost "
       f"{(statistics.median(iso['spans']) - statistics.median(iso['plain'])) * us:.0f} us per span")

@@ -33,6 +33,25 @@ class RunConfig(_Section):
     iterations: int = Field(10, ge=1)
     seed: int = 0
     runtime: Literal["embedded", "ray"] = "embedded"  # "ray": rollouts and inference on a Ray cluster ([ray])
+    report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="experiment trackers that get every iteration's "
+        "metrics and the eval scores (metrics.jsonl always does); all but tensorboard need the [track] extra")
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector (base URL, e.g. http://127.0.0.1:4318) "
+                                      "that also gets every rollout span; none = OTEL_EXPORTER_OTLP_ENDPOINT, if set")
+
+    @field_validator("report_to")
+    @classmethod
+    def _unique_trackers(cls, v):
+        if len(set(v)) != len(v):
+            raise ValueError("names a tracker twice")
+        return v
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, v):
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL (OTLP over HTTP)")
+        return v
 
 
 class AgentConfig(_Section):

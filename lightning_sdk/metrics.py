@@ -1,44 +1,161 @@
-"""Where a run's numbers go: metrics.jsonl, TensorBoard scalars, and a reward-curve PNG."""
+"""Where a run's numbers go: metrics.jsonl, the trackers named in `run.report_to`, and a reward-curve PNG.
+
+metrics.jsonl always gets every row: one per iteration, plus one per eval pass (`"phase": "eval"`, `"eval":
+"untrained" | "trained"`). Each tracker (TensorBoard by default; MLflow, W&B, Trackio with the `[track]` extra)
+gets the same numbers as scalars: `reward_mean`, `train/loss`, ... at the iteration's step, and the eval score
+as `eval/reward_mean` at step 0 (untrained) and step `run.iterations` (trained).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
+from lightning_sdk.errors import SetupError
 from lightning_sdk.files import atomic_write_text
 
 
+class Tracker(Protocol):
+    """An experiment tracker: scalars by step."""
+
+    def log(self, values: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardTracker:
+    def __init__(self, run_dir: Path, name: str, config: dict[str, Any]):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MLflowTracker:
+    """An MLflow run; with no MLFLOW_TRACKING_URI set, in a file store under the run directory (mlruns/).
+
+    The file store needs no database or server (mlflow-skinny has no SQLAlchemy); MLflow 3 keeps it in maintenance
+    mode and refuses it unless MLFLOW_ALLOW_FILE_STORE is set, so it is set for this default only.
+    """
+
+    def __init__(self, run_dir: Path, name: str, config: dict[str, Any]):
+        import mlflow
+
+        self._mlflow = mlflow
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
+        mlflow.set_experiment(name)
+        self._run = mlflow.start_run(run_name=name)
+        mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self._mlflow.log_metrics(values, step=step, run_id=self._run.info.run_id)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+class WandbTracker:
+    """A W&B run (WANDB_MODE=offline keeps it on disk, under the run directory's wandb/)."""
+
+    def __init__(self, run_dir: Path, name: str, config: dict[str, Any]):
+        import wandb
+
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "lightning-sdk"), name=name,
+                               dir=str(run_dir), config=config, reinit="create_new")
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self._run.log(values, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class TrackioTracker:
+    def __init__(self, run_dir: Path, name: str, config: dict[str, Any]):
+        import trackio
+
+        self._run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "lightning-sdk"), name=name,
+                                 config=config)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self._run.log(values, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+# run.report_to names -> (tracker, the module it needs, the pip requirement that brings it)
+TRACKERS: dict[str, tuple[Callable[[Path, str, dict[str, Any]], Tracker], str, str]] = {
+    "tensorboard": (TensorBoardTracker, "tensorboard", "tensorboard"),
+    "mlflow": (MLflowTracker, "mlflow", "lightning-agent-rl[track]"),
+    "wandb": (WandbTracker, "wandb", "lightning-agent-rl[track]"),
+    "trackio": (TrackioTracker, "trackio", "lightning-agent-rl[track]"),
+}
+
+
+def check_trackers(names: list[str]) -> None:
+    """Before anything is written: every tracker in run.report_to can be imported."""
+    for name in names:
+        _, module, requirement = TRACKERS[name]
+        if importlib.util.find_spec(module) is None:
+            raise SetupError(f"run.report_to includes {name!r} but {module} is not installed; "
+                             f"pip install '{requirement}'")
+
+
+def _scalars(row: dict[str, Any]) -> dict[str, float]:
+    return {k.replace(".", "/"): float(v) for k, v in row.items()
+            if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 class MetricsLog:
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, *, report_to: list[str] | None = None, name: str = "run",
+                 config: dict[str, Any] | None = None):
         self.run_dir = Path(run_dir)
         self.jsonl = self.run_dir / "metrics.jsonl"
-        self._tb = None
+        self._report_to = ["tensorboard"] if report_to is None else list(report_to)
+        self._name, self._config = name, config or {}
+        self._trackers: list[Tracker] | None = None  # started on the first row: a run that fails first has none
 
-    def rewrite(self, history: list[dict[str, Any]]) -> None:
+    def rewrite(self, history: list[dict[str, Any]], *, baseline_eval: float | None = None) -> None:
         """Make metrics.jsonl hold exactly the checkpointed iterations (after a resume nothing is doubled)."""
-        atomic_write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in history))
+        rows = ([eval_row("untrained", baseline_eval, 0)] if baseline_eval is not None else []) + history
+        atomic_write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in rows))
 
     def log(self, row: dict[str, Any]) -> None:
         with self.jsonl.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        tb = self._writer()
-        step = int(row["iteration"])
-        for key, value in row.items():
-            if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                tb.add_scalar(key.replace(".", "/"), value, step)
-        tb.flush()
+        values = _scalars(row)
+        for tracker in self.trackers():
+            tracker.log(values, int(row["iteration"]))
 
-    def _writer(self):
-        if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
+    def log_eval(self, label: str, score: float, step: int, *, policy: str | None = None) -> None:
+        """An eval pass's mean reward: a metrics.jsonl row, and `eval/reward_mean` at `step` in every tracker."""
+        row = eval_row(label, score, step, policy=policy)
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        for tracker in self.trackers():
+            tracker.log({"eval/reward_mean": float(score)}, step)
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-        return self._tb
+    def trackers(self) -> list[Tracker]:
+        if self._trackers is None:
+            self._trackers = [TRACKERS[name][0](self.run_dir, self._name, self._config) for name in self._report_to]
+        return self._trackers
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers or []:
+            tracker.close()
 
     def plot(self, history: list[dict[str, Any]], *, baseline: float | None, final: float | None) -> Path:
         import matplotlib
@@ -64,3 +181,10 @@ class MetricsLog:
         fig.savefig(out)
         plt.close(fig)
         return out
+
+
+def eval_row(label: str, score: float, step: int, *, policy: str | None = None) -> dict[str, Any]:
+    row: dict[str, Any] = {"phase": "eval", "eval": label, "iteration": step, "eval.reward_mean": float(score)}
+    if policy is not None:
+        row["policy"] = policy
+    return row

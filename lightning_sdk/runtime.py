@@ -26,7 +26,7 @@ from lightning_sdk import credit, data, models, tracing
 from lightning_sdk.agent import load_agent
 from lightning_sdk.config import Config
 from lightning_sdk.errors import CaptureError, RunError, SetupError
-from lightning_sdk.metrics import MetricsLog
+from lightning_sdk.metrics import MetricsLog, check_trackers
 from lightning_sdk.rollouts.collector import Agent, Collector, make_collector
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
 from lightning_sdk.serving import ServerError, SleepableServer
@@ -92,6 +92,7 @@ class Runtime:
         train_tasks = data.load(cfg.data.train, cfg.data.required_fields)
         eval_tasks = data.load(cfg.data.eval, cfg.data.required_fields) if cfg.data.eval else []
         model_path = models.resolve(cfg.model.name)  # before the run directory: bad input writes nothing
+        check_trackers(cfg.run.report_to)
         checkpoint = self._prepare_run_dir()
         state = RunState.read(checkpoint) if checkpoint is not None else RunState()
         store = Store(self.run_dir / "store.sqlite")
@@ -99,8 +100,9 @@ class Runtime:
         if abandoned:
             self.console.print(f"[yellow]{abandoned} rollout(s) left running by the previous process marked abandoned")
         store.add_tasks((data.task_id(t), t) for t in train_tasks + eval_tasks)
-        metrics = MetricsLog(self.run_dir)
-        metrics.rewrite(state.history)
+        metrics = MetricsLog(self.run_dir, report_to=cfg.run.report_to, name=cfg.run.name,
+                             config=cfg.model_dump(mode="json"))
+        metrics.rewrite(state.history, baseline_eval=state.baseline_eval)
         feed = TaskFeed(train_tasks, cfg.data.tasks_per_iteration, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
 
         from lightning_sdk.train.trainer import GRPOTrainer
@@ -121,9 +123,12 @@ class Runtime:
                                        highlight=False, soft_wrap=True)
                 if eval_tasks and state.baseline_eval is None:
                     state.baseline_eval = self._evaluate(eval_tasks, collector.server.served_model_name, "untrained")
+                    metrics.log_eval("untrained", state.baseline_eval, 0, policy=collector.server.served_model_name)
                 for it in range(state.completed, cfg.run.iterations):
                     policy = self._iteration(it, feed.batch_for(it), policy, state, store, trainer, metrics)
                 final = self._evaluate(eval_tasks, policy, "trained") if eval_tasks else None
+                if final is not None:
+                    metrics.log_eval("trained", final, cfg.run.iterations, policy=policy)
         finally:
             metrics.close()
         metrics.plot(state.history, baseline=state.baseline_eval, final=final)
@@ -157,7 +162,7 @@ class Runtime:
     @contextmanager
     def _session(self, agent: Agent, model_path: str, store: Store, log_dir: Path) -> Iterator[Collector]:
         """Tracing into `store`, and the collector (with its inference server) started; all undone on exit."""
-        tracing.install(store)
+        tracing.install(store, otlp_endpoint=self.cfg.run.otlp_endpoint)
         collector = make_collector(self.cfg, agent=agent, model_path=model_path, store=store, log_dir=log_dir,
                                    console=self.console)
         with self.console.status("starting the inference server"):

@@ -58,7 +58,9 @@ def test_run_trains_and_writes_everything(project):
     run = project / "run"
     assert "reward per iteration" in first.stdout and "untrained" in first.stdout and "trained" in first.stdout
 
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in lines if r.get("phase") != "eval"]
+    assert [(r["eval"], r["iteration"]) for r in lines if r.get("phase") == "eval"] == [("untrained", 0), ("trained", 2)]
     assert [r["iteration"] for r in rows] == [1, 2]  # numbered from 1, as in the table
     assert all(r["transitions"] == 16 and r["rollouts"] == 16 for r in rows)
     assert rows[0]["policy"] == "builtin:tiny-arith" and rows[1]["policy"] == "e2e-iter1"

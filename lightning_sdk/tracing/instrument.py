@@ -6,6 +6,7 @@ nor flooded; spans that frameworks send to the global provider reach the store t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -14,55 +15,77 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
-from lightning_sdk.tracing import context, token_ids
+from lightning_sdk.tracing import context, deferred, export, token_ids
 from lightning_sdk.tracing.records import SpanSink
 from lightning_sdk.tracing.writer import StoreSpanProcessor
 
 
-def install(sink: SpanSink) -> StoreSpanProcessor:
+def install(sink: SpanSink, *, otlp_endpoint: str | None = None) -> StoreSpanProcessor:
     """Instrument the OpenAI client (once per process) and send rollout spans to `sink`.
 
     The OpenAI instrumentor gets a private TracerProvider, so a user's own OpenTelemetry setup is neither
     replaced nor flooded. Agent frameworks that trace themselves through the *global* provider (AutoGen records
     each tool execution as an `execute_tool` span, ERROR when the tool raised) reach the store too: see
     `_adopt_global`. Calling it again swaps the sink (a new run in the same process).
+
+    Rollout spans also go to an OTLP/HTTP collector at `otlp_endpoint` (a base URL; default: the
+    OTEL_EXPORTER_OTLP_ENDPOINT environment variable, if set) and to the application's own global provider.
     """
     with _install_lock:
         if _state.processor is not None:
             _state.processor.shutdown()
-        processor = StoreSpanProcessor(sink)
         if _state.provider is None:
             _state.provider = TracerProvider()
             context.use_provider(_state.provider)
             # A provider keeps its processors for life: route through one whose target can be swapped.
             _state.provider.add_span_processor(_state.forward)
             _instrument(_state.provider)
-            _adopt_global(_state.provider)
+            _state.app_provider = _adopt_global(_state.provider)
+            atexit.register(_shutdown)  # the exporters' last batch goes out before the process ends
+        processor = StoreSpanProcessor(sink, exporters=export.exporters(_state.provider, _state.app_provider,
+                                                                         otlp_endpoint))
         _state.forward.target = processor
         _state.processor = processor
         return processor
 
 
-def _adopt_global(provider: TracerProvider) -> None:
+def _adopt_global(provider: TracerProvider) -> TracerProvider | None:
     """Let spans that frameworks send to the global provider reach the store (only those inside a rollout are kept).
 
     With no global provider set, ours becomes it; with the application's own SDK provider, ours is added to its
-    processors and its exporters keep working as before.
+    processors and its exporters keep working as before. Returns the application's provider (which then also
+    receives our spans, see export.AppProvider), or None.
     """
     current = trace.get_tracer_provider()
     if isinstance(current, trace.ProxyTracerProvider):
         trace.set_tracer_provider(provider)
     elif isinstance(current, TracerProvider) and current is not provider:
         current.add_span_processor(_state.forward)
+        return current
+    return None
 
 
-def flush(timeout_s: float = 30.0) -> None:
-    if _state.processor is not None and not _state.processor.force_flush(int(timeout_s * 1000)):
+def flush(timeout_s: float = 30.0, *, exporters: bool = False) -> None:
+    """Wait until every ended span is in the store; with `exporters`, also until the exporters sent them."""
+    if _state.processor is None:
+        return
+    if not _state.processor.force_flush(int(timeout_s * 1000)):
         raise TimeoutError(f"span writer did not drain within {timeout_s}s")
+    if exporters and not _state.processor.exporters.force_flush(int(timeout_s * 1000)):
+        raise TimeoutError(f"span exporters did not drain within {timeout_s}s")
+
+
+def _shutdown() -> None:
+    if _state.processor is not None:
+        _state.processor.shutdown()
 
 
 def writer_errors() -> list[str]:
     return list(_state.processor.errors) if _state.processor else []
+
+
+def export_errors() -> list[str]:
+    return list(_state.processor.exporters.errors) if _state.processor else []
 
 
 class _Forward(SpanProcessor):
@@ -74,7 +97,8 @@ class _Forward(SpanProcessor):
             self.target.on_start(span, parent_context)
 
     def on_end(self, span):
-        if self.target is not None:
+        # An ExportedSpan is one of ours handed to the application's provider: the store has it already.
+        if self.target is not None and not isinstance(span, export.ExportedSpan):
             self.target.on_end(span)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
@@ -86,6 +110,7 @@ class _State:
     provider: TracerProvider | None = None
     forward: _Forward = field(default_factory=_Forward)
     processor: StoreSpanProcessor | None = None
+    app_provider: TracerProvider | None = None
 
 
 _state = _State()
@@ -118,6 +143,55 @@ class _DropSentinelWarnings(logging.Filter):
         return not ("openai.Omit" in message or "openai.NotGiven" in message)
 
 
+def _fix_version_checks() -> None:
+    """The instrumentor's `is_openai_v1()` parses two version strings with `packaging` on every call, several
+    times per span; the installed openai's version does not change while the process runs."""
+    import importlib
+
+    from opentelemetry.instrumentation.openai import utils
+
+    v1 = utils.is_openai_v1()
+    for name in ("utils", "shared", "shared.chat_wrappers", "shared.completion_wrappers",
+                 "shared.embeddings_wrappers", "shared.image_gen_wrappers", ""):
+        module = importlib.import_module(f"opentelemetry.instrumentation.openai{'.' + name if name else ''}")
+        if hasattr(module, "is_openai_v1"):
+            module.is_openai_v1 = lambda: v1
+
+
+def _snapshot(kwargs: dict) -> dict:
+    """The request as the call saw it: agents append to their `messages` list right after a call returns."""
+    kept = dict(kwargs)
+    messages = kept.get("messages")
+    if isinstance(messages, list):
+        kept["messages"] = [dict(m) if isinstance(m, dict) else m for m in messages]
+    return kept
+
+
+def _defer_attributes(chat_wrappers: Any) -> None:
+    """Run the instrumentor's request and response attribute work on the span writer thread (see `deferred`).
+
+    Its chat wrapper looks these two module functions up on every call, so replacing them moves the work (prompt
+    and completion serialisation, `model_as_dict`, ~25 validated `set_attribute` calls, its metrics) off the
+    agent's thread, while the span, its timing, its status and its attribute names stay the instrumentor's.
+    Calls outside a rollout keep the work inline: their spans reach no store.
+    """
+    handle_request, handle_response = chat_wrappers._handle_request, chat_wrappers._handle_response
+
+    async def deferred_request(span, kwargs, instance):
+        if not deferred.in_rollout(span):
+            return await handle_request(span, kwargs, instance)
+        kept = _snapshot(kwargs)
+        deferred.defer(span, lambda target: _run_inline(handle_request(target, kept, instance)))
+
+    def deferred_response(response, span, *args, **kwargs):
+        if not deferred.defer(span, lambda target: handle_response(response, target, *args, **kwargs)):
+            handle_response(response, span, *args, **kwargs)
+        return response
+
+    chat_wrappers._handle_request = deferred_request
+    chat_wrappers._handle_response = deferred_response
+
+
 def _instrument(provider: TracerProvider) -> None:
     from opentelemetry.instrumentation.openai import OpenAIInstrumentor
     from opentelemetry.instrumentation.openai.shared import chat_wrappers
@@ -125,6 +199,8 @@ def _instrument(provider: TracerProvider) -> None:
 
     if hasattr(chat_wrappers, "run_async"):
         chat_wrappers.run_async = _run_inline
+    _defer_attributes(chat_wrappers)
+    _fix_version_checks()
     logging.getLogger("opentelemetry.attributes").addFilter(_DropSentinelWarnings())
 
     # Ours first, so the instrumentor's wrapper ends up outside it and its span is current when ours runs.

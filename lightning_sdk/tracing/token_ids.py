@@ -5,6 +5,9 @@ usage) but not token ids. These wrappers, installed *inside* the instrumentor's 
 when they run), ask registered endpoints for token ids (`return_token_ids`, vLLM's flag, which the built-in
 server honours too) and copy vLLM's `prompt_token_ids` / `choices[].token_ids` fields and the sampled tokens'
 log-probs onto the span, for plain, streamed and raw-response calls.
+
+The calling thread only keeps a reference to the response (or the stream's chunks); reading the ids out of it
+and building the lists happens on the span writer thread (`deferred`), before the span is stored or exported.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from lightning_sdk.tracing.deferred import AttributeTarget, defer
 from lightning_sdk.tracing.records import COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS
 
 # Base URLs whose calls ask for token ids; other providers' calls are left untouched.
@@ -45,58 +49,64 @@ def _choice_logprobs(choice: Any) -> list[float] | None:
     return [float(_extra(t, "logprob")) for t in content]
 
 
-def _set_ids(span: Any, prompt_ids: Any, completion_ids: Any, logprobs: list[float] | None) -> None:
-    if not span.is_recording():
-        return
+def _set_ids(target: AttributeTarget, prompt_ids: Any, completion_ids: Any, logprobs: list[float] | None) -> None:
+    # Plain lists of ints/floats built here: no need for OpenTelemetry's per-element check.
     if prompt_ids is not None:
-        span.set_attribute(PROMPT_IDS, [int(t) for t in prompt_ids])
+        target.trusted[PROMPT_IDS] = [int(t) for t in prompt_ids]
     if completion_ids is not None:
-        span.set_attribute(COMPLETION_IDS, [int(t) for t in completion_ids])
+        target.trusted[COMPLETION_IDS] = [int(t) for t in completion_ids]
     if logprobs is not None and completion_ids is not None and len(logprobs) == len(completion_ids):
-        span.set_attribute(COMPLETION_LOGPROBS, logprobs)
+        target.trusted[COMPLETION_LOGPROBS] = logprobs
 
 
-def _record_response(span: Any, response: Any) -> None:
+def _response_ids(target: AttributeTarget, response: Any) -> None:
     choices = _extra(response, "choices") or []
     first = next((c for c in choices if (_extra(c, "index") or 0) == 0), choices[0] if choices else None)
-    _set_ids(span, _extra(response, "prompt_token_ids"), _extra(first, "token_ids"), _choice_logprobs(first))
+    _set_ids(target, _extra(response, "prompt_token_ids"), _extra(first, "token_ids"), _choice_logprobs(first))
 
 
-class _StreamIds:
-    """Accumulates token ids and log-probs from stream chunks (choice 0)."""
-
-    def __init__(self, span: Any):
-        self.span = span
-        self.prompt_ids: list[int] | None = None
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.have_logprobs = True
-        self.saw_ids = False
-        self.done = False
-
-    def add(self, chunk: Any) -> None:
-        if self.prompt_ids is None and _extra(chunk, "prompt_token_ids") is not None:
-            self.prompt_ids = list(_extra(chunk, "prompt_token_ids"))
+def _stream_ids(target: AttributeTarget, chunks: list[Any]) -> None:
+    """Token ids and log-probs of choice 0, gathered from a stream's chunks."""
+    prompt_ids: Any = None
+    ids: list[int] = []
+    logprobs: list[float] = []
+    have_logprobs, saw_ids = True, False
+    for chunk in chunks:
+        if prompt_ids is None:
+            prompt_ids = _extra(chunk, "prompt_token_ids")
         for choice in _extra(chunk, "choices") or []:
             if (_extra(choice, "index") or 0) != 0:
                 continue
-            ids = _extra(choice, "token_ids")
-            if ids:
-                self.saw_ids = True
-                self.ids.extend(ids)
+            chunk_ids = _extra(choice, "token_ids")
+            if chunk_ids:
+                saw_ids = True
+                ids.extend(chunk_ids)
                 lps = _choice_logprobs(choice)
-                if lps is None or len(lps) != len(ids):
-                    self.have_logprobs = False
+                if lps is None or len(lps) != len(chunk_ids):
+                    have_logprobs = False
                 else:
-                    self.logprobs.extend(lps)
+                    logprobs.extend(lps)
+    if saw_ids or prompt_ids is not None:
+        _set_ids(target, prompt_ids, ids if saw_ids else None, logprobs if have_logprobs and saw_ids else None)
+
+
+class _StreamIds:
+    """Keeps a stream's chunks; the writer thread reads the ids out of them once the stream has ended."""
+
+    def __init__(self, span: Any):
+        self.span = span
+        self.chunks: list[Any] = []
+        self.done = False
+
+    def add(self, chunk: Any) -> None:
+        self.chunks.append(chunk)
 
     def finish(self) -> None:
         if self.done:
             return
         self.done = True
-        if self.saw_ids or self.prompt_ids is not None:
-            _set_ids(self.span, self.prompt_ids, self.ids if self.saw_ids else None,
-                     self.logprobs if self.have_logprobs and self.saw_ids else None)
+        chunks = self.chunks
+        defer(self.span, lambda target: _stream_ids(target, chunks))
 
 
 def _wrap_stream(stream: Any, span: Any) -> Any:
@@ -183,7 +193,8 @@ def sync_wrapper(wrapped, instance, args, kwargs):
     response = wrapped(*args, **_prepare_request(instance, kwargs))
     if _is_stream(response):
         return _wrap_stream(response, span)
-    _record_response(span, _parsed(response))
+    parsed = _parsed(response)
+    defer(span, lambda target: _response_ids(target, parsed))
     return response
 
 
@@ -192,5 +203,6 @@ async def async_wrapper(wrapped, instance, args, kwargs):
     response = await wrapped(*args, **_prepare_request(instance, kwargs))
     if _is_stream(response):
         return _wrap_stream(response, span)
-    _record_response(span, _parsed(response))
+    parsed = _parsed(response)
+    defer(span, lambda target: _response_ids(target, parsed))
     return response

@@ -12,7 +12,9 @@ import time
 
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
+from lightning_sdk.tracing import deferred
 from lightning_sdk.tracing.context import current_component, current_rollout
+from lightning_sdk.tracing.export import Exporters
 from lightning_sdk.tracing.records import ATTEMPT, COMPONENT, ROLLOUT_ID, SpanSink, to_record
 
 
@@ -26,10 +28,15 @@ class StoreSpanProcessor(SpanProcessor):
     agent's thread about a millisecond per call (the writer took the GIL right away and kept it while it wrote).
     The writer instead wakes every `interval` seconds, or at once on a flush, and writes what has gathered in one
     transaction.
+
+    The writer also finishes each span (`deferred.complete`: the attributes the calling thread left for it) and
+    hands it to `exporters` (an OTLP collector, the application's provider) after the store has it.
     """
 
-    def __init__(self, sink: SpanSink, *, max_batch: int = 512, interval: float = 0.05):
+    def __init__(self, sink: SpanSink, *, exporters: Exporters | None = None, max_batch: int = 512,
+                 interval: float = 0.05):
         self._sink = sink
+        self.exporters = exporters or Exporters([])
         self._max_batch = max_batch
         self._interval = interval
         self._spans: collections.deque[ReadableSpan] = collections.deque()
@@ -70,9 +77,12 @@ class StoreSpanProcessor(SpanProcessor):
             self._wake.clear()
             while batch := self._take():
                 try:
+                    batch = [deferred.complete(s) for s in batch]
                     self._sink.write_spans([r for r in map(to_record, batch) if r is not None])
                 except Exception as e:  # keep the writer alive; the runtime reports these loudly
                     self.errors.append(f"{type(e).__name__}: {e}")
+                if self.exporters:
+                    self.exporters.export(batch)
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
@@ -98,3 +108,4 @@ class StoreSpanProcessor(SpanProcessor):
             self._stopping = True
         self._wake.set()
         self._thread.join(timeout=5)
+        self.exporters.shutdown()  # sends what the exporters still hold

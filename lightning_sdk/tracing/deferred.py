@@ -1,0 +1,92 @@
+"""Work the agent's thread hands to the span writer thread, so a traced call costs it little.
+
+Turning a request and its response into span attributes (the instrumentor's message serialisation and
+`model_as_dict`, our token-id lists) is most of what tracing costs; none of it is needed before the span ends.
+The calling thread keeps a reference to what it saw (`defer`), and the writer thread runs the work against a
+stand-in span (`complete`), producing the finished span the store and the exporters receive. Only spans inside
+a rollout defer anything: others go nowhere, so their attributes are never built.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import Status, StatusCode
+
+from lightning_sdk.tracing.records import ROLLOUT_ID
+
+Work = Callable[["AttributeTarget"], None]
+
+# span id -> work for the writer thread. One span is only ever touched by the thread that runs its call, and
+# dict/list operations are atomic under the GIL: no lock on the agent's path.
+_pending: dict[int, list[Work]] = {}
+
+
+def in_rollout(span: Any) -> bool:
+    attrs = getattr(span, "attributes", None)  # a NonRecordingSpan has none
+    return bool(attrs) and ROLLOUT_ID in attrs
+
+
+def defer(span: Any, work: Work) -> bool:
+    """Run `work(target)` on the writer thread for this rollout span; False (and nothing kept) for other spans."""
+    if not in_rollout(span):
+        return False
+    _pending.setdefault(span.get_span_context().span_id, []).append(work)
+    return True
+
+
+def discard(span_id: int) -> None:
+    _pending.pop(span_id, None)
+
+
+class AttributeTarget:
+    """Stands in for the span while deferred work runs: what the instrumentor's helpers call on a span."""
+
+    def __init__(self, span: ReadableSpan):
+        self.context = span.get_span_context()
+        # Validated and cleaned as the SDK's span would (e.g. openai's NOT_GIVEN sentinels are dropped).
+        self.attributes = BoundedAttributes(maxlen=None, immutable=False)
+        self.trusted: dict[str, Any] = {}  # our own token-id lists: plain ints/floats, no per-element check
+        self.status: Status | None = None
+
+    def get_span_context(self):
+        return self.context
+
+    def is_recording(self) -> bool:
+        return True
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attributes[key] = value
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        for k, v in attributes.items():
+            self.attributes[k] = v
+
+    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
+        self.status = status if isinstance(status, Status) else Status(status, description)
+
+
+def complete(span: ReadableSpan) -> ReadableSpan:
+    """The span with its deferred attributes (writer thread). The span's own attributes win on a clash."""
+    work = _pending.pop(span.get_span_context().span_id, None)
+    if not work:
+        return span
+    target = AttributeTarget(span)
+    for w in work:
+        w(target)
+    attributes = {**target.attributes, **target.trusted, **(span.attributes or {})}
+    status = span.status
+    if target.status is not None and target.status.status_code == StatusCode.ERROR and status.is_ok:
+        status = target.status  # e.g. a response that carries an `error` field
+    return rebuild(span, attributes=attributes, status=status)
+
+
+def rebuild(span: ReadableSpan, *, name: str | None = None, attributes: dict[str, Any] | None = None,
+            status: Status | None = None, cls: type[ReadableSpan] = ReadableSpan) -> ReadableSpan:
+    return cls(
+        name=span.name if name is None else name, context=span.get_span_context(), parent=span.parent,
+        resource=span.resource, attributes=dict(span.attributes or {}) if attributes is None else attributes,
+        events=span.events, links=span.links, kind=span.kind, status=span.status if status is None else status,
+        start_time=span.start_time, end_time=span.end_time, instrumentation_scope=span.instrumentation_scope)

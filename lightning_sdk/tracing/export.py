@@ -1,0 +1,115 @@
+"""Where a run's spans go besides the store: an OTLP/HTTP collector, and the application's own TracerProvider.
+
+Both are fed from the span writer thread with finished spans (deferred attributes filled in, see `deferred`),
+so neither costs the agent's thread anything; the OTLP exporter sits behind OpenTelemetry's BatchSpanProcessor
+(its own thread, batching, retries). Exported LLM-call spans are named by the gen_ai semantic conventions
+(`chat <model>`) and carry the rollout id, attempt, component and (reward spans) reward as attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Sequence
+
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from lightning_sdk.tracing.deferred import rebuild
+
+# What OTLPSpanExporter itself reads when no endpoint is given.
+ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+_log = logging.getLogger("lightning_sdk")
+
+
+class ExportedSpan(ReadableSpan):
+    """A span on its way out; the store's forwarder on the application's provider ignores these (no loop)."""
+
+
+def otlp_processor(endpoint: str | None) -> BatchSpanProcessor | None:
+    """A batch processor exporting to `endpoint` (a base URL, as OTEL_EXPORTER_OTLP_ENDPOINT), or to what the
+    environment names; None when neither names a collector."""
+    if endpoint is None and not any(os.environ.get(k) for k in ENDPOINT_ENV):
+        return None
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    # Given a base URL the exporter does not add the signal path (it does for the environment variable).
+    exporter = OTLPSpanExporter(endpoint=f"{endpoint.rstrip('/')}/v1/traces" if endpoint else None)
+    return BatchSpanProcessor(exporter)
+
+
+def gen_ai_view(span: ReadableSpan) -> ExportedSpan:
+    """The span as exported: an LLM call is named `{gen_ai.operation.name} {gen_ai.request.model}` (the gen_ai
+    semantic conventions; the instrumentor names it `openai.chat`)."""
+    attrs = span.attributes or {}
+    name = span.name
+    operation, model = attrs.get("gen_ai.operation.name"), attrs.get("gen_ai.request.model")
+    if operation and name.startswith("openai."):
+        name = f"{operation} {model}" if model else str(operation)
+    return rebuild(span, name=name, cls=ExportedSpan)
+
+
+class AppProvider:
+    """Hands our spans to the processors of the application's own global SDK TracerProvider.
+
+    The OpenAI instrumentor traces into a private provider (so the store sees every call whatever the
+    application samples); without this the application's exporters would receive none of a run's spans. Spans
+    that frameworks made through the application's provider already went to its processors: those are skipped.
+    """
+
+    def __init__(self, app: TracerProvider, own: TracerProvider):
+        self.app, self.own_resource = app, own.resource
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.resource is not self.own_resource:
+            return
+        # An SDK provider exposes no public handle on its processors; `_active_span_processor` has held them
+        # since opentelemetry-sdk 1.0.
+        processors = getattr(self.app, "_active_span_processor", None)
+        if processors is not None:
+            processors.on_end(span)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True  # the application's provider is the application's to flush
+
+    def shutdown(self) -> None:
+        pass
+
+
+class Exporters:
+    """The span writer's outlets besides the store (run on the writer thread)."""
+
+    def __init__(self, processors: Sequence[Any]):
+        self.processors = list(processors)
+        self.errors: list[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.processors)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> None:
+        for span in spans:
+            out = gen_ai_view(span)
+            for p in self.processors:
+                try:
+                    p.on_end(out)
+                except Exception as e:  # an outlet must not stop the store's writer
+                    if len(self.errors) < 10:
+                        self.errors.append(f"{type(p).__name__}: {type(e).__name__}: {e}")
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return all([p.force_flush(timeout_millis) for p in self.processors])
+
+    def shutdown(self) -> None:
+        for p in self.processors:
+            p.shutdown()
+
+
+def exporters(own: TracerProvider, app: TracerProvider | None, endpoint: str | None) -> Exporters:
+    out: list[SpanProcessor | AppProvider] = []
+    otlp = otlp_processor(endpoint)
+    if otlp is not None:
+        out.append(otlp)
+        _log.info("exporting rollout spans over OTLP/HTTP to %s", endpoint or "the OTEL_EXPORTER_OTLP_* endpoint")
+    if app is not None:
+        out.append(AppProvider(app, own))
+    return Exporters(out)

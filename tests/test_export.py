@@ -1,0 +1,260 @@
+"""A run's spans reach the user's own tools: a real OTLP/HTTP receiver on 127.0.0.1 (decoding the protobuf the
+exporter sends), the application's own global TracerProvider, and the trackers of `run.report_to` (TensorBoard,
+MLflow's file store, W&B offline), which get the eval scores as metrics.jsonl does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import openai
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
+                                                                      ExportTraceServiceResponse)
+
+import lightning_sdk as ls
+from lightning_sdk import tracing
+from lightning_sdk.rollouts.worker import RolloutJob, run_rollout
+from lightning_sdk.store import Store
+from lightning_sdk.tracing import COMPLETION_IDS, REWARD_SPAN, REWARD_VALUE, ROLLOUT_ID
+
+from .conftest import SERVED
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _value(v):
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+
+class Receiver:
+    """An OTLP/HTTP trace receiver: POST /v1/traces with an ExportTraceServiceRequest (protobuf)."""
+
+    def __init__(self):
+        self.spans: list[dict] = []
+        self.paths: list[str] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                receiver.paths.append(self.path)
+                for rs in request.resource_spans:
+                    for ss in rs.scope_spans:
+                        for s in ss.spans:
+                            receiver.spans.append({"name": s.name, "span_id": s.span_id.hex(),
+                                                   "attributes": {a.key: _value(a.value) for a in s.attributes}})
+                out = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def by_rollout(self) -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = {}
+        for s in self.spans:
+            out.setdefault(s["attributes"].get(ROLLOUT_ID), []).append(s)
+        return out
+
+
+@pytest.fixture()
+def receiver():
+    r = Receiver()
+    yield r
+    r.httpd.shutdown()
+
+
+def test_rollout_spans_go_to_an_otlp_receiver_with_their_rollout_ids(server, tmp_path, receiver):
+    store = Store(tmp_path / "store.sqlite")
+    tracing.install(store, otlp_endpoint=receiver.url)
+    tracing.request_token_ids_from(server.base_url)
+
+    @ls.rollout
+    async def agent(task, llm):
+        async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
+            with ls.component("solver"):
+                out = await client.chat.completions.create(model=llm.model, max_tokens=3,
+                                                           messages=[{"role": "user", "content": task["q"]}])
+            ls.emit_reward(0.25, name="format")
+        return out.choices[0].message.content
+
+    @ls.reward
+    def score(task, output):
+        return 1.0
+
+    llm = ls.LLM(base_url=server.base_url, api_key="EMPTY", model=SERVED)
+    jobs = [RolloutJob(rollout_id=f"otlp-{k}", task_id=f"t{k}", group_id="0:0", task={"q": f"What is {k} + 1?"},
+                       iteration=0, attempt=2) for k in range(4)]
+
+    async def phase():
+        return await asyncio.gather(*(run_rollout(j, rollout_fn=agent, reward_fn=score, llm=llm, store=store,
+                                                  timeout=120) for j in jobs))
+
+    assert [r.status for r in asyncio.run(phase())] == ["succeeded"] * 4
+    tracing.flush(exporters=True)
+    assert tracing.export_errors() == [] and tracing.writer_errors() == []
+
+    got = receiver.by_rollout()
+    assert receiver.paths and set(receiver.paths) == {"/v1/traces"}
+    assert set(got) == {j.rollout_id for j in jobs}  # nothing outside a rollout, every rollout there
+    for j in jobs:
+        stored = {s.span_id for s in store.spans(j.rollout_id)}
+        assert {s["span_id"] for s in got[j.rollout_id]} == stored and len(stored) == 2
+        (call,) = [s for s in got[j.rollout_id] if s["name"] != REWARD_SPAN]
+        (reward,) = [s for s in got[j.rollout_id] if s["name"] == REWARD_SPAN]
+        a = call["attributes"]
+        # gen_ai semantic conventions: span "chat <model>", the instrumentor's gen_ai.* attributes
+        assert call["name"] == f"chat {SERVED}" and a["gen_ai.operation.name"] == "chat"
+        assert a["gen_ai.request.model"] == SERVED and a["gen_ai.usage.output_tokens"] == len(a[COMPLETION_IDS])
+        assert a["lightning.rollout.attempt"] == 2 and a["lightning.component"] == "solver"
+        (kept,) = [s for s in store.spans(j.rollout_id) if s.span_id == call["span_id"]]
+        assert a[COMPLETION_IDS] == kept.attributes[COMPLETION_IDS] and len(a[COMPLETION_IDS]) >= 1
+        assert reward["attributes"][REWARD_VALUE] == 0.25
+    store.close()
+
+
+# A short real run in its own process: the application sets its own global provider first (the global provider
+# can be set once per process), then Runtime(cfg).run().
+APP = """
+import json, sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+app_exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(app_exporter))
+trace.set_tracer_provider(provider)
+
+from rich.console import Console
+from lightning_sdk import config
+from lightning_sdk.runtime import Runtime
+runtime = Runtime(config.load(sys.argv[1]), console=Console(file=sys.stderr))
+state = runtime.run()
+spans = [{"name": s.name, "rollout": s.attributes.get("lightning.rollout.id"), "span_id": format(s.context.span_id, "016x")}
+         for s in app_exporter.get_finished_spans()]
+print(json.dumps({"app_spans": spans, "baseline": state.baseline_eval, "final": runtime.final_eval}))
+"""
+
+
+def test_a_real_run_reaches_the_app_provider_the_collector_and_every_tracker(tmp_path, receiver):
+    d = tmp_path
+    shutil.copy(ROOT / "cookbook/arith/agent.py", d / "agent.py")
+    rows = (ROOT / "cookbook/arith/data/train.jsonl").read_text().splitlines()
+    (d / "train.jsonl").write_text("\n".join(rows[:4]) + "\n")
+    (d / "eval.jsonl").write_text("\n".join(rows[-2:]) + "\n")
+    (d / "lightning.toml").write_text(f"""
+[run]
+name = "obs"
+dir = "run"
+iterations = 1
+report_to = ["tensorboard", "mlflow", "wandb"]
+otlp_endpoint = "{receiver.url}"
+[agent]
+module = "agent.py"
+[data]
+train = "train.jsonl"
+eval = "eval.jsonl"
+tasks_per_iteration = 2
+group_size = 2
+[model]
+dtype = "float32"
+[rollout]
+concurrency = 4
+""")
+    (d / "app.py").write_text(APP)
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    p = subprocess.run([sys.executable, str(d / "app.py"), str(d / "lightning.toml")], cwd=d, env=env, text=True,
+                       capture_output=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    run = d / "run"
+
+    store = Store(run / "store.sqlite")
+    rollouts = store.rollouts()
+    assert len(rollouts) == 4 + 2 + 2  # train, eval before, eval after
+    stored = {r.rollout_id: {s.span_id for s in store.spans(r.rollout_id)} for r in rollouts}
+    assert all(stored.values())
+    # The application's own provider received every span the run stored (before this, it received none)...
+    app: dict[str, set[str]] = {}
+    for s in out["app_spans"]:
+        app.setdefault(s["rollout"], set()).add(s["span_id"])
+    assert app == stored
+    # ...and so did the OTLP collector (the exporter's last batch is sent when the process exits).
+    assert {k: {s["span_id"] for s in v} for k, v in receiver.by_rollout().items()} == stored
+
+    # The eval scores, before and after, in every sink.
+    baseline, final = out["baseline"], out["final"]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["eval"], r["iteration"], r["eval.reward_mean"]) for r in lines if r.get("phase") == "eval"]
+    assert evals == [("untrained", 0, baseline), ("trained", 1, final)]
+    assert [r["iteration"] for r in lines if r.get("phase") != "eval"] == [0]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(run / "tensorboard"))
+    tb.Reload()
+    assert [(e.step, e.value) for e in tb.Scalars("eval/reward_mean")] == [(0, pytest.approx(baseline)),
+                                                                          (1, pytest.approx(final))]
+    assert [e.step for e in tb.Scalars("reward_mean")] == [0]
+
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # reading the file store the run wrote
+    client = mlflow.MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("obs").experiment_id])
+    history = client.get_metric_history(mlrun.info.run_id, "eval/reward_mean")
+    assert sorted((m.step, m.value) for m in history) == [(0, pytest.approx(baseline)), (1, pytest.approx(final))]
+    assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss")] == [0]
+
+    (offline,) = (run / "wandb").glob("offline-run-*/*.wandb")
+    history = wandb_history(offline)
+    assert [(step, row["eval/reward_mean"]) for step, row in history if "eval/reward_mean" in row] == \
+        [(0, pytest.approx(baseline)), (1, pytest.approx(final))]
+    assert [step for step, row in history if "train/loss" in row] == [0]
+
+
+def wandb_history(path: Path) -> list[tuple[int, dict]]:
+    """The history rows of an offline W&B run file (what `wandb sync` uploads), read back: LevelDB-log framing
+    (32 KiB blocks; records of crc32, length, type), each record a wandb `Record` protobuf. The wandb package
+    ships no reader for it."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data, block, pos, parts, out = path.read_bytes(), 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer: padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        parts += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, LAST
+            record = Record()
+            record.ParseFromString(parts)
+            parts = b""
+            if record.WhichOneof("record_type") == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                out.append((int(record.history.step.num), row))
+    return out
