@@ -194,6 +194,9 @@ def test_dashboard_in_a_browser(live, project, browser, tmp_path):
     call = next(s for s in spans if s.name == "openai.chat")
     completion = json.loads(call.attributes["gen_ai.output.messages"])[0]["parts"][0]["content"]
 
+    cells = page.locator(f"tr[data-rollout='{probe_rollout.rollout_id}'] td").all_text_contents()
+    assert cells[5:7] == ["1", str(len(spans))]  # LLM calls, all spans
+
     # Into one rollout: its timeline shows the prompt messages, the completion, the tool spans, the error.
     page.click(f"tr[data-rollout='{probe_rollout.rollout_id}'] a")
     page.wait_for_selector(".span.llm")

@@ -152,10 +152,11 @@ class RunReader:
             rows = store._read(f"SELECT * FROM rollouts{cond} ORDER BY started_at DESC, rollout_id DESC "
                                f"LIMIT ? OFFSET ?", [*args, limit, max(0, int(offset))])
             records = [store._rollout(r) for r in rows]
-            calls = store.call_counts([r.rollout_id for r in records])
+            calls = _call_counts(store, [r.rollout_id for r in records])
             return {"total": total, "offset": offset, "limit": limit, "rows": [
                 {"rollout_id": r.rollout_id, "phase": r.phase, "iteration": r.iteration, "status": r.status,
-                 "reward": r.reward, "calls": calls.get(r.rollout_id, 0), "seconds": r.seconds,
+                 "reward": r.reward, "calls": calls.get(r.rollout_id, (0, 0))[0],
+                 "spans": calls.get(r.rollout_id, (0, 0))[1], "seconds": r.seconds,
                  "model": r.model, "task_id": r.task_id, "error": r.error} for r in records]}
 
         return self._with_store(path, query, {"total": 0, "offset": offset, "limit": limit, "rows": []})
@@ -247,6 +248,20 @@ def _status_counts(store: ReadOnlyStore) -> dict[str, int]:
 def _components(store: ReadOnlyStore) -> list[str]:
     return [r["component"] for r in store._read(
         "SELECT DISTINCT component FROM spans WHERE component IS NOT NULL ORDER BY component")]
+
+
+def _call_counts(store: ReadOnlyStore, rollout_ids: list[str]) -> dict[str, tuple[int, int]]:
+    """(LLM calls, all spans) per rollout. An LLM call as `transitions.is_llm_call` tells it; Store.call_counts
+    counts every span but reward spans, tool spans included."""
+    if not rollout_ids:
+        return {}
+    marks = ",".join("?" * len(rollout_ids))
+    rows = store._read(
+        f"SELECT rollout_id, COUNT(*) AS spans, SUM(name != ? AND (json_extract(attributes, '$.\"{COMPLETION_IDS}\"')"
+        f" IS NOT NULL OR json_extract(attributes, '$.\"{PROMPT_IDS}\"') IS NOT NULL"
+        f" OR json_extract(attributes, '$.\"gen_ai.operation.name\"') = 'chat')) AS calls"
+        f" FROM spans WHERE rollout_id IN ({marks}) GROUP BY rollout_id", [REWARD_SPAN, *rollout_ids])
+    return {r["rollout_id"]: (r["calls"], r["spans"]) for r in rows}
 
 
 def _evals(store: ReadOnlyStore) -> list[dict[str, Any]]:

@@ -141,7 +141,7 @@ function runsView(main) {
 
 function rewardChart(runs) {
   // runs: [{ name, history, evals }]; x counts iterations as the run's table does (1..N), evals at 0 and N.
-  const W = 640, H = 260, L = 44, R = 170, T = 14, B = 30;
+  const W = 900, H = 260, L = 44, R = 250, T = 14, B = 30;
   const ys = [0, 1];
   let maxX = 1;
   for (const r of runs) {
@@ -183,23 +183,29 @@ function rewardChart(runs) {
   return g;
 }
 
-const ITER_COLS = [["iter"], ["policy", "l"], ["reward"], ["± std"], ["rollouts"], ["failed"], ["transitions"], ["tokens"],
-  ["loss"], ["KL"], ["logprob gap"], ["grad norm"], ["collect s"], ["update s"], ["hot-load s"]];
+// [header, class, cell of a history row]; a compact table (two runs side by side) keeps the marked ones
+const num1 = (v) => num(v, 1);
+const ITER_COLS = [
+  ["iter", "", (h) => h.iteration + 1, true], ["policy", "l", (h) => h.policy, true],
+  ["reward", "", (h) => num(h.reward_mean), true], ["± std", "", (h) => num(h.reward_std)],
+  ["rollouts", "", (h) => h.rollouts], ["failed", "", (h) => h.failed, true], ["transitions", "", (h) => h.transitions],
+  ["tokens", "", (h) => h.completion_tokens ?? ""], ["loss", "", (h) => sig(h["train.loss"]), true],
+  ["KL", "", (h) => sig(h["train.kl"]), true], ["logprob gap", "", (h) => sig(h["train.logprob_gap"])],
+  ["grad norm", "", (h) => sig(h["train.grad_norm"])], ["collect s", "", (h) => num1(h.collect_s), true],
+  ["update s", "", (h) => num1(h.update_s), true], ["hot-load s", "", (h) => num(h.hotload_s, 2)],
+];
 
-function iterationTable(s) {
-  const evalRow = (e) => el("tr", { class: "eval" }, el("td", {}, "eval"), el("td", { class: "l" }, e.label), el("td", {}, num(e.mean)),
-    el("td", {}, ""), el("td", {}, e.running ? `${e.finished} + ${e.running} running` : e.finished ?? ""), ...Array(ITER_COLS.length - 5).fill(0).map(() => el("td", {}, "")));
+function iterationTable(s, compact) {
+  const cols = ITER_COLS.filter((c) => !compact || c[3]);
+  const evalRow = (e) => el("tr", { class: "eval" }, cols.map(([name], i) => el("td", { class: i === 1 ? "l" : "" },
+    i === 0 ? "eval" : i === 1 ? e.label : name === "reward" ? num(e.mean) :
+      name === "rollouts" ? (e.running ? `${e.finished} + ${e.running} running` : e.finished ?? "") : "")));
   const rows = [
     ...s.evals.filter((e) => e.iteration === 0).map(evalRow),
-    ...s.history.map((h) => el("tr", {},
-      el("td", {}, h.iteration + 1), el("td", { class: "l" }, h.policy), el("td", {}, num(h.reward_mean)), el("td", {}, num(h.reward_std)),
-      el("td", {}, h.rollouts), el("td", {}, h.failed), el("td", {}, h.transitions), el("td", {}, h.completion_tokens ?? ""),
-      el("td", {}, sig(h["train.loss"])), el("td", {}, sig(h["train.kl"])), el("td", {}, sig(h["train.logprob_gap"])),
-      el("td", {}, sig(h["train.grad_norm"])), el("td", {}, num(h.collect_s, 1)), el("td", {}, num(h.update_s, 1)),
-      el("td", {}, num(h.hotload_s, 2)))),
+    ...s.history.map((h) => el("tr", {}, cols.map(([, cls, cell]) => el("td", { class: cls }, cell(h))))),
     ...s.evals.filter((e) => e.iteration !== 0).map(evalRow),
   ];
-  return el("div", {}, rows.length ? table(ITER_COLS, rows) : null,
+  return el("div", {}, rows.length ? table(cols, rows) : null,
     s.history.length ? null : el("p", { class: "muted" }, "No iteration finished yet."));
 }
 
@@ -242,11 +248,11 @@ function runView(main, run) {
       }
       const go = (d) => { filters.offset = Math.max(0, filters.offset + d); tick(); };
       fill(list,
-        table([["rollout", "l"], ["phase", "l"], ["iter"], ["status", "l"], ["reward"], ["LLM calls"], ["seconds"], ["model", "l"], ["error", "l"]],
+        table([["rollout", "l"], ["phase", "l"], ["iter"], ["status", "l"], ["reward"], ["LLM calls"], ["spans"], ["seconds"], ["model", "l"], ["error", "l"]],
           page.rows.map((r) => el("tr", { class: "click", "data-rollout": r.rollout_id, onclick: () => { location.hash = href("run", run, "rollout", r.rollout_id); } },
             el("td", { class: "l" }, el("a", { href: href("run", run, "rollout", r.rollout_id) }, r.rollout_id)),
             el("td", { class: "l" }, r.phase), el("td", {}, iterLabel(r)), el("td", { class: "l" }, badge(r.status)),
-            el("td", {}, num(r.reward)), el("td", {}, r.calls), el("td", {}, num(r.seconds, 2)), el("td", { class: "l" }, r.model ?? ""),
+            el("td", {}, num(r.reward)), el("td", {}, r.calls), el("td", {}, r.spans), el("td", {}, num(r.seconds, 2)), el("td", { class: "l" }, r.model ?? ""),
             el("td", { class: "err", title: r.error ?? "" }, r.error ?? "")))),
         el("div", { class: "pager" },
           el("button", { disabled: filters.offset === 0, onclick: () => go(-PAGE) }, "← newer"),
@@ -282,17 +288,21 @@ function spanCard(s) {
     s.kind === "reward" ? el("span", {}, `${s.reward_name} = ${num(s.reward_value)}`) : null,
     err ? badge("ERROR") : null, s.model ? el("span", { class: "muted" }, s.model) : null);
   const body = [];
-  if (err && s.status_message) body.push(el("pre", { class: "errtext" }, s.status_message));
+  const raised = (s.events || []).map((e) => e.attributes || {}).filter((a) => a["exception.message"] !== undefined);
+  // The status message is usually "Type: message" of the exception event below; show it once.
+  if (err && s.status_message && !raised.some((a) => s.status_message === `${a["exception.type"]}: ${a["exception.message"]}`))
+    body.push(el("pre", { class: "errtext" }, s.status_message));
   if (s.kind === "llm") body.push(el("div", { class: "cols" }, messagesBlock("prompt", s.input), messagesBlock("completion", s.output)));
   for (const e of s.events || []) {
     const a = e.attributes || {};
     body.push(el("div", { class: e.name === "exception" ? "errtext" : "" }, el("div", {}, `event: ${e.name}`),
       a["exception.type"] || a["exception.message"] ? el("pre", {}, `${a["exception.type"] ?? ""}: ${a["exception.message"] ?? ""}`) : kv(a),
-      a["exception.stacktrace"] ? el("pre", {}, a["exception.stacktrace"]) : null));
+      a["exception.stacktrace"] ? el("details", {}, el("summary", {}, "stack trace"), el("pre", {}, a["exception.stacktrace"])) : null));
   }
   if (s.kind !== "reward") {
     const attrs = kv(s.attributes);
-    if (attrs) body.push(el("details", {}, el("summary", { class: "muted" }, "attributes"), attrs));
+    // a tool's attributes are its input and output: open; an LLM call's are the instrumentor's details
+    if (attrs) body.push(el("details", { open: s.kind !== "llm" }, el("summary", { class: "muted" }, "attributes"), attrs));
   }
   return el("div", { class: `card span ${s.kind}${err ? " error" : ""}`, id: `span-${s.span_id}`, "data-kind": s.kind }, head, body);
 }
@@ -355,7 +365,7 @@ function compareView(main, a, b) {
       if (!changed([sa, sb])) return;
       fill(top, rewardChart([{ name: a, history: sa.history, evals: sa.evals }, { name: b, history: sb.history, evals: sb.evals }]));
       fill(cols, [[a, sa], [b, sb]].map(([name, s]) => el("div", { class: "side" },
-        el("h3", {}, el("a", { href: href("run", name) }, name)), countsLine(s), iterationTable(s))));
+        el("h3", {}, el("a", { href: href("run", name) }, name)), countsLine(s), iterationTable(s, true))));
     },
   };
 }
