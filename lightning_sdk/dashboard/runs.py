@@ -13,7 +13,7 @@ import sqlite3
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from lightning_sdk import credit as credit_mod
 from lightning_sdk.errors import CaptureError
@@ -36,7 +36,7 @@ class ReadOnlyStore(Store):
     """The store's own reads over a connection SQLite opens read-only: the dashboard cannot write, create the
     schema or change the journal mode of a run's store."""
 
-    def __init__(self, path: str | Path):  # noqa: super().__init__ would create the file and write the schema
+    def __init__(self, path: str | Path):  # not super().__init__: that creates the file and writes the schema
         self.path = Path(path)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False,
