@@ -193,6 +193,47 @@ def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str 
     console.print(table)
 
 
+@main.command()
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="A run directory, or a folder of runs (default: the parent of run.dir in --config, else runs).")
+@click.option("-c", "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Credit rewards to LLM calls with this config's rollout.credit / components / error_reward.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
+@click.option("--port", default=8321, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
+def dashboard(run_dir: Path | None, config_path: Path | None, host: str, port: int) -> None:
+    """Serve a read-only web page of runs: rewards, iterations, rollouts, each LLM call (needs the printed key)."""
+    from lightning_sdk.dashboard import CreditSettings, RunReader, bind, new_token, serve
+
+    console = Console()
+    settings = CreditSettings()
+    if config_path is not None:
+        try:
+            cfg = config_mod.load(config_path)
+        except config_mod.ConfigError as e:
+            _fail(console, str(e))
+        r = cfg.rollout
+        settings = CreditSettings(rule=r.credit, components=tuple(r.components), error_reward=r.error_reward,
+                                  source=str(config_path))
+        run_dir = run_dir or Path(cfg.run.dir).parent
+    run_dir = run_dir or Path("runs")
+    if not run_dir.is_dir():
+        _fail(console, f"--run-dir {run_dir}: no such directory (a run directory or a folder of runs)")
+    try:
+        reader = RunReader(run_dir, settings)
+    except ValueError as e:
+        _fail(console, str(e))
+    try:
+        sock = bind(host, port)
+    except OSError as e:
+        _fail(console, f"--host {host} --port {port}: cannot listen ({e.strerror})")
+    token = new_token()
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{sock.getsockname()[1]}/?token={token}"
+    console.print(f"dashboard of {reader.root} at {url}  (read-only; Ctrl-C stops it)", highlight=False,
+                  soft_wrap=True)
+    serve(reader, sock, token)
+
+
 def describe(record: Any) -> str:
     """One line for `lightning traces`."""
     from lightning_sdk.tracing.records import COMPLETION_IDS, PROMPT_IDS, REWARD_NAME, REWARD_SPAN, REWARD_VALUE

@@ -1,0 +1,7 @@
+"""`lightning dashboard`: a local, read-only web page over run directories (runs.py reads, app.py serves,
+static/ is the page: one HTML file, plain JavaScript, an SVG chart; no build step)."""
+
+from lightning_sdk.dashboard.app import bind, create_app, new_token, serve
+from lightning_sdk.dashboard.runs import CreditSettings, RunReader
+
+__all__ = ["CreditSettings", "RunReader", "bind", "create_app", "new_token", "serve"]
