@@ -82,6 +82,8 @@ def reward_value(value: Any, what: str, where: str = "") -> float:
 
     The error reads "{what} {value!r} ({type}){where}; expected ...", e.g. what="@reward returned".
     """
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+        value = value.item()  # a numpy scalar or 0-d array, a 0-d torch tensor: its Python number
     if isinstance(value, bool) or (isinstance(value, numbers.Real) and not isinstance(value, str)):
         try:
             number = float(value)

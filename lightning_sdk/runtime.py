@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import random
 import shutil
+import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +27,18 @@ from lightning_sdk import credit, data, models, tracing
 from lightning_sdk.agent import load_agent
 from lightning_sdk.config import Config
 from lightning_sdk.errors import CaptureError, RunError, SetupError
+from lightning_sdk.files import DirBusyError, clean_atomic_leftovers, locked_dir
 from lightning_sdk.metrics import MetricsLog
 from lightning_sdk.rollouts.collector import Agent, Collector, make_collector
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
 from lightning_sdk.serving import ServerError, SleepableServer
 from lightning_sdk.store import Store
-from lightning_sdk.train.checkpoint import TRAINER, RunState, adapter_dir, latest_checkpoint, write_checkpoint
+from lightning_sdk.train.checkpoint import CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint, write_checkpoint
 from lightning_sdk.transitions import Transition, to_transitions
 
 __all__ = ["RunError", "Runtime", "SetupError", "TaskFeed"]
+
+RUN_LOCK = ".lock"  # in run.dir: held (flock) by the one `lightning run` using it
 
 
 class TaskFeed:
@@ -87,12 +91,16 @@ class Runtime:
 
     # The whole run, top to bottom.
     def run(self) -> RunState:
+        with ExitStack() as stack:  # holds run.dir's lock until the run has ended
+            return self._run(stack)
+
+    def _run(self, stack: ExitStack) -> RunState:
         cfg = self.cfg
         agent = self._load_agent()
         train_tasks = data.load(cfg.data.train, cfg.data.required_fields)
         eval_tasks = data.load(cfg.data.eval, cfg.data.required_fields) if cfg.data.eval else []
         model_path = models.resolve(cfg.model.name)  # before the run directory: bad input writes nothing
-        checkpoint = self._prepare_run_dir()
+        checkpoint = self._prepare_run_dir(stack)
         state = RunState.read(checkpoint) if checkpoint is not None else RunState()
         store = Store(self.run_dir / "store.sqlite")
         abandoned = store.abandon_running()
@@ -171,17 +179,30 @@ class Runtime:
             collector.stop()
             tracing.flush()
 
-    def _prepare_run_dir(self) -> Path | None:
+    def _prepare_run_dir(self, stack: ExitStack) -> Path | None:
+        """Check run.dir, take its lock (held in `stack` for the whole run), and return the checkpoint to resume."""
         d = self.run_dir
-        existing = d.exists() and any(d.iterdir())
-        if existing and self.overwrite:
-            shutil.rmtree(d)
-            existing = False
-        if existing and not self.resume:
+        existing = d.exists() and any(p.name != RUN_LOCK for p in d.iterdir())
+        if existing and not self.resume and not self.overwrite:
             raise SetupError(f"run.dir {d} already holds a run; pass --resume to continue it, --overwrite to "
                              f"replace it, or --run-dir for a new one")
-        d.mkdir(parents=True, exist_ok=True)
-        return latest_checkpoint(d) if self.resume else None
+        try:  # before anything is deleted or written: two runs on one directory would collect the same iteration
+            stack.enter_context(locked_dir(d, RUN_LOCK))
+        except DirBusyError as e:
+            raise SetupError(f"run.dir {e}: another `lightning run` is using it; wait for it to end, or use "
+                             f"--run-dir for a new run") from None
+        if existing and self.overwrite:
+            for p in d.iterdir():  # all but the lock we hold
+                if p.name != RUN_LOCK:
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            return None
+        if not self.resume:
+            return None
+        cleaned = clean_atomic_leftovers(d / CHECKPOINTS)
+        if cleaned:
+            self.console.print(f"removed {cleaned} unfinished checkpoint write(s) of a killed run from "
+                               f"{d / CHECKPOINTS}")
+        return latest_checkpoint(d)
 
     # ------------------------------------------------------------------------------------------ one iteration
 
@@ -208,10 +229,10 @@ class Runtime:
             train_metrics = trainer.step(transitions)
             update_s = time.perf_counter() - t1
         rewards = [r.reward for r in ok]
-        mean = sum(rewards) / len(rewards)
+        # statistics: exact sums, so a finite reward as large as 1e200 gives a finite mean, not an OverflowError
+        mean = float(statistics.mean(rewards))
         row = {
-            "iteration": it, "policy": policy, "reward_mean": mean,
-            "reward_std": (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
+            "iteration": it, "policy": policy, "reward_mean": mean, "reward_std": statistics.pstdev(rewards),
             "rollouts": len(results), "failed": failed, "transitions": len(transitions),
             "completion_tokens": sum(len(t.completion_ids) for t in transitions),
             "collect_s": collect_s, "update_s": update_s, **handover,
@@ -235,6 +256,9 @@ class Runtime:
         errors = tracing.writer_errors()
         if errors:
             raise RunError(f"the span writer failed, spans may be missing: {errors[0]}")
+        if store.span_conflicts:
+            self.console.print(f"[yellow]{store.span_conflicts} span(s) refused so far: their ids were taken by "
+                               f"spans already stored (those are kept); see the log")
         out = []
         for r in ok:
             out += to_transitions(store.rollout(r.job.rollout_id), store.spans(r.job.rollout_id),

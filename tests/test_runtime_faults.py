@@ -228,3 +228,41 @@ def _bind(sock: socket.socket, port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+# ------------------------------------------------------------------------------ span ids and a stored span
+
+def test_span_ids_do_not_follow_pythons_random_state(tmp_path):
+    """A resumed trainer once restored `random`'s state, and OpenTelemetry drew the same span ids again."""
+    import random
+
+    from lightning_sdk import tracing
+    from lightning_sdk.tracing import instrument
+
+    with Store(tmp_path / "store.sqlite") as store:
+        tracing.install(store)
+        tracer = instrument._state.provider.get_tracer("test")
+        ids = []
+        for _ in range(2):
+            random.seed(1234)
+            with tracer.start_as_current_span("call") as span:
+                ids.append((span.get_span_context().span_id, span.get_span_context().trace_id))
+        assert ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1]
+        tracing.flush()
+
+
+def test_the_store_keeps_the_first_span_under_an_id_and_counts_the_conflict(tmp_path):
+    from lightning_sdk.tracing.records import SpanRecord
+
+    def span(rollout: str, name: str) -> SpanRecord:
+        return SpanRecord(span_id="00ab", trace_id="t", parent_id=None, rollout_id=rollout, attempt=1,
+                          component=None, name=name, start_ns=1, end_ns=2, status="OK", status_message=None,
+                          attributes={"k": rollout})
+
+    with Store(tmp_path / "store.sqlite") as store:
+        assert store.write_spans([span("r1", "chat")]) == []
+        assert store.write_spans([span("r1", "chat")]) == [] and store.span_conflicts == 0  # the same span again
+        assert store.write_spans([span("r2", "other")]) == ["00ab"]
+        (kept,) = store.spans("r1")
+        assert kept.name == "chat" and kept.attributes == {"k": "r1"} and store.spans("r2") == []
+        assert store.span_conflicts == 1 and store.count("spans") == 1
