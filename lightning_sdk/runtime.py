@@ -9,8 +9,11 @@ collector and server, set up and torn down in one place.
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 import shutil
+import socket
 import statistics
 import tempfile
 import time
@@ -38,6 +41,7 @@ from lightning_sdk.transitions import Transition, to_transitions
 
 __all__ = ["RunError", "Runtime", "SetupError", "TaskFeed"]
 
+MIN_FREE_BYTES = 64 * 2**20  # below this a run cannot even write its first checkpoint of a tiny model
 RUN_LOCK = ".lock"  # in run.dir: held (flock) by the one `lightning run` using it
 
 
@@ -85,7 +89,10 @@ class Runtime:
         self.overwrite = overwrite
         self.console = console or Console()
         self.run_dir = Path(cfg.run.dir)
-        self.credit_rule = credit.resolve(cfg.rollout.credit)
+        try:
+            self.credit_rule = credit.resolve(cfg.rollout.credit)
+        except ValueError as e:  # an unknown builtin, or a module:function that does not import
+            raise SetupError(str(e)) from None
         self.collector: Collector | None = None  # set while a session is open
         self.final_eval: float | None = None
 
@@ -100,6 +107,7 @@ class Runtime:
         train_tasks = data.load(cfg.data.train, cfg.data.required_fields)
         eval_tasks = data.load(cfg.data.eval, cfg.data.required_fields) if cfg.data.eval else []
         model_path = models.resolve(cfg.model.name)  # before the run directory: bad input writes nothing
+        self._preflight()
         checkpoint = self._prepare_run_dir(stack)
         state = RunState.read(checkpoint) if checkpoint is not None else RunState()
         store = Store(self.run_dir / "store.sqlite")
@@ -178,6 +186,55 @@ class Runtime:
             self.collector = None
             collector.stop()
             tracing.flush()
+
+    def _preflight(self) -> None:
+        """What would otherwise fail after the run directory is written: where it goes, the backend, the port,
+        the training device. Each is a SetupError naming the key."""
+        cfg, d = self.cfg, self.run_dir
+        if d.exists() and not d.is_dir():
+            raise SetupError(f"run.dir = {str(d)!r}: is a file; expected a directory (or a path that does not exist "
+                             f"yet)")
+        base = next(p for p in (d, *d.parents) if p.exists())
+        if not base.is_dir():
+            raise SetupError(f"run.dir = {str(d)!r}: {base} is a file, so no directory can be made under it")
+        fs = os.statvfs(base)
+        if fs.f_blocks == 0:  # procfs, sysfs: virtual file systems hold no files of ours
+            raise SetupError(f"run.dir = {str(d)!r}: {base} is on a virtual file system (like /proc); choose a "
+                             f"directory on a disk")
+        if fs.f_flag & os.ST_RDONLY or not os.access(base, os.W_OK | os.X_OK):
+            raise SetupError(f"run.dir = {str(d)!r}: {base} is read-only for this user; choose a writable directory")
+        free = fs.f_bavail * fs.f_frsize
+        if free < MIN_FREE_BYTES:
+            raise SetupError(f"run.dir = {str(d)!r}: only {free / 2**20:.1f} MiB free on its disk; a run needs at "
+                             f"least {MIN_FREE_BYTES / 2**20:.0f} MiB for its store and checkpoints")
+        if cfg.run.runtime == "embedded" and cfg.serve.backend == "vllm":
+            from lightning_sdk.serving.select import make_server
+
+            make_server(cfg, "", d / "server.log")  # refuses vllm where it cannot run; builds, starts nothing
+        if cfg.run.runtime == "embedded":
+            with socket.socket(socket.AF_INET6 if ":" in cfg.serve.host else socket.AF_INET) as probe:
+                try:
+                    probe.bind((cfg.serve.host, cfg.serve.port))
+                except OSError as e:
+                    key = ("serve.port", cfg.serve.port) if e.errno == errno.EADDRINUSE else ("serve.host", cfg.serve.host)
+                    raise SetupError(f"{key[0]} = {key[1]!r}: cannot listen on {cfg.serve.host}:{cfg.serve.port} "
+                                     f"({e.strerror}); " + ("another process holds the port: free it, or set "
+                                     "serve.port = 0 for any free one" if key[0] == "serve.port" else
+                                     "expected an address of this machine, e.g. 127.0.0.1")) from None
+        device = cfg.train.device
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise SetupError(f"train.device = {device!r}: no CUDA GPU is visible to torch; use 'cpu' or 'auto'")
+            index = int(device.partition(":")[2] or 0)
+            if index >= torch.cuda.device_count():
+                raise SetupError(f"train.device = {device!r}: torch sees {torch.cuda.device_count()} GPU(s)")
+        elif device == "mps":
+            import torch
+
+            if not torch.backends.mps.is_available():
+                raise SetupError("train.device = 'mps': MPS is not available here; use 'cpu' or 'auto'")
 
     def _prepare_run_dir(self, stack: ExitStack) -> Path | None:
         """Check run.dir, take its lock (held in `stack` for the whole run), and return the checkpoint to resume."""
