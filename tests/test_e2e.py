@@ -216,10 +216,19 @@ def test_kill_9_during_collection_and_during_update_then_resume_loses_nothing(pr
     assert checkpoints() == ["iter-00001", "iter-00002"]  # killed inside the update, before its checkpoint
     assert {rid for rid, _, s in before_1 if s == "running"} <= {rid for rid, _, s in before_2 if s == "abandoned"}
 
+    # A checkpoint write killed half-way (a real SIGKILL inside atomic_dir) leaves its hidden temp directory.
+    writer = ("import os, signal, sys\nfrom lightning_sdk.files import atomic_dir\n"
+              "with atomic_dir(sys.argv[1]) as tmp:\n    (tmp / 'half').write_text('x')\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    killed = subprocess.run([sys.executable, "-c", writer, str(run / "checkpoints/iter-00003")], timeout=120)
+    assert killed.returncode == -9 and len(list((run / "checkpoints").glob(".iter-00003.tmp-*"))) == 1
+
     # 3. Resume to the end.
     final = lightning("run", "--resume", *three, cwd=tmp_path)
     assert final.returncode == 0, final.stdout + final.stderr
     assert "resumed" in final.stdout and "after iteration 2" in final.stdout
+    assert "removed 1 unfinished checkpoint write(s)" in final.stdout
+    assert not [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # cleaned up
     after, spans_after = rollouts(), spans()
     ids_after = {rid for rid, _, _ in after}
     assert {rid for rid, _, _ in before_1 | before_2} <= ids_after  # no rollout lost
