@@ -410,3 +410,24 @@ def _running(db: Path) -> int:
         return 0
     finally:
         c.close()
+
+
+def test_a_checkpoint_from_before_the_change_still_loads_and_leaves_random_alone(tmp_path, tiny_model_path):
+    """Older checkpoints saved Python's `random` state in rng.pt; loading one must work and not restore it."""
+    import random
+
+    import torch
+
+    from lightning_sdk.config import TrainConfig
+    from lightning_sdk.train.trainer import GRPOTrainer
+
+    cfg = TrainConfig(lora_r=4)
+    GRPOTrainer(tiny_model_path, cfg).save_state(tmp_path / "ckpt")
+    rng = torch.load(tmp_path / "ckpt/rng.pt")
+    assert "python" not in rng
+    random.seed(7)
+    torch.save({**rng, "python": random.getstate()}, tmp_path / "ckpt/rng.pt")  # the old layout
+    random.seed(99)
+    expected = random.Random(99).random()
+    GRPOTrainer(tiny_model_path, cfg).load_state(tmp_path / "ckpt")
+    assert random.random() == expected  # the global `random` was not rewound to the checkpoint's state
