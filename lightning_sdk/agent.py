@@ -12,6 +12,7 @@ import importlib
 import inspect
 import math
 import numbers
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -82,6 +83,8 @@ def reward_value(value: Any, what: str, where: str = "") -> float:
 
     The error reads "{what} {value!r} ({type}){where}; expected ...", e.g. what="@reward returned".
     """
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+        value = value.item()  # a numpy scalar or 0-d array, a 0-d torch tensor: its Python number
     if isinstance(value, bool) or (isinstance(value, numbers.Real) and not isinstance(value, str)):
         try:
             number = float(value)
@@ -93,15 +96,48 @@ def reward_value(value: Any, what: str, where: str = "") -> float:
                       f"or a bool")
 
 
+class AgentLoadError(SetupError):
+    """Importing the agent's module failed in the user's own code: the message is one line, `traceback` the rest."""
+
+    def __init__(self, module: str, error: BaseException):
+        what = "exited (SystemExit)" if isinstance(error, SystemExit) else f"raised {type(error).__name__}"
+        detail = error.msg if isinstance(error, SyntaxError) else str(error)
+        super().__init__(f"agent.module = {module!r}: importing it {what}: {detail}".replace("\n", " "))
+        frames = traceback.TracebackException.from_exception(error)
+        # The user's frames only: importlib's and ours say nothing about their code.
+        frames.stack = traceback.StackSummary.from_list(
+            [f for f in frames.stack if not f.filename.startswith("<frozen") and not f.filename.startswith(_PACKAGE)])
+        self.traceback = "".join(frames.format())
+
+
+_PACKAGE = str(Path(__file__).parent)
+
+
 def load_agent(module: str, rollout_name: str | None, reward_name: str | None) -> tuple[Callable, Callable]:
-    """The agent's @rollout and @reward functions, from a .py path or a dotted module name."""
-    if module.endswith(".py"):
-        path = Path(module)
-        if not path.exists():
-            raise SetupError(f"agent.module = {module!r}: file not found")
-        mod = load_py_file(path, f"lightning_agent_{path.stem}", importable_siblings=True)
-    else:
-        mod = importlib.import_module(module)
+    """The agent's @rollout and @reward functions, from a .py path or a dotted module name.
+
+    Whatever goes wrong importing it (a syntax error, an import that fails, an exception or `sys.exit()` at its
+    top level, a decorated function of the wrong arity) is an AgentLoadError: one line, the user's traceback.
+    """
+    if not module.strip():
+        raise SetupError("agent.module = '': expected a .py path or a dotted module name")
+    try:
+        if module.endswith(".py"):
+            path = Path(module)
+            if not path.is_file():
+                raise SetupError(f"agent.module = {module!r}: " + ("not a file" if path.exists() else "file not found"))
+            mod = load_py_file(path, f"lightning_agent_{path.stem}", importable_siblings=True)
+        else:
+            mod = importlib.import_module(module)
+    except SetupError:
+        raise
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):  # the module itself
+            raise SetupError(f"agent.module = {module!r}: no module named {e.name!r} on the Python path; give a "
+                             f"dotted module that can be imported, or the path of a .py file") from None
+        raise AgentLoadError(module, e) from None
+    except (Exception, SystemExit) as e:  # SystemExit: `sys.exit()` at import must not end `lightning run` with 0
+        raise AgentLoadError(module, e) from None
 
     def pick(kind: str, name: str | None, test: Callable[[Any], bool]) -> Callable:
         if name is not None:

@@ -22,9 +22,11 @@ EXIT_USAGE = 2  # click's convention for bad input
 LOG_WIDTH = 200  # columns when the output is not a terminal: the iteration table's 11 columns fit uncut
 
 
-def _fail(console: Console, message: str) -> None:
+def _fail(console: Console, message: str, details: str | None = None) -> None:
     # escape: messages quote things like "pip install 'lightning-agent-rl[gpu]'", which rich would take for markup
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    if details:  # the user's own traceback (an agent module that failed to import), below the one line
+        console.print(escape(details.rstrip()), highlight=False, soft_wrap=True, style="dim")
     sys.exit(EXIT_USAGE)
 
 
@@ -87,7 +89,7 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
     try:
         Runtime(cfg, resume=resume, overwrite=overwrite, console=console).run()
     except (DatasetError, ModelLoadError, SetupError) as e:
-        _fail(console, str(e))
+        _fail(console, str(e), getattr(e, "traceback", None))
     except (RunError, CaptureError) as e:
         console.print(f"[bold red]run stopped:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)
@@ -138,7 +140,7 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
         tasks = data.load(path)[:limit]
         score = Runtime(cfg, console=console).evaluate(tasks, adapter)
     except (DatasetError, ModelLoadError, SetupError) as e:
-        _fail(console, str(e))
+        _fail(console, str(e), getattr(e, "traceback", None))
     except RunError as e:
         console.print(f"[bold red]eval stopped:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(1)

@@ -6,6 +6,8 @@ Every other module receives these typed objects and never reads the file itself.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -53,6 +55,16 @@ class RunConfig(_Section):
             raise ValueError("must be an http:// or https:// URL (OTLP over HTTP)")
         return v
 
+    @field_validator("name")
+    @classmethod
+    def _adapter_name(cls, v):
+        # It names every LoRA adapter (`NAME-iterN`): peft refuses '.' in adapter names, and paths and URLs
+        # take the rest badly.
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", v):
+            raise ValueError("expected 1-64 letters, digits, '-' or '_' (starting with a letter or digit): it names "
+                             "the run's LoRA adapters, which may not contain '.', '/' or spaces")
+        return v
+
 
 class AgentConfig(_Section):
     module: str = Field(description="a .py path or a dotted module that holds the @rollout and @reward functions")
@@ -79,6 +91,20 @@ class ModelConfig(_Section):
 class ServeConfig(_Section):
     backend: Literal["cpu", "vllm", "auto"] = "cpu"
     host: str = "127.0.0.1"
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v):
+        # An IP address, or a host name (RFC 1123 labels); whether it is this machine's is checked at start.
+        try:
+            ipaddress.ip_address(v)
+            return v
+        except ValueError:
+            pass
+        label = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+        if re.fullmatch(r"[0-9.]+", v) or not re.fullmatch(rf"{label}(\.{label})*", v):
+            raise ValueError("expected an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1) or a host name")
+        return v
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     api_key: str | None = Field(None, description="the servers' bearer key; none = a new one for each run")
     max_batch_size: int = Field(64, ge=1)
@@ -141,6 +167,13 @@ class TrainConfig(_Section):
                                 "correction): each token's loss x min(exp(trainer - sampler logprob), cap); "
                                 "none = off. Try 2 with vLLM, where the two differ (docs/gpu.md)")
     device: str = "auto"
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v):
+        if not re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", v):
+            raise ValueError("expected 'auto', 'cpu', 'cuda', 'cuda:N', 'mps' or 'xpu[:N]'")
+        return v
 
     @field_validator("target_modules")
     @classmethod
@@ -214,7 +247,7 @@ def _format(err: ValidationError) -> str:
         elif e["type"] == "value_error" and not e["loc"]:  # a rule across keys: its message names them
             lines.append(e["msg"].removeprefix("Value error, "))
         else:
-            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{key}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
     return "; ".join(lines)
 
 

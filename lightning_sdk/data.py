@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -24,6 +25,9 @@ def load(path: str | Path, required_fields: list[str] | tuple[str, ...] = ()) ->
         raise DatasetError(f"dataset {path}: file not found")
     if path.is_dir() or path.suffix == ".csv" or (path.suffix == ".json" and _is_json_array(path)):
         rows = _hf_rows(path)
+    elif not path.is_file():
+        raise DatasetError(f"dataset {path}: not a regular file; expected a .jsonl or .parquet file, a .csv or .json "
+                           f"array, or a `datasets` save_to_disk directory")
     elif path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -32,13 +36,25 @@ def load(path: str | Path, required_fields: list[str] | tuple[str, ...] = ()) ->
         rows = pq.read_table(path).to_pylist()
     elif path.suffix in (".jsonl", ".json"):
         rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise DatasetError(f"dataset {path}: cannot read ({e.strerror})") from None
+        for n, data in enumerate(raw.splitlines(), 1):
+            try:
+                line = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"dataset {path}, line {n}: not UTF-8 (byte {data[e.start]:#04x} at column "
+                                   f"{e.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"dataset {path}, line {n}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise DatasetError(f"dataset {path}, line {n}: nested too deeply to read (more than Python's "
+                                   f"recursion limit of {sys.getrecursionlimit()} levels)") from None
             if not isinstance(row, dict):
                 raise DatasetError(f"dataset {path}, line {n}: expected a JSON object, got {type(row).__name__}")
             rows.append(row)
@@ -47,11 +63,21 @@ def load(path: str | Path, required_fields: list[str] | tuple[str, ...] = ()) ->
                            f"directory")
     if not rows:
         raise DatasetError(f"dataset {path}: no tasks")
+    seen: dict[str, int] = {}
     for n, row in enumerate(rows, 1):
         missing = [f for f in required_fields if f not in row]
         if missing:
             raise DatasetError(f"dataset {path}, row {n}: no field {missing[0]!r} (data.required_fields = "
                                f"{list(required_fields)}; the row has {sorted(row)})")
+        try:
+            tid = task_id(row)
+        except (ValueError, RecursionError):  # json.dumps of a row nested deeper than the recursion limit
+            raise DatasetError(f"dataset {path}, row {n}: nested too deeply to store") from None
+        first = seen.setdefault(tid, n)
+        if first != n and rows[first - 1] != row:  # the store keeps one task per id: the other would be lost
+            ids = f"id {rows[first - 1].get('id')!r} and id {row.get('id')!r}" if "id" in row else "the same content hash"
+            raise DatasetError(f"dataset {path}, rows {first} and {n}: both get task id {tid!r} ({ids}); give "
+                               f"every task a unique id")
     return rows
 
 

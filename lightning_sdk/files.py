@@ -37,6 +37,57 @@ def atomic_dir(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def clean_atomic_leftovers(parent: str | Path) -> int:
+    """Remove what `atomic_dir` calls killed mid-write left in `parent`; returns how many were removed.
+
+    A `.NAME.tmp-*` directory is a write that never finished: dropped. A `.NAME.old-*` holds the previous `NAME`
+    during a swap: if the kill came before the new one was renamed in, it is put back, else it is dropped.
+    """
+    parent = Path(parent)
+    if not parent.is_dir():
+        return 0
+    removed = 0
+    for leftover in sorted(parent.glob(".*.old-*")) + sorted(parent.glob(".*.tmp-*")):
+        if not leftover.is_dir():
+            continue
+        name = leftover.name[1:].rsplit(".old-", 1)[0] if ".old-" in leftover.name else None
+        if name is not None and (leftover / name).exists() and not (parent / name).exists():
+            (leftover / name).rename(parent / name)
+        shutil.rmtree(leftover, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+class DirBusyError(RuntimeError):
+    """Another process holds the directory's lock."""
+
+
+@contextmanager
+def locked_dir(path: str | Path, lock_name: str = ".lock") -> Iterator[Path]:
+    """Hold an exclusive lock (fcntl.flock on `path/lock_name`, created with `path`) while inside.
+
+    The OS drops the lock when the process dies (kill -9 included), so a stale lock file never blocks anyone.
+    Raises DirBusyError, naming the holder's pid, when another process holds it.
+    """
+    import fcntl
+    import os
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / lock_name, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise DirBusyError(f"{path} is in use by another process (pid {holder})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Replace the file at `path` with `text` in one rename: readers see the old file or the new, never half."""
     path = Path(path)

@@ -9,13 +9,17 @@ collector and server, set up and torn down in one place.
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 import shutil
+import socket
+import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +30,19 @@ from lightning_sdk import credit, data, models, tracing
 from lightning_sdk.agent import load_agent
 from lightning_sdk.config import Config
 from lightning_sdk.errors import CaptureError, RunError, SetupError
+from lightning_sdk.files import DirBusyError, clean_atomic_leftovers, locked_dir
 from lightning_sdk.metrics import MetricsLog, check_trackers
 from lightning_sdk.rollouts.collector import Agent, Collector, make_collector
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
 from lightning_sdk.serving import ServerError, SleepableServer
 from lightning_sdk.store import Store
-from lightning_sdk.train.checkpoint import TRAINER, RunState, adapter_dir, latest_checkpoint, write_checkpoint
+from lightning_sdk.train.checkpoint import CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint, write_checkpoint
 from lightning_sdk.transitions import Transition, to_transitions
 
 __all__ = ["RunError", "Runtime", "SetupError", "TaskFeed"]
+
+MIN_FREE_BYTES = 64 * 2**20  # below this a run cannot even write its first checkpoint of a tiny model
+RUN_LOCK = ".lock"  # in run.dir: held (flock) by the one `lightning run` using it
 
 
 class TaskFeed:
@@ -81,19 +89,27 @@ class Runtime:
         self.overwrite = overwrite
         self.console = console or Console()
         self.run_dir = Path(cfg.run.dir)
-        self.credit_rule = credit.resolve(cfg.rollout.credit)
+        try:
+            self.credit_rule = credit.resolve(cfg.rollout.credit)
+        except ValueError as e:  # an unknown builtin, or a module:function that does not import
+            raise SetupError(str(e)) from None
         self.collector: Collector | None = None  # set while a session is open
         self.final_eval: float | None = None
 
     # The whole run, top to bottom.
     def run(self) -> RunState:
+        with ExitStack() as stack:  # holds run.dir's lock until the run has ended
+            return self._run(stack)
+
+    def _run(self, stack: ExitStack) -> RunState:
         cfg = self.cfg
         agent = self._load_agent()
         train_tasks = data.load(cfg.data.train, cfg.data.required_fields)
         eval_tasks = data.load(cfg.data.eval, cfg.data.required_fields) if cfg.data.eval else []
         model_path = models.resolve(cfg.model.name)  # before the run directory: bad input writes nothing
         check_trackers(cfg.run.report_to)
-        checkpoint = self._prepare_run_dir()
+        self._preflight()
+        checkpoint = self._prepare_run_dir(stack)
         state = RunState.read(checkpoint) if checkpoint is not None else RunState()
         store = Store(self.run_dir / "store.sqlite")
         abandoned = store.abandon_running()
@@ -180,17 +196,79 @@ class Runtime:
             collector.stop()
             tracing.flush()
 
-    def _prepare_run_dir(self) -> Path | None:
+    def _preflight(self) -> None:
+        """What would otherwise fail after the run directory is written: where it goes, the backend, the port,
+        the training device. Each is a SetupError naming the key."""
+        cfg, d = self.cfg, self.run_dir
+        if d.exists() and not d.is_dir():
+            raise SetupError(f"run.dir = {str(d)!r}: is a file; expected a directory (or a path that does not exist "
+                             f"yet)")
+        base = next(p for p in (d, *d.parents) if p.exists())
+        if not base.is_dir():
+            raise SetupError(f"run.dir = {str(d)!r}: {base} is a file, so no directory can be made under it")
+        fs = os.statvfs(base)
+        if fs.f_blocks == 0:  # procfs, sysfs: virtual file systems hold no files of ours
+            raise SetupError(f"run.dir = {str(d)!r}: {base} is on a virtual file system (like /proc); choose a "
+                             f"directory on a disk")
+        if fs.f_flag & os.ST_RDONLY or not os.access(base, os.W_OK | os.X_OK):
+            raise SetupError(f"run.dir = {str(d)!r}: {base} is read-only for this user; choose a writable directory")
+        free = fs.f_bavail * fs.f_frsize
+        if free < MIN_FREE_BYTES:
+            raise SetupError(f"run.dir = {str(d)!r}: only {free / 2**20:.1f} MiB free on its disk; a run needs at "
+                             f"least {MIN_FREE_BYTES / 2**20:.0f} MiB for its store and checkpoints")
+        if cfg.run.runtime == "embedded" and cfg.serve.backend == "vllm":
+            from lightning_sdk.serving.select import make_server
+
+            make_server(cfg, "", d / "server.log")  # refuses vllm where it cannot run; builds, starts nothing
+        if cfg.run.runtime == "embedded":
+            with socket.socket(socket.AF_INET6 if ":" in cfg.serve.host else socket.AF_INET) as probe:
+                try:
+                    probe.bind((cfg.serve.host, cfg.serve.port))
+                except OSError as e:
+                    key = ("serve.port", cfg.serve.port) if e.errno == errno.EADDRINUSE else ("serve.host", cfg.serve.host)
+                    raise SetupError(f"{key[0]} = {key[1]!r}: cannot listen on {cfg.serve.host}:{cfg.serve.port} "
+                                     f"({e.strerror}); " + ("another process holds the port: free it, or set "
+                                     "serve.port = 0 for any free one" if key[0] == "serve.port" else
+                                     "expected an address of this machine, e.g. 127.0.0.1")) from None
+        device = cfg.train.device
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise SetupError(f"train.device = {device!r}: no CUDA GPU is visible to torch; use 'cpu' or 'auto'")
+            index = int(device.partition(":")[2] or 0)
+            if index >= torch.cuda.device_count():
+                raise SetupError(f"train.device = {device!r}: torch sees {torch.cuda.device_count()} GPU(s)")
+        elif device == "mps":
+            import torch
+
+            if not torch.backends.mps.is_available():
+                raise SetupError("train.device = 'mps': MPS is not available here; use 'cpu' or 'auto'")
+
+    def _prepare_run_dir(self, stack: ExitStack) -> Path | None:
+        """Check run.dir, take its lock (held in `stack` for the whole run), and return the checkpoint to resume."""
         d = self.run_dir
-        existing = d.exists() and any(d.iterdir())
-        if existing and self.overwrite:
-            shutil.rmtree(d)
-            existing = False
-        if existing and not self.resume:
+        existing = d.exists() and any(p.name != RUN_LOCK for p in d.iterdir())
+        if existing and not self.resume and not self.overwrite:
             raise SetupError(f"run.dir {d} already holds a run; pass --resume to continue it, --overwrite to "
                              f"replace it, or --run-dir for a new one")
-        d.mkdir(parents=True, exist_ok=True)
-        return latest_checkpoint(d) if self.resume else None
+        try:  # before anything is deleted or written: two runs on one directory would collect the same iteration
+            stack.enter_context(locked_dir(d, RUN_LOCK))
+        except DirBusyError as e:
+            raise SetupError(f"run.dir {e}: another `lightning run` is using it; wait for it to end, or use "
+                             f"--run-dir for a new run") from None
+        if existing and self.overwrite:
+            for p in d.iterdir():  # all but the lock we hold
+                if p.name != RUN_LOCK:
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            return None
+        if not self.resume:
+            return None
+        cleaned = clean_atomic_leftovers(d / CHECKPOINTS)
+        if cleaned:
+            self.console.print(f"removed {cleaned} unfinished checkpoint write(s) of a killed run from "
+                               f"{d / CHECKPOINTS}")
+        return latest_checkpoint(d)
 
     # ------------------------------------------------------------------------------------------ one iteration
 
@@ -218,10 +296,10 @@ class Runtime:
             train_metrics = trainer.step(transitions)
             update_s = time.perf_counter() - t1
         rewards = [r.reward for r in ok]
-        mean = sum(rewards) / len(rewards)
+        # statistics: exact sums, so a finite reward as large as 1e200 gives a finite mean, not an OverflowError
+        mean = float(statistics.mean(rewards))
         row = {
-            "iteration": n, "policy": policy, "reward_mean": mean,
-            "reward_std": (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
+            "iteration": n, "policy": policy, "reward_mean": mean, "reward_std": statistics.pstdev(rewards),
             "rollouts": len(results), "failed": failed, "transitions": len(transitions),
             "completion_tokens": sum(len(t.completion_ids) for t in transitions),
             "collect_s": collect_s, "update_s": update_s, **handover,
@@ -245,6 +323,9 @@ class Runtime:
         errors = tracing.writer_errors()
         if errors:
             raise RunError(f"the span writer failed, spans may be missing: {errors[0]}")
+        if store.span_conflicts:
+            self.console.print(f"[yellow]{store.span_conflicts} span(s) refused so far: their ids were taken by "
+                               f"spans already stored (those are kept); see the log")
         out = []
         for r in ok:
             out += to_transitions(store.rollout(r.job.rollout_id), store.spans(r.job.rollout_id),

@@ -8,6 +8,7 @@ writes are small and SQLite serialises writers anyway.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from lightning_sdk.tracing.records import REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord
+
+log = logging.getLogger(__name__)
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS tasks (
@@ -65,6 +68,18 @@ CREATE VIEW IF NOT EXISTS rewards (rollout_id, span_id, name, kind, value, creat
 """
 
 
+def _output_json(output: Any) -> str:
+    """A rollout's output as JSON; one JSON cannot hold (a list that contains itself, a dict with tuple keys) is
+    stored as its repr, so recording it never fails the rollout, let alone the run."""
+    try:
+        return json.dumps(output, default=str)
+    except (TypeError, ValueError, RecursionError):
+        try:
+            return json.dumps(repr(output))
+        except Exception:  # noqa: BLE001 - a __repr__ that raises: the type is all that is left
+            return json.dumps(f"<{type(output).__name__} that neither JSON nor repr() can show>")
+
+
 @dataclass(frozen=True)
 class RolloutRecord:
     rollout_id: str
@@ -92,6 +107,7 @@ class Store:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self.span_conflicts = 0  # spans refused by write_spans: their id held another span
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
         with self._lock:
@@ -143,7 +159,7 @@ class Store:
                        error: str | None = None, traceback: str | None = None) -> None:
         self._write(
             ("UPDATE rollouts SET status=?, output=?, reward=?, error=?, traceback=?, ended_at=? WHERE rollout_id=?",
-             [(status, json.dumps(output, default=str), reward, error, traceback, time.time(), rollout_id)]),
+             [(status, _output_json(output), reward, error, traceback, time.time(), rollout_id)]),
         )
 
     def abandon_running(self) -> int:
@@ -161,11 +177,32 @@ class Store:
                                    (error, time.time(), rollout_id))
             return cur.rowcount > 0
 
-    def write_spans(self, records: Sequence[SpanRecord]) -> None:
+    def write_spans(self, records: Sequence[SpanRecord]) -> list[str]:
+        """Store spans; a stored span is never replaced. Returns the ids of spans refused because another span
+        with that id but other content is already stored (also counted in `span_conflicts`); the same span
+        written again (a retried batch) is no conflict."""
         spans = [(r.span_id, r.trace_id, r.parent_id, r.rollout_id, r.attempt, r.component, r.name, r.start_ns,
                   r.end_ns, r.status, r.status_message, json.dumps(r.attributes), json.dumps(r.events))
                  for r in records]
-        self._write(("INSERT OR REPLACE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", spans))
+        conflicts = []
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for row in spans:
+                    if self._db.execute("INSERT OR IGNORE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                                        row).rowcount == 0:
+                        stored = self._db.execute("SELECT * FROM spans WHERE span_id=?", (row[0],)).fetchone()
+                        if tuple(stored) != row:
+                            conflicts.append(row[0])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self.span_conflicts += len(conflicts)
+        if conflicts:
+            log.warning("store: %d span(s) not stored, their ids are taken by other spans (kept): %s",
+                        len(conflicts), ", ".join(conflicts[:3]))
+        return conflicts
 
     # ---------------------------------------------------------------------------------------------- reads
 

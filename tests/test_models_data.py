@@ -34,13 +34,24 @@ def test_builtin_tiny_arith_is_the_repositorys_arith_teacher(tiny_model_path, tm
         models.resolve("builtin:tiny-arith")
 
 
-def test_bad_model_names_are_clear_errors(tmp_path):
+def test_bad_model_names_are_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(models.ModelLoadError, match="unknown builtin model"):
         models.resolve("builtin:gpt-17")
     (tmp_path / "empty").mkdir()
     with pytest.raises(models.ModelLoadError, match="no config.json"):
         models.resolve(str(tmp_path / "empty"))
-    assert models.resolve("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"  # a hub id passes through
+    # A hub id in the local Hugging Face cache passes through without asking the hub (a real cache layout).
+    from huggingface_hub import constants
+
+    repo = tmp_path / "hub/models--Qwen--Qwen2.5-0.5B-Instruct"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs/main").write_text("abc123")
+    (repo / "snapshots/abc123").mkdir(parents=True)
+    (repo / "snapshots/abc123/config.json").write_text("{}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert models.resolve("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    with pytest.raises(models.ModelLoadError, match="no such directory"):
+        models.resolve("/no/such/model")
     with pytest.raises(models.ModelLoadError, match="dtype"):
         models.load_causal_lm(str(tmp_path), dtype="float8")
 

@@ -228,3 +228,206 @@ def _bind(sock: socket.socket, port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+# ------------------------------------------------------------------------------ span ids and a stored span
+
+def test_span_ids_do_not_follow_pythons_random_state(tmp_path):
+    """A resumed trainer once restored `random`'s state, and OpenTelemetry drew the same span ids again."""
+    import random
+
+    from lightning_sdk import tracing
+    from lightning_sdk.tracing import instrument
+
+    with Store(tmp_path / "store.sqlite") as store:
+        tracing.install(store)
+        tracer = instrument._state.provider.get_tracer("test")
+        ids = []
+        for _ in range(2):
+            random.seed(1234)
+            with tracer.start_as_current_span("call") as span:
+                ids.append((span.get_span_context().span_id, span.get_span_context().trace_id))
+        assert ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1]
+        tracing.flush()
+
+
+def test_the_store_keeps_the_first_span_under_an_id_and_counts_the_conflict(tmp_path):
+    from lightning_sdk.tracing.records import SpanRecord
+
+    def span(rollout: str, name: str) -> SpanRecord:
+        return SpanRecord(span_id="00ab", trace_id="t", parent_id=None, rollout_id=rollout, attempt=1,
+                          component=None, name=name, start_ns=1, end_ns=2, status="OK", status_message=None,
+                          attributes={"k": rollout})
+
+    with Store(tmp_path / "store.sqlite") as store:
+        assert store.write_spans([span("r1", "chat")]) == []
+        assert store.write_spans([span("r1", "chat")]) == [] and store.span_conflicts == 0  # the same span again
+        assert store.write_spans([span("r2", "other")]) == ["00ab"]
+        (kept,) = store.spans("r1")
+        assert kept.name == "chat" and kept.attributes == {"k": "r1"} and store.spans("r2") == []
+        assert store.span_conflicts == 1 and store.count("spans") == 1
+
+
+# ------------------------------------------------------------------- agent faults that used to end the run
+
+FAULTY_AGENT = '''
+import asyncio, sys
+import numpy as np
+import torch
+from openai import AsyncOpenAI
+import lightning_sdk as ls
+
+@ls.rollout
+async def solve(task, llm):
+    if task.get("touched"):
+        raise RuntimeError("saw the task another rollout of its group had changed")
+    task["touched"] = True  # an agent that edits its task: the rest of its group must not see it
+    async with AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
+        out = await client.chat.completions.create(model=llm.model, max_tokens=4,
+            messages=[{"role": "user", "content": task["question"]}])
+    fault = task.get("fault")
+    if fault == "exit":
+        sys.exit(0)
+    if fault == "exit-in-thread":
+        await asyncio.to_thread(sys.exit, 0)
+    if fault == "keyboard-interrupt":
+        raise KeyboardInterrupt
+    if fault == "cancelled":
+        raise asyncio.CancelledError
+    if fault == "self-referencing list":
+        loop = [1]
+        loop.append(loop)
+        return loop
+    if fault == "tuple keys":
+        return {(1, 2): "a"}
+    return out.choices[0].message.content or ""
+
+@ls.reward
+def score(task, output):
+    if "touched" in task:
+        return float("nan")  # the reward's task must be the dataset's, not what the agent made of it
+    rewards = {"1e200": 1e200, "np.float32": np.float32(0.5), "np.int64": np.int64(1), "0-d tensor": torch.tensor(0.25),
+               "np.bool_": np.bool_(True)}
+    fault = task.get("fault")
+    if fault == "reward-exit":
+        sys.exit(0)  # a sync reward: in a thread of its own
+    return rewards.get(fault, 0.0)
+'''
+
+FAULTS = {  # fault -> the rollouts' status and what their error or reward says
+    "exit": ("failed", "raised SystemExit(0)"), "exit-in-thread": ("failed", "raised SystemExit(0)"),
+    "keyboard-interrupt": ("failed", "raised KeyboardInterrupt()"), "cancelled": ("failed", "raised CancelledError()"),
+    "reward-exit": ("failed", "raised SystemExit(0)"),
+    "self-referencing list": ("succeeded", "[1, [...]]"), "tuple keys": ("succeeded", "{(1, 2): 'a'}"),
+    "1e200": ("succeeded", 1e200), "np.float32": ("succeeded", 0.5), "np.int64": ("succeeded", 1.0),
+    "0-d tensor": ("succeeded", 0.25), "np.bool_": ("succeeded", 1.0),
+}
+
+
+def test_agent_faults_fail_only_their_rollout_and_the_run_trains(tmp_path):
+    """sys.exit, KeyboardInterrupt and CancelledError from the agent, outputs JSON cannot hold, a reward of 1e200,
+    numpy/torch scalar rewards, and an agent that edits its task: one iteration, trained, nothing left running."""
+    rows = [task(i, 1, fault) for i, fault in enumerate(FAULTS)] + [task(i, 2) for i in range(6)]
+    cfg = make_project(tmp_path, rows, run='name = "faults"\ndir = "run"\niterations = 1',
+                       data=f'train = "train.jsonl"\ntasks_per_iteration = {len(rows)}\ngroup_size = 2\n'
+                            f'shuffle = false', rollout="concurrency = 8\ntimeout = 60.0")
+    (tmp_path / "agent.py").write_text(FAULTY_AGENT)
+    state = Runtime(cfg, console=Console(file=io.StringIO())).run()
+    assert state.completed == 1
+
+    store = Store(tmp_path / "run/store.sqlite")
+    rollouts = store.rollouts(phase="train")
+    assert len(rollouts) == 2 * len(rows) and not [r for r in rollouts if r.status == "running"]
+    seen = {}
+    for r in rollouts:
+        fault = store.task(r.task_id).get("fault")
+        status, expected = FAULTS.get(fault, ("succeeded", 0.0))
+        assert r.status == status, (fault, r.status, r.error)
+        if status == "failed":
+            assert expected in r.error and "fails this rollout only" in r.error, (fault, r.error)
+        elif isinstance(expected, str):
+            assert r.output == expected, (fault, r.output)  # stored as its repr
+        else:
+            assert r.reward == expected, (fault, r.reward)  # the mutated task reached neither reward nor group
+        seen[fault] = r.status
+    assert set(seen) == set(FAULTS) | {None}
+    (m,) = metrics(tmp_path / "run")
+    assert m["failed"] == 10 and m["reward_mean"] > 1e198  # 1e200 in the stats: a number, no OverflowError
+
+
+def test_two_runs_on_one_run_directory_the_second_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    rows = [task(a, 2) for a in range(1, 5)]
+    cfg = make_project(tmp_path, rows, run='name = "faults"\ndir = "run"\niterations = 2',
+                       rollout="concurrency = 16\ntimeout = 600.0")
+    # The first run's rollouts wait for the test's word, so it is surely still running while the second starts.
+    release = tmp_path / "release"
+    (tmp_path / "agent.py").write_text(AGENT.replace("CALLS", "1").replace("PAUSE", "0").replace(
+        "    fault = task.get(\"fault\")\n    text = asyncio.run", f"    fault = task.get(\"fault\")\n"
+        f"    import os, time\n    while not os.path.exists({str(release)!r}):\n        time.sleep(0.05)\n"
+        f"    text = asyncio.run", 1))
+    first = threading.Thread(target=Runtime(cfg, console=Console(file=io.StringIO())).run, daemon=True)
+    first.start()
+    db = tmp_path / "run/store.sqlite"
+    _wait(lambda: _running(db) >= 1, "the first run's collection")
+    for flag in ("--resume", "--overwrite"):
+        second = subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "run", flag], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=300)
+        out = second.stdout + second.stderr
+        assert second.returncode == 2, out
+        assert out.startswith("error: run.dir ") and "another `lightning run` is using it" in out, out
+        assert f"pid {os.getpid()}" in out and out.strip().count("\n") == 0
+    assert db.exists()  # --overwrite deleted nothing of the run in progress
+    release.write_text("go")
+    first.join(timeout=300)
+    assert not first.is_alive()
+    assert [m["iteration"] for m in metrics(tmp_path / "run")] == [0, 1]  # the first run was not disturbed
+
+
+def test_leftovers_of_a_killed_swap_put_the_previous_directory_back(tmp_path):
+    """The state on disk when atomic_dir(replace=True) is killed between its two renames: the old copy is in
+    `.NAME.old-*`, the new one in `.NAME.tmp-*`, and NAME is missing. The next start puts the old one back."""
+    from lightning_sdk.files import clean_atomic_leftovers
+
+    (tmp_path / ".iter-00002.old-abc/iter-00002").mkdir(parents=True)
+    (tmp_path / ".iter-00002.old-abc/iter-00002/state.json").write_text("{}")
+    (tmp_path / ".iter-00002.tmp-def").mkdir()
+    (tmp_path / "iter-00001").mkdir()
+    assert clean_atomic_leftovers(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter-00001", "iter-00002"]
+    assert (tmp_path / "iter-00002/state.json").read_text() == "{}"
+
+
+def _running(db: Path) -> int:
+    if not db.exists():
+        return 0
+    c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        return c.execute("SELECT COUNT(*) FROM rollouts WHERE status = 'running'").fetchone()[0]
+    except sqlite3.OperationalError:
+        return 0
+    finally:
+        c.close()
+
+
+def test_a_checkpoint_from_before_the_change_still_loads_and_leaves_random_alone(tmp_path, tiny_model_path):
+    """Older checkpoints saved Python's `random` state in rng.pt; loading one must work and not restore it."""
+    import random
+
+    import torch
+
+    from lightning_sdk.config import TrainConfig
+    from lightning_sdk.train.trainer import GRPOTrainer
+
+    cfg = TrainConfig(lora_r=4)
+    GRPOTrainer(tiny_model_path, cfg).save_state(tmp_path / "ckpt")
+    rng = torch.load(tmp_path / "ckpt/rng.pt")
+    assert "python" not in rng
+    random.seed(7)
+    torch.save({**rng, "python": random.getstate()}, tmp_path / "ckpt/rng.pt")  # the old layout
+    random.seed(99)
+    expected = random.Random(99).random()
+    GRPOTrainer(tiny_model_path, cfg).load_state(tmp_path / "ckpt")
+    assert random.random() == expected  # the global `random` was not rewound to the checkpoint's state

@@ -36,7 +36,51 @@ def resolve(name: str) -> str:
         if not (path / "config.json").exists():
             raise ModelLoadError(f"model {name!r}: directory has no config.json; expected a Hugging Face model directory")
         return str(path.resolve())
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        raise ModelLoadError(f"model {name!r}: no such directory; expected a Hugging Face model directory (one "
+                             f"holding config.json) or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'")
+    _check_hub_id(name)
     return name
+
+
+LOCAL_HINT = ("to use a model you have on disk, set model.name to its directory (the one holding config.json), "
+              "e.g. a snapshot under ~/.cache/huggingface/hub/models--ORG--NAME/snapshots/")
+
+
+def _check_hub_id(name: str) -> None:
+    """Fail fast on a hub id that cannot load: the local cache first, then one short request (no retries).
+
+    Loading it the long way (transformers' own hub client) retried for over a minute before failing.
+    """
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except HFValidationError as e:
+        raise ModelLoadError(f"model {name!r}: not a valid hub id ({e}); {LOCAL_HINT}") from None
+    if isinstance(cached, str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise ModelLoadError(f"model {name!r}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+                             f"{LOCAL_HINT}")
+    import httpx
+
+    url = f"{constants.ENDPOINT}/api/models/{name}"
+    headers = {}
+    from huggingface_hub import get_token
+
+    token = get_token()
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    try:
+        answer = httpx.get(url, headers=headers, timeout=10, follow_redirects=True)
+    except httpx.HTTPError as e:
+        raise ModelLoadError(f"model {name!r}: not in the local Hugging Face cache, and the hub "
+                             f"({constants.ENDPOINT}) cannot be reached ({type(e).__name__}: {e}); {LOCAL_HINT}") from None
+    if answer.status_code in (401, 403, 404):
+        raise ModelLoadError(f"model {name!r}: the hub has no such model, or it is private or gated (HTTP "
+                             f"{answer.status_code}; `huggingface-cli login` for those); {LOCAL_HINT}")
 
 
 def _builtin_teacher(name: str) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import dataclasses
 import inspect
 import threading
@@ -55,11 +56,31 @@ class RolloutSink(Protocol):
     def finish_rollout(self, rollout_id: str, **kw: Any) -> None: ...
 
 
+class AgentAborted(RuntimeError):
+    """The user's function raised SystemExit, KeyboardInterrupt or CancelledError of its own: it fails that
+    rollout. Only a real Ctrl-C (or the runtime's own cancellation, e.g. a timeout) stops more than that."""
+
+
 async def _call(fn: Callable, *args: Any) -> Any:
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    result = await _in_thread(fn, *args)
-    return await result if inspect.isawaitable(result) else result
+    try:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        result = await _in_thread(fn, *args)
+        return await result if inspect.isawaitable(result) else result
+    except asyncio.CancelledError as e:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # we are being cancelled (Ctrl-C, rollout.timeout): go on
+            raise
+        raise AgentAborted(_aborted(fn, e)) from None
+    except (SystemExit, KeyboardInterrupt) as e:
+        # A real Ctrl-C never lands here: it reaches the main thread's event loop, which cancels the collection.
+        # This one was raised by the agent's own code (sys.exit() in a rollout), or in its thread.
+        raise AgentAborted(_aborted(fn, e)) from None
+
+
+def _aborted(fn: Callable, e: BaseException) -> str:
+    return (f"{getattr(fn, '__qualname__', fn)} raised {type(e).__name__}({', '.join(map(repr, e.args))}); it "
+            f"fails this rollout only (a real Ctrl-C stops the run)")
 
 
 def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
@@ -113,13 +134,13 @@ async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Calla
     output, stage = None, "rollout"
     try:
         with rollout_context(job.rollout_id, job.attempt):
-            try:
-                output = await asyncio.wait_for(_call(rollout_fn, job.task, llm), timeout)
+            try:  # its own copy: an agent that edits its task must not change it for the rest of its group
+                output = await asyncio.wait_for(_call(rollout_fn, copy.deepcopy(job.task), llm), timeout)
             except asyncio.TimeoutError:
                 raise TimeoutError(f"rollout {job.rollout_id} took longer than rollout.timeout={timeout}s") from None
         stage = "reward"
         try:
-            raw = await asyncio.wait_for(_call(reward_fn, job.task, output), timeout)
+            raw = await asyncio.wait_for(_call(reward_fn, copy.deepcopy(job.task), output), timeout)
         except asyncio.TimeoutError:
             raise RewardError(f"@reward for rollout {job.rollout_id} took longer than rollout.timeout="
                               f"{timeout}s") from None

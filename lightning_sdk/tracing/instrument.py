@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import atexit
 import logging
+import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from lightning_sdk.tracing import context, deferred, export, token_ids
 from lightning_sdk.tracing.records import SpanSink
@@ -35,7 +37,7 @@ def install(sink: SpanSink, *, otlp_endpoint: str | None = None) -> StoreSpanPro
         if _state.processor is not None:
             _state.processor.shutdown()
         if _state.provider is None:
-            _state.provider = TracerProvider()
+            _state.provider = TracerProvider(id_generator=OsRandomIds())
             context.use_provider(_state.provider)
             # A provider keeps its processors for life: route through one whose target can be swapped.
             _state.provider.add_span_processor(_state.forward)
@@ -47,6 +49,23 @@ def install(sink: SpanSink, *, otlp_endpoint: str | None = None) -> StoreSpanPro
         _state.forward.target = processor
         _state.processor = processor
         return processor
+
+
+class OsRandomIds(IdGenerator):
+    """Span and trace ids from the OS's randomness (`secrets`), not Python's `random`.
+
+    OpenTelemetry's default generator draws from `random`, whose state training code seeds and restores: a
+    resumed run would draw the very ids it drew before the kill, and the store would see old ids for new spans.
+    """
+
+    def generate_span_id(self) -> int:
+        return secrets.randbits(64) or 1  # 0 is the invalid span id
+
+    def generate_trace_id(self) -> int:
+        return secrets.randbits(128) or 1
+
+    def is_trace_id_random(self) -> bool:
+        return True
 
 
 def _adopt_global(provider: TracerProvider) -> TracerProvider | None:

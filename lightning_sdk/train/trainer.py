@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 import warnings
 from collections import Counter, defaultdict
@@ -72,7 +71,6 @@ class GRPOTrainer:
         self.device = resolve_device(config.device)
         self.global_step = 0
         torch.manual_seed(seed)  # the LoRA init
-        random.seed(seed)
         base = models.load_causal_lm(model_path, dtype=dtype, quantization=quantization, device=self.device)
         ckpt = {"use_reentrant": False}  # non-reentrant: works with frozen inputs, no enable_input_require_grads
         with warnings.catch_warnings():
@@ -210,7 +208,9 @@ class GRPOTrainer:
         with atomic_dir(path) as tmp:
             self._save_adapter_files(tmp / ADAPTER)
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+            # Not Python's `random`: the trainer does not draw from it, and restoring it on resume replayed the
+            # span ids OpenTelemetry draws from it. (Older checkpoints' "python" entry is ignored on load.)
+            rng = {"torch": torch.get_rng_state(),
                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
             torch.save(rng, tmp / "rng.pt")
             (tmp / "trainer_state.json").write_text(json.dumps({"global_step": self.global_step}))
@@ -230,7 +230,6 @@ class GRPOTrainer:
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
         rng = torch.load(path / "rng.pt")
         torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.global_step = json.loads((path / "trainer_state.json").read_text())["global_step"]
