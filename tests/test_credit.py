@@ -111,3 +111,34 @@ def test_a_reward_is_credited_once_to_a_call_that_ended_before_it():
     # the checker's 0.25 goes to the writer call before it; the tool error counts once, not twice
     assert [t.shaping for t in ts] == [0.25 - 1.0, 0.0]
     assert skipped["unassigned_reward"] == 1
+
+
+def test_failed_reward_penalises_only_the_policys_failures():
+    from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
+    from lightning_sdk.runtime import _policy_failure
+
+    job = RolloutJob(rollout_id="r", task_id="t", group_id="g", task={}, iteration=0)
+
+    def failed(error, stage="rollout"):
+        return RolloutResult(job, "failed", None, None, error, failed_in=stage)
+
+    assert _policy_failure(failed("ValueError: could not parse the model's answer"))
+    assert _policy_failure(failed("BadRequestError: Error code: 400 - the prompt has 3000 tokens"))
+    assert not _policy_failure(failed("TimeoutError: rollout r took longer than rollout.timeout=1s"))
+    assert not _policy_failure(failed("APIConnectionError: Connection error."))
+    assert not _policy_failure(failed("InternalServerError: Error code: 500"))
+    assert not _policy_failure(failed("@reward raised KeyError: 'x'", stage="reward"))
+    assert not _policy_failure(RolloutResult(job, "succeeded", 1.0))
+
+
+def test_train_options_are_validated_at_the_edge():
+    from lightning_sdk import config
+
+    base = {"agent": {"module": "a.py"}, "data": {"train": "t.jsonl"}}
+    with pytest.raises(config.ConfigError, match="train.max_completion_length"):
+        config.parse({**base, "train": {"loss_norm": "constant"}})
+    with pytest.raises(config.ConfigError, match="train.dual_clip"):
+        config.parse({**base, "train": {"dual_clip": 0.5}})
+    cfg = config.parse({**base, "rollout": {"failed_reward": -1}, "train": {"scale_rewards": "batch",
+                        "lr_schedule": "cosine", "warmup_steps": 3, "mask_truncated": True}})
+    assert cfg.rollout.failed_reward == -1.0 and cfg.train.scale_rewards == "batch"

@@ -115,7 +115,9 @@ class GRPOTrainer:
         logits = out.logits[:, :-1].float() / b.temperature  # position j predicts token j+1
         if bool((b.top_p < 1).any()):
             with torch.no_grad():
-                keep = top_p_keep(torch.softmax(logits, dim=-1), b.top_p)
+                # The sampled token was inside the sampler's nucleus by construction; keeping it when a float
+                # tie puts it just outside ours (and on padding) keeps every log-prob finite.
+                keep = top_p_keep(torch.softmax(logits, dim=-1), b.top_p).scatter(-1, b.targets.unsqueeze(-1), True)
             logits = logits.masked_fill(~keep, -math.inf)
         return logits
 
