@@ -22,6 +22,14 @@ lengths drawn in [L/2, L], an <|im_end|> at the end, rewards 0/1), built from a 
 The first update of each side is a warm-up and is not counted. Each side runs in its own subprocess (peak RSS is
 that process's ru_maxrss, imports included); sides alternate for `--rounds` rounds to cancel drift on a shared
 machine. Prints seconds per update and peak RSS of each, and `ratio=<ours/trl>` (seconds per update) last.
+
+Two comparisons (`--variant`, default both):
+  product:    each side as it ships, with the default run's 2 epochs: TRL pays a separate old-log-prob pass over
+              the batch, ours reuses epoch 0's log-probs (one forward fewer per update).
+  equal-work: both sides with 1 epoch (train.epochs = 1, TRL num_iterations = 1), where neither computes old
+              log-probs separately (TRL then uses the detached current ones, as ours does): the same forwards,
+              backwards and AdamW steps on each side, so the ratio measures the implementations alone.
+              Printed as `ratio_equal_work=`.
 """
 
 from __future__ import annotations
@@ -64,13 +72,13 @@ def fixed_batches(tok, updates: int, completion_len: int, seed: int) -> list[lis
     return out
 
 
-def train_config():
+def train_config(epochs: int | None = None):
     from lightning_sdk import config
 
     # TRL refuses LoRA on lm_head (it computes log-probs from lm_head.weight directly): both sides use every
     # linear layer but the head.
-    return config.load(ROOT / "lightning.toml").train.model_copy(update={"device": "cpu",
-                                                                          "target_modules": "all-linear"})
+    cfg = config.load(ROOT / "lightning.toml").train
+    return cfg.model_copy(update={"device": "cpu", "target_modules": "all-linear", "epochs": epochs or cfg.epochs})
 
 
 def run_ours(args) -> list[float]:
@@ -80,7 +88,7 @@ def run_ours(args) -> list[float]:
 
     path = models.resolve(MODEL)
     batches = fixed_batches(models.load_tokenizer(path), args.updates + 1, args.completion_len, args.seed)
-    trainer = GRPOTrainer(path, train_config(), dtype="float32", seed=args.seed)
+    trainer = GRPOTrainer(path, train_config(args.epochs), dtype="float32", seed=args.seed)
     times = []
     for u, batch in enumerate(batches):
         ts = [Transition(f"u{u}-r{k}", f"u{u}-{q}", f"s{k}", 0, None, tuple(p), tuple(c), None, r)
@@ -104,7 +112,7 @@ def run_trl(args) -> list[float]:
     path = models.resolve(MODEL)
     tok = models.load_tokenizer(path)
     batches = fixed_batches(tok, args.updates + 1, args.completion_len, args.seed)
-    cfg = train_config()
+    cfg = train_config(args.epochs)
     model = models.load_causal_lm(path, dtype="float32")
     torch.manual_seed(args.seed)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
@@ -172,17 +180,33 @@ def main() -> None:
     p.add_argument("--completion-len", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variant", choices=["product", "equal-work", "both"], default="both")
+    p.add_argument("--epochs", type=int, default=None, help=argparse.SUPPRESS)  # None: lightning.toml's
     p.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--tmp", default="/tmp/ls-trl-bench", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.side:
         return child(args)
+    variants = {"product": None, "equal-work": 1}
+    ratios = {}
+    for name, epochs in variants.items():
+        if args.variant in (name, "both"):
+            ratios[name] = compare(args, name, epochs)
+    if "equal-work" in ratios:
+        print(f"ratio_equal_work={ratios['equal-work']:.3f}")
+    if "product" in ratios:
+        print(f"ratio={ratios['product']:.3f}")
+
+
+def compare(args, name: str, epochs: int | None) -> float:
+    """One comparison, sides alternating for args.rounds rounds; returns ours/trl seconds per update."""
     times: dict[str, list[float]] = {"ours": [], "trl": []}
     rss: dict[str, float] = {"ours": 0.0, "trl": 0.0}
     for _ in range(args.rounds):
         for side in ("ours", "trl"):
             cmd = [sys.executable, __file__, "--side", side, "--updates", str(args.updates), "--completion-len",
                    str(args.completion_len), "--threads", str(args.threads), "--seed", str(args.seed)]
+            cmd += ["--epochs", str(epochs)] if epochs else []
             out = subprocess.run(cmd, capture_output=True, text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if out.returncode or line is None:
@@ -190,15 +214,17 @@ def main() -> None:
             res = json.loads(line[len("RESULT "):])
             times[side] += res["times"]
             rss[side] = max(rss[side], res["rss_mb"])
-            print(f"{side}: {statistics.mean(res['times']):.3f} s/update over {len(res['times'])} updates, "
-                  f"peak RSS {res['rss_mb']:.0f} MB", flush=True)
+            print(f"[{name}] {side}: {statistics.mean(res['times']):.3f} s/update over {len(res['times'])} "
+                  f"updates, peak RSS {res['rss_mb']:.0f} MB", flush=True)
     ours, trl = statistics.mean(times["ours"]), statistics.mean(times["trl"])
-    print(f"ours: {ours:.3f} s/update (median {statistics.median(times['ours']):.3f}), peak RSS {rss['ours']:.0f} MB")
-    print(f"trl:  {trl:.3f} s/update (median {statistics.median(times['trl']):.3f}), peak RSS {rss['trl']:.0f} MB")
-    print(f"{PROMPTS}x{GROUP} completions of <= {args.completion_len} tokens per update, "
-          f"{args.updates} timed updates x {args.rounds} rounds per side, {args.threads} torch thread(s)")
-    print(f"ratio={ours / trl:.3f}")
-
+    print(f"[{name}] ours: {ours:.3f} s/update (median {statistics.median(times['ours']):.3f}), "
+          f"peak RSS {rss['ours']:.0f} MB")
+    print(f"[{name}] trl:  {trl:.3f} s/update (median {statistics.median(times['trl']):.3f}), "
+          f"peak RSS {rss['trl']:.0f} MB")
+    print(f"[{name}] {PROMPTS}x{GROUP} completions of <= {args.completion_len} tokens per update, "
+          f"{args.updates} timed updates x {args.rounds} rounds per side, {args.threads} torch thread(s), "
+          f"epochs {epochs or train_config().epochs}")
+    return ours / trl
 
 if __name__ == "__main__":
     main()

@@ -139,8 +139,12 @@ class RolloutConfig(_Section):
     concurrency: int = Field(32, ge=1)
     timeout: float = Field(120.0, gt=0, description="seconds one rollout may take before it is recorded as failed")
     components: list[str] = Field(default_factory=list, description="LLM-call components to train; empty = all")
-    error_reward: float = Field(-1.0, description="intermediate reward added for each failed LLM/tool call")
+    error_reward: float = Field(-1.0, description="intermediate reward for each failed tool span, credited to the "
+                                                  "LLM call before it (docs/credit.md); failed LLM calls get none")
     credit: str = Field("lightning_rl", description="credit-assignment rule: a builtin name or 'module:function'")
+    failed_reward: float | None = Field(
+        None, description="episode reward for a rollout whose agent raised: its captured LLM calls train with it; "
+                          "none = failed rollouts are left out. Timeouts and server faults are never penalised")
     on_reward_error: Literal["skip", "stop"] = Field(
         "skip", description="a @reward that raises or returns no finite number: 'skip' fails that rollout (it is "
                             "left out of training), 'stop' ends the run after the phase, naming rollout and value")
@@ -156,8 +160,22 @@ class TrainConfig(_Section):
     beta: float = Field(0.0, ge=0, description="KL coefficient against the base model (adapter disabled)")
     clip_eps: float = Field(0.2, gt=0)
     clip_eps_high: float | None = Field(None, gt=0, description="upper clip (DAPO clip-higher); default clip_eps")
-    loss_norm: Literal["rollout", "token", "sequence"] = "rollout"
-    scale_rewards: Literal["group", "none"] = "group"
+    loss_norm: Literal["rollout", "token", "sequence", "constant", "bnpo"] = Field(
+        "rollout", description="loss aggregation (docs/credit.md): 'constant' is Dr.GRPO, 'bnpo' TRL's bnpo")
+    max_completion_length: int | None = Field(None, ge=1, description="the constant L of loss_norm = 'constant' "
+                                              "(Dr.GRPO's N x L normaliser): the longest completion max_tokens allows")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="divide advantages by the group's std, the batch's, or not at all (Dr.GRPO)")
+    drop_zero_variance_groups: bool = Field(False, description="leave groups whose outcomes are all equal out of the "
+                                            "update (they carry no signal but dilute the loss); logged either way")
+    mask_truncated: bool = Field(False, description="leave completions cut by max_tokens (finish_reason 'length') "
+                                                    "out of the loss")
+    log_ratio_clamp: float = Field(20.0, gt=0, description="clamp of log(new/old) before exp (no inf/NaN)")
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip PPO: cap a negative-advantage token's loss at "
+                                                            "dual_clip x |A| (verl clip_ratio_c, e.g. 3); none = off")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear learning-rate warmup")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after warmup, over run.iterations x train.epochs optimizer steps")
     epochs: int = Field(1, ge=1, description="optimizer passes over each collected batch")
     micro_batch_size: int = Field(32, ge=1, description="transitions per forward/backward (gradient accumulation)")
     max_grad_norm: float = Field(1.0, gt=0)
@@ -174,6 +192,13 @@ class TrainConfig(_Section):
         if not re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", v):
             raise ValueError("expected 'auto', 'cpu', 'cuda', 'cuda:N', 'mps' or 'xpu[:N]'")
         return v
+
+    @model_validator(mode="after")
+    def _constant_needs_length(self):
+        if self.loss_norm == "constant" and self.max_completion_length is None:
+            raise ValueError("train.loss_norm = 'constant' (Dr.GRPO) needs train.max_completion_length, the constant "
+                             "tokens-per-completion of its normaliser")
+        return self
 
     @field_validator("target_modules")
     @classmethod

@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -126,7 +127,8 @@ class Runtime:
         try:
             with self._session(agent, model_path, store, self.run_dir) as collector:
                 trainer = GRPOTrainer(model_path, cfg.train, quantization=cfg.model.quantization,
-                                      dtype=cfg.model.dtype, seed=cfg.run.seed)
+                                      dtype=cfg.model.dtype, seed=cfg.run.seed,
+                                      total_steps=cfg.run.iterations * cfg.train.epochs)
                 policy = collector.server.served_model_name
                 if checkpoint is not None:
                     trainer.load_state(checkpoint / TRAINER)
@@ -288,7 +290,9 @@ class Runtime:
             errors = sorted({r.error for r in results if r.error})[:3]
             raise RunError(f"iteration {n}: {failed} of {len(results)} rollouts failed; not training on the rest. "
                            f"First errors: {errors}. See `lightning traces --run-dir {self.run_dir}`.")
-        transitions = self._transitions(ok, store)
+        skipped: Counter[str] = Counter()
+        penalised = [r for r in results if _policy_failure(r)] if cfg.rollout.failed_reward is not None else []
+        transitions = self._transitions(ok, store, skipped, penalised)
         handover: dict[str, float] = {}  # sleep_s / wake_s: the server's GPU memory goes to the trainer meanwhile
         with self.console.status(f"iteration {n}/{cfg.run.iterations} update: {len(transitions)} transitions"), \
                 gpu_handover(collector.server, handover):
@@ -302,6 +306,7 @@ class Runtime:
             "iteration": n, "policy": policy, "reward_mean": mean, "reward_std": statistics.pstdev(rewards),
             "rollouts": len(results), "failed": failed, "transitions": len(transitions),
             "completion_tokens": sum(len(t.completion_ids) for t in transitions),
+            "failed_trained": len(penalised), **{f"skipped.{k}": v for k, v in sorted(skipped.items()) if v},
             "collect_s": collect_s, "update_s": update_s, **handover,
             **{f"train.{k}": v for k, v in train_metrics.items()},
         }
@@ -318,7 +323,10 @@ class Runtime:
                            f"hot-load {row['hotload_s']:.2f}s)")
         return new_policy
 
-    def _transitions(self, ok: list[RolloutResult], store: Store) -> list[Transition]:
+    def _transitions(self, ok: list[RolloutResult], store: Store, skipped: Counter,
+                     penalised: list[RolloutResult] = ()) -> list[Transition]:
+        """Transitions of the succeeded rollouts, and of the failed ones trained at rollout.failed_reward;
+        `skipped` counts the LLM calls and rewards left out, by reason (transitions.to_transitions)."""
         tracing.flush()
         errors = tracing.writer_errors()
         if errors:
@@ -327,14 +335,16 @@ class Runtime:
             self.console.print(f"[yellow]{store.span_conflicts} span(s) refused so far: their ids were taken by "
                                f"spans already stored (those are kept); see the log")
         out = []
-        for r in ok:
+        for r in [*ok, *penalised]:
             out += to_transitions(store.rollout(r.job.rollout_id), store.spans(r.job.rollout_id),
                                   credit=self.credit_rule, components=self.cfg.rollout.components,
-                                  error_reward=self.cfg.rollout.error_reward)
+                                  error_reward=self.cfg.rollout.error_reward, skipped=skipped,
+                                  failed_reward=self.cfg.rollout.failed_reward if r.status == "failed" else None)
         if not out:
             raise CaptureError(
                 f"no transitions from {len(ok)} rollouts: none of their LLM calls is in rollout.components = "
-                f"{self.cfg.rollout.components}")
+                f"{self.cfg.rollout.components}, or each was left out ({dict(skipped)}; greedy: temperature 0, "
+                f"n>1: several choices; see docs/credit.md)")
         return out
 
     def _collect(self, jobs: list[RolloutJob], policy: str, label: str) -> list[RolloutResult]:
@@ -377,6 +387,17 @@ class Runtime:
                            f"store.sqlite, checkpoints/)"
                            + (f"; trained adapter: {adapter_dir(last)}" if last is not None else ""),
                            highlight=False, soft_wrap=True)
+
+
+# Failures that are not the policy's: the runtime's own timeout, and the server unreachable or failing.
+_INFRASTRUCTURE = ("TimeoutError", "APITimeoutError", "APIConnectionError", "InternalServerError")
+
+
+def _policy_failure(r: RolloutResult) -> bool:
+    """A failed rollout that rollout.failed_reward penalises: its agent raised (e.g. on output it could not parse,
+    or a 400 for a prompt the episode grew past the context); never a reward fault or infrastructure."""
+    return (r.status == "failed" and r.failed_in == "rollout"
+            and not (r.error or "").startswith(tuple(f"{n}:" for n in _INFRASTRUCTURE)))
 
 
 def _fmt(value: float | None) -> str:

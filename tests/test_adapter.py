@@ -1,5 +1,7 @@
 """Spans -> transitions: components of interest, intermediate rewards, credit rules, loud capture failures."""
 
+from collections import Counter
+
 import pytest
 
 from lightning_sdk import credit
@@ -15,21 +17,21 @@ def rollout(reward=1.0, rid="r1"):
                          started_at=0.0, ended_at=1.0)
 
 
-def llm_span(i, component=None, *, status="OK", prompt=(1, 2), completion=(3, 4), temperature=None):
+def llm_span(i, component=None, *, status="OK", prompt=(1, 2), completion=(3, 4), temperature=None, **extra):
     attrs = {"gen_ai.operation.name": "chat", PROMPT_IDS: list(prompt), COMPLETION_IDS: list(completion),
-             COMPLETION_LOGPROBS: [-0.5] * len(completion)}
+             COMPLETION_LOGPROBS: [-0.5] * len(completion), **extra}
     if temperature is not None:
         attrs["gen_ai.request.temperature"] = temperature
     if status == "ERROR":
         attrs = {"gen_ai.operation.name": "chat"}
     return SpanRecord(span_id=f"s{i}", trace_id="t", parent_id=None, rollout_id="r1", attempt=1, component=component,
-                      name="openai.chat", start_ns=i * 10, end_ns=i * 10 + 5, status=status, status_message=None,
+                      name="openai.chat", start_ns=int(i * 10), end_ns=int(i * 10 + 5), status=status, status_message=None,
                       attributes=attrs)
 
 
 def reward_span(i, value, name="step"):
     return SpanRecord(span_id=f"w{i}", trace_id="t", parent_id=None, rollout_id="r1", attempt=1, component=None,
-                      name=REWARD_SPAN, start_ns=i * 10, end_ns=i * 10 + 1, status="UNSET", status_message=None,
+                      name=REWARD_SPAN, start_ns=int(i * 10), end_ns=int(i * 10 + 1), status="UNSET", status_message=None,
                       attributes={REWARD_VALUE: value, REWARD_NAME: name})
 
 
@@ -58,36 +60,63 @@ def test_only_components_of_interest_become_transitions():
 def test_intermediate_rewards_go_to_the_preceding_call():
     spans = [reward_span(0, 0.1), llm_span(1), reward_span(2, 0.5), reward_span(3, -0.25), llm_span(4),
              tool_error(5), llm_span(6)]
-    out = to_transitions(rollout(1.0), spans, error_reward=-1.0)
-    # the reward before any call goes to the first call
-    assert [t.reward for t in out] == pytest.approx([1.0 + 0.1 + 0.5 - 0.25, 1.0 - 1.0, 1.0])
+    skipped = Counter()
+    out = to_transitions(rollout(1.0), spans, error_reward=-1.0, skipped=skipped)
+    # the reward before any call goes to no call (none ended before it), and is counted
+    assert [t.shaping for t in out] == pytest.approx([0.5 - 0.25, -1.0, 0.0])
+    assert [t.reward for t in out] == pytest.approx([1.0 + 0.5 - 0.25, 1.0 - 1.0, 1.0])
+    assert [t.episode_reward for t in out] == [1.0] * 3 and skipped["unassigned_reward"] == 1
 
 
-def test_failed_llm_call_penalises_the_call_before_it_and_is_not_a_transition():
+def test_failed_llm_call_is_not_a_transition_and_costs_no_other_call():
+    # e.g. a prompt over max_model_len: the server's 400 is no fault of the call before it
     spans = [llm_span(0), llm_span(1, status="ERROR"), llm_span(2)]
-    out = to_transitions(rollout(0.0), spans, error_reward=-0.5)
+    skipped = Counter()
+    out = to_transitions(rollout(0.0), spans, error_reward=-0.5, skipped=skipped)
     assert [t.span_id for t in out] == ["s0", "s2"]
-    assert [t.reward for t in out] == [-0.5, 0.0]
+    assert [t.reward for t in out] == [0.0, 0.0] and skipped["failed_call"] == 1
 
 
-def test_intermediate_reward_of_an_untrained_component_is_not_moved_elsewhere():
+def test_intermediate_reward_after_an_untrained_component_goes_to_the_trained_call_before_it():
     spans = [llm_span(0, "writer"), llm_span(1, "checker"), reward_span(2, -1.0)]
     out = to_transitions(rollout(1.0), spans, components=["writer"])
-    assert [t.reward for t in out] == [1.0]  # the checker's penalty stays with the checker
+    assert [t.shaping for t in out] == [-1.0]  # not lost: the writer's call ended before it
 
 
 def test_last_call_rule_and_custom_rule():
     spans = [llm_span(0), llm_span(1), llm_span(2)]
-    assert [t.reward for t in to_transitions(rollout(2.0), spans, credit=credit.last_call)] == [0.0, 0.0, 2.0]
+    out = to_transitions(rollout(2.0), spans, credit=credit.last_call)
+    assert [t.credit for t in out] == [0.0, 0.0, 1.0] and [t.episode_reward for t in out] == [2.0] * 3
     rule = credit.resolve("tests.credit_rules:halves")
-    assert [t.reward for t in to_transitions(rollout(2.0), spans, credit=rule)] == [1.0, 1.0, 1.0]
+    assert [t.credit for t in to_transitions(rollout(2.0), spans, credit=rule)] == [0.5, 0.5, 0.5]
     with pytest.raises(ValueError, match="rollout.credit"):
         credit.resolve("nonsense")
 
 
-def test_greedy_calls_train_at_temperature_one():
-    out = to_transitions(rollout(), [llm_span(0, temperature=0.0), llm_span(1, temperature=0.7)])
-    assert [t.temperature for t in out] == [1.0, 0.7]
+def test_greedy_and_n_choice_calls_are_left_out_and_counted():
+    skipped = Counter()
+    out = to_transitions(rollout(), [llm_span(0, temperature=0.0), llm_span(1, temperature=0.7),
+                                     llm_span(2, **{"gen_ai.response.finish_reasons": ["stop", "length"]})],
+                         skipped=skipped)
+    assert [t.span_id for t in out] == ["s1"] and out[0].temperature == 0.7
+    assert skipped["greedy"] == 1 and skipped["n>1"] == 1
+
+
+def test_sampling_settings_are_captured_and_unreproducible_ones_refused():
+    [t] = to_transitions(rollout(), [llm_span(0, temperature=1.3, **{"gen_ai.request.top_p": 0.6,
+                                                                   "gen_ai.response.finish_reasons": ["length"]})])
+    assert (t.temperature, t.top_p, t.finish_reason) == (1.3, 0.6, "length")
+    with pytest.raises(CaptureError, match="frequency_penalty=0.5, which the trainer cannot reproduce"):
+        to_transitions(rollout(), [llm_span(0, **{"gen_ai.request.frequency_penalty": 0.5})])
+
+
+def test_failed_rollout_trains_at_failed_reward():
+    failed = rollout(None)
+    with pytest.raises(ValueError, match="no reward"):
+        to_transitions(failed, [llm_span(0)])
+    out = to_transitions(failed, [llm_span(0), llm_span(1, status="ERROR")], failed_reward=-1.0)
+    assert [(t.span_id, t.episode_reward, t.shaping) for t in out] == [("s0", -1.0, 0.0)]
+    assert to_transitions(failed, [], failed_reward=-1.0) == []  # failed before any call: nothing to train
 
 
 def test_no_captured_call_is_a_loud_error_naming_the_rollout():
@@ -110,7 +139,7 @@ def test_round_trip_through_the_store(tmp_path):
     store.finish_rollout("r1", status="succeeded", output="x", reward=1.0)
     rec = store.rollout("r1")
     out = to_transitions(rec, store.spans("r1"))
-    assert [t.reward for t in out] == [1.5]
+    assert [(t.reward, t.shaping, t.episode_reward) for t in out] == [(1.5, 0.5, 1.0)]
     assert [(r["kind"], r["value"]) for r in store.rewards("r1")] == [("intermediate", 0.5), ("final", 1.0)]
     assert store.call_counts(["r1"]) == {"r1": 1}
 
@@ -123,5 +152,6 @@ def test_intermediate_rewards_reach_the_advantages():
     clean = [t.__class__(**{**t.__dict__, "rollout_id": "r2"})
              for t in to_transitions(rollout(0.0, rid="r2"), [llm_span(0), llm_span(2)])]
     ts = penalised + clean
-    adv = group_advantages([t.reward for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts])
+    adv = group_advantages([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts],
+                           shaping=[t.shaping for t in ts])
     assert adv[0] < adv[1] and adv[1] > 0 > adv[2] == adv[3]

@@ -13,7 +13,8 @@ from lightning_sdk import models
 from lightning_sdk.config import TrainConfig
 from lightning_sdk.files import atomic_dir as _atomic_dir
 from lightning_sdk.files import load_py_file
-from lightning_sdk.train.grpo import group_advantages, grpo_loss, sampler_is_weight, token_weights
+from lightning_sdk.train.grpo import (entropy, group_advantages, grpo_loss, sampler_is_weight, token_weights,
+                                     top_p_keep, zero_variance_groups)
 from lightning_sdk.train.trainer import GRPOTrainer, lora_targets, resolve_device
 from lightning_sdk.transitions import Transition
 
@@ -33,15 +34,29 @@ def test_advantages_weigh_rollouts_not_calls():
     assert torch.allclose(adv, torch.tensor([0.5, -0.5, -0.5, -0.5]) / (math.sqrt(0.5) + 1e-4))
 
 
-def test_advantages_calls_of_one_rollout_can_differ():
-    # rollout c has two calls (intermediate rewards make them 1 and 2); d and e one call each, reward 0.
-    # weights c: 1/6 each, d, e: 1/3 -> baseline (1+2)/6 = 0.5
-    adv = group_advantages([1.0, 2.0, 0.0, 0.0], ["h"] * 4, ["c", "c", "d", "e"], scale="none")
-    assert torch.allclose(adv, torch.tensor([0.5, 1.5, -0.5, -0.5]))
-    var = (1 / 6) * (0.25 + 2.25) + (1 / 3) * 0.25 * 2  # weighted population variance
-    std = math.sqrt(var * 3 / 2)  # Bessel over 3 rollouts
-    adv = group_advantages([1.0, 2.0, 0.0, 0.0], ["h"] * 4, ["c", "c", "d", "e"])
-    assert torch.allclose(adv, torch.tensor([0.5, 1.5, -0.5, -0.5]) / (std + 1e-4))
+def test_advantages_shaping_moves_one_call_within_the_failure_bound():
+    # rollouts c (two calls, the second shaped +0.25 and the first -0.25), d, e; outcomes 1, 0, 0.
+    # Outcomes [1, 0, 0]: mean 1/3, std sqrt(1/3); "none": A_c = 2/3, A_d = A_e = -1/3, divisor 1.
+    # c's bounds: its outcome -> worst (0): A = 0, so shaping may lower it by 2/3; -> best (1): unchanged, so +0.
+    adv = group_advantages([1.0, 1.0, 0.0, 0.0], ["h"] * 4, ["c", "c", "d", "e"], scale="none",
+                           shaping=[-0.25, 0.25, 0.0, 0.0])
+    assert torch.allclose(adv, torch.tensor([2 / 3 - 0.25, 2 / 3, -1 / 3, -1 / 3]))
+    adv = group_advantages([1.0, 1.0, 0.0, 0.0], ["h"] * 4, ["c", "c", "d", "e"], scale="none",
+                           shaping=[-5.0, 0.0, 0.0, 0.0], credit=[0.5, 1.0, 1.0, 1.0])
+    assert torch.allclose(adv, torch.tensor([0.5 * 2 / 3 - 2 / 3, 2 / 3, -1 / 3, -1 / 3]))
+    with pytest.raises(ValueError, match="different episode rewards"):
+        group_advantages([1.0, 2.0], ["h"] * 2, ["c", "c"])
+
+
+def test_advantages_scaled_per_batch_or_not_at_all():
+    # groups x: outcomes [1, 0], y: [3, 1]; centred per group: [.5, -.5, 1, -1]
+    r, g, ids = [1.0, 0.0, 3.0, 1.0], ["x", "x", "y", "y"], ["1", "2", "3", "4"]
+    centred = torch.tensor([0.5, -0.5, 1.0, -1.0])
+    assert torch.allclose(group_advantages(r, g, ids, "none"), centred)
+    batch_std = torch.tensor(r).std().item()  # std over the whole batch (TRL scale_rewards="batch")
+    assert torch.allclose(group_advantages(r, g, ids, "batch"), centred / (batch_std + 1e-4))
+    assert torch.allclose(group_advantages(r, g, ids, "group"),
+                          centred / torch.tensor([0.5 ** 0.5, 0.5 ** 0.5, 2 ** 0.5, 2 ** 0.5]).add(1e-4))
 
 
 def test_advantages_match_trl_for_one_call_rollouts_and_groups_are_independent():
@@ -54,10 +69,13 @@ def test_advantages_match_trl_for_one_call_rollouts_and_groups_are_independent()
 
 def test_advantages_zero_without_signal():
     # equal rewards (an awkward float, so a float mean would not cancel exactly) and a single-rollout group
-    adv = group_advantages([0.1] * 3 + [1.0, 5.0], ["g"] * 3 + ["solo"] * 2, ["a", "b", "c", "s", "s"])
+    adv = group_advantages([0.1] * 3 + [1.0, 1.0], ["g"] * 3 + ["solo"] * 2, ["a", "b", "c", "s", "s"],
+                           shaping=[0.5, 0.0, 0.0, 0.0, 2.0])  # shaping alone makes no signal
     assert torch.equal(adv, torch.zeros(5))
     with pytest.raises(ValueError, match="scale"):
-        group_advantages([1.0], ["g"], ["a"], scale="batch")
+        group_advantages([1.0], ["g"], ["a"], scale="mean")
+    assert zero_variance_groups([0.1] * 3 + [1.0, 1.0, 2.0], ["g"] * 3 + ["solo"] * 2 + ["one"],
+                                ["a", "b", "c", "s", "s", "o"]) == {"g"}
 
 
 # -------------------------------------------------------------------------------------------- token weights
@@ -84,6 +102,17 @@ def test_token_weights_token_and_sequence_norms():
 def test_token_weights_sum_to_one(norm):
     w = token_weights(N_TOK, RIDS, norm)
     assert (w * torch.tensor(N_TOK, dtype=torch.float)).sum() == pytest.approx(1.0)
+
+
+def test_token_weights_constant_and_bnpo():
+    # Dr.GRPO: 3 live transitions x L = 8 -> every token 1/24, whatever the lengths
+    w = token_weights(N_TOK, RIDS, "constant", max_completion_length=8)
+    assert torch.allclose(w, torch.tensor([1 / 24, 1 / 24, 1 / 24, 0.0]))
+    # bnpo: micro-batch 0 holds 2 + 6 tokens, micro-batch 1 holds 4: mean per micro-batch, then over the 2
+    w = token_weights(N_TOK, RIDS, "bnpo", micro_batch=[0, 0, 1, 1])
+    assert torch.allclose(w, torch.tensor([1 / 16, 1 / 16, 1 / 8, 0.0]))
+    with pytest.raises(ValueError, match="max_completion_length"):
+        token_weights(N_TOK, RIDS, "constant")
 
 
 def test_token_weights_reject_bad_input():
@@ -114,6 +143,65 @@ def test_grpo_loss_clipping_by_hand():
     loss, st = grpo_loss(logp.detach(), old, adv, w, clip_eps=0.2, clip_eps_high=0.6)
     assert loss.item() == pytest.approx(0.1 * -1.1 + 0.2 * -1.5 + 0.3 * 0.8 + 0.4 * 1.5)
     assert st["clip_frac"].item() == pytest.approx(0.3)
+
+
+def test_grpo_loss_log_ratio_clamp_keeps_gradients_finite():
+    old = torch.zeros(2)
+    logp = torch.tensor([100.0, 0.0], requires_grad=True)  # a log-ratio of 100: exp overflows float32
+    adv, w = torch.tensor([1.0, 1.0]), torch.tensor([0.5, 0.5])
+    loss, _ = grpo_loss(logp, old, adv, w, clip_eps=0.2, log_ratio_clamp=None)
+    loss.backward()
+    assert torch.isnan(logp.grad[0])  # the defect: inf * 0 in exp's backward
+    logp.grad = None
+    loss, st = grpo_loss(logp, old, adv, w, clip_eps=0.2)  # default clamp 20: clipped at 1.2, no gradient
+    loss.backward()
+    assert loss.item() == pytest.approx(0.5 * -1.2 + 0.5 * -1.0) and logp.grad.tolist() == [0.0, -0.5]
+
+
+def test_grpo_loss_dual_clip_by_hand():
+    ratio = torch.tensor([5.0, 2.0, 5.0])
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    w = torch.tensor([0.2, 0.3, 0.5])
+    old = torch.zeros(3)
+    logp = ratio.log().requires_grad_()
+    loss, st = grpo_loss(logp, old, adv, w, clip_eps=0.2, dual_clip=3.0)
+    # token 0: A<0, loss r*|A| = 5 capped at 3*|A| = 3; token 1: 2 < 3 stays; token 2 (A>0): clipped at 1.2
+    assert loss.item() == pytest.approx(0.2 * 3.0 + 0.3 * 2.0 + 0.5 * -1.2)
+    assert st["dual_clip_frac"].item() == pytest.approx(0.2)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([0.0, 0.3 * 2.0, 0.0]))
+
+
+def test_top_p_nucleus_and_entropy_by_hand():
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3], [0.15, 0.5, 0.05, 0.3], [0.15, 0.5, 0.05, 0.3]])
+    # sorted 0.5, 0.3, 0.15, 0.05: mass before each 0, 0.5, 0.8, 0.95
+    keep = top_p_keep(probs, torch.tensor([[0.7], [0.5], [1.0]]))
+    assert keep.tolist() == [[False, True, False, True], [False, True, False, False], [True] * 4]
+    logits = probs.log().masked_fill(~keep, -math.inf)
+    assert torch.allclose(torch.log_softmax(logits, -1)[0, [1, 3]], torch.tensor([0.5, 0.3]).div(0.8).log())
+    ent = entropy(logits)
+    assert ent[1].item() == 0.0 and ent[0].item() == pytest.approx(-(0.625 * math.log(0.625) + 0.375 * math.log(0.375)))
+    assert entropy(torch.zeros(2)).item() == pytest.approx(math.log(2))
+
+
+def test_lr_warmup_and_schedule_by_hand():
+    from lightning_sdk.train.trainer import _lr_scheduler
+
+    def lrs(schedule, total):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        sched = _lr_scheduler(opt, cfg(lr=1.0, warmup_steps=2, lr_schedule=schedule), total)
+        out = []
+        for _ in range(5):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    assert lrs("constant", None) == pytest.approx([0.0, 0.5, 1.0, 1.0, 1.0])
+    assert lrs("linear", 4) == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.0])
+    assert lrs("cosine", 4) == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.0])  # cos over 2 steps: 1, 0.5, 0
+    with pytest.raises(ValueError, match="total optimizer steps"):
+        lrs("linear", None)
 
 
 def test_grpo_loss_k3_kl():
@@ -185,13 +273,13 @@ def answer_ids(tok, text: str) -> tuple[int, ...]:
 
 def mixed_batch(tok) -> list[Transition]:
     """Two groups, unequal prompt and completion lengths, a two-call rollout, one single-rollout group."""
-    def t(rid, gid, idx, a, b, text, reward, temp=1.0):
+    def t(rid, gid, idx, a, b, text, reward, temp=1.0, **kw):
         return Transition(rid, gid, f"{rid}.{idx}", idx, None, prompt_ids(tok, a, b), answer_ids(tok, text), None,
-                          reward, temp)
+                          reward, temp, **kw)
     return [
         t("r1", "g1", 0, 3, 4, "7", 1.0), t("r2", "g1", 0, 3, 4, "8", 0.0),
         t("r3", "g1", 0, 3, 4, "a longer wrong reply", 0.0, 0.7),
-        t("r4", "g2", 0, 9, 9, "18", 1.0), t("r4", "g2", 1, 9, 9, "18 again", 1.5), t("r5", "g2", 0, 9, 9, "17", 0.0),
+        t("r4", "g2", 0, 9, 9, "18", 1.0), t("r4", "g2", 1, 9, 9, "18 again", 1.5, episode_reward=1.0, shaping=0.5), t("r5", "g2", 0, 9, 9, "17", 0.0),
         t("r6", "solo", 0, 1, 1, "2", 1.0),
     ]
 
@@ -207,12 +295,12 @@ def cfg(**kw) -> TrainConfig:
 # ------------------------------------------------------------------------------------------ real model steps
 
 
-@pytest.mark.parametrize("norm", ["rollout", "token", "sequence"])
+@pytest.mark.parametrize("norm", ["rollout", "token", "sequence", "constant"])
 def test_gradient_accumulation_is_exact(model_path, tok, norm):
     # SGD(lr=1) with no clipping makes the parameter change exactly -grad, so we compare gradients through step().
     deltas, metrics = [], []
     for mbs in (1, 7):
-        tr = GRPOTrainer(model_path, cfg(micro_batch_size=mbs, loss_norm=norm, max_grad_norm=1e9,
+        tr = GRPOTrainer(model_path, cfg(micro_batch_size=mbs, loss_norm=norm, max_grad_norm=1e9, max_completion_length=16,
                                          target_modules=["all-linear", "lm_head"]), seed=0)
         tr.optimizer = torch.optim.SGD(tr.params, lr=1.0)
         before = snapshot(tr)
@@ -262,8 +350,9 @@ def test_step_trains_lora_only_and_saved_adapter_reproduces_logits(model_path, t
     assert "lm_head" in tr.model.peft_config["default"].target_modules  # "all-linear" + extras expanded
     before = snapshot(tr)
     m = tr.step(mixed_batch(tok))
-    for k in ("loss", "grad_norm", "kl", "clip_frac", "ratio", "adv_mean", "adv_std", "reward_mean",
-              "num_transitions", "num_tokens", "seconds", "logprob_gap"):
+    for k in ("loss", "grad_norm", "kl", "clip_frac", "ratio", "adv_mean", "adv_std", "episode_reward_mean",
+              "shaping_mean", "num_transitions", "num_tokens", "seconds", "logprob_gap", "entropy", "lr",
+              "zero_variance_frac"):
         assert isinstance(m[k], float), k
     assert m["ratio"] != 1.0 and m["kl"] > 0  # epoch 2 sees a moved policy; the reference differs from it
     lora = [n for n in before if "lora_" in n]
@@ -418,3 +507,31 @@ def test_qlora_step_on_cpu(model_path, tok):
     assert math.isfinite(m["loss"]) and m["grad_norm"] > 0
     changed = [n for n, p in tr.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed and all("lora_" in n for n in changed)
+
+
+# ------------------------------------------------------------------------------------ batch-level options
+
+
+def test_zero_variance_groups_dropped_and_counted(model_path, tok):
+    import dataclasses
+
+    batch = mixed_batch(tok)
+    flat = batch + [dataclasses.replace(t, group_id="g3", rollout_id=t.rollout_id + "'") for t in batch[:2]]
+    flat[-1] = dataclasses.replace(flat[-1], reward=1.0)  # group g3: outcomes 1 and 1, no signal
+    kept = GRPOTrainer(model_path, cfg()).step(flat)
+    dropped = GRPOTrainer(model_path, cfg(drop_zero_variance_groups=True)).step(flat)
+    assert kept["zero_variance_frac"] == dropped["zero_variance_frac"] == pytest.approx(1 / 3)
+    assert kept["num_transitions"] == 8 and dropped["num_transitions"] == 6 and dropped["num_skipped"] == 3
+    # g3's zero advantages only dilute the rollout-normalised loss (7 rollouts -> 5): the gradient grows by 7/5
+    assert dropped["grad_norm"] == pytest.approx(kept["grad_norm"] * 7 / 5, rel=1e-4)
+
+
+def test_mask_truncated_leaves_length_cut_completions_out_of_the_loss(model_path, tok):
+    import dataclasses
+
+    batch = mixed_batch(tok)
+    batch[2] = dataclasses.replace(batch[2], finish_reason="length")
+    plain = GRPOTrainer(model_path, cfg()).step(batch)
+    masked = GRPOTrainer(model_path, cfg(mask_truncated=True)).step(batch)
+    assert masked["num_masked_truncated"] == 1 and masked["num_transitions"] == plain["num_transitions"] - 1
+    assert masked["num_tokens"] == plain["num_tokens"] - len(batch[2].completion_ids)

@@ -6,19 +6,23 @@ it was drawn from. RL training needs both and must never re-tokenize the text.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from lightning_sdk.serving.batch import _Row
+from lightning_sdk.train.grpo import top_p_keep
 
 
 def _sample(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, rows: list[_Row],
             generator: torch.Generator):
     """Per-row greedy or temperature/top-p sampling.
 
-    Log-probs are of the temperature-scaled distribution (not renormalised to the top-p nucleus), the one a
-    trainer recomputes from its own logits; greedy rows report the raw log-softmax.
+    Log-probs are of the distribution each token was drawn from: the temperature-scaled softmax, renormalised over
+    the top-p nucleus for top_p < 1 rows (what vLLM reports with processed_logprobs, and what the trainer
+    recomputes with the same `top_p_keep`); greedy rows report the raw log-softmax. Top log-probs come from the
+    same distribution (-inf outside the nucleus).
     """
     greedy = temps == 0
     logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(1), dim=-1)
@@ -34,12 +38,13 @@ def _sample(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, row
     for bs in seeded.values():
         u[bs] = torch.rand(len(bs), generator=rows[bs[0]].job.generator)
     picked = _inverse_cdf(probs, u)
-    nucleus = (top_ps < 1).nonzero().squeeze(1)
+    nucleus = ((top_ps < 1) & ~greedy).nonzero().squeeze(1)
     if len(nucleus):
-        sorted_probs, order = probs[nucleus].sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs * (mass_before < top_ps[nucleus].unsqueeze(1))  # its first token stays
-        picked[nucleus] = order.gather(1, _inverse_cdf(sorted_probs, u[nucleus]))
+        # One mask for drawing and for reporting: the token drawn is always inside the nucleus reported.
+        keep = top_p_keep(probs[nucleus], top_ps[nucleus].unsqueeze(1))
+        order = probs[nucleus].argsort(dim=-1, descending=True, stable=True)
+        picked[nucleus] = order.gather(1, _inverse_cdf((probs[nucleus] * keep).gather(1, order), u[nucleus]))
+        logp[nucleus] = torch.log_softmax(logp[nucleus].masked_fill(~keep, -math.inf), dim=-1)
     tokens = torch.where(greedy, logits.argmax(-1), picked.squeeze(1))
     token_logp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     k = max(r.req.top_logprobs for r in rows)

@@ -23,6 +23,7 @@ class Batch:
     weights: torch.Tensor  # [B, C] loss weight per token (0 on padding)
     adv: torch.Tensor  # [B, 1]
     temperature: torch.Tensor  # [B, 1, 1]
+    top_p: torch.Tensor  # [B, 1, 1] the nucleus each row was sampled from (1: the whole vocabulary)
     sampler_logp: torch.Tensor  # [B, C] the sampler's log-probs (0 where absent)
     has_sampler_logp: torch.Tensor  # [B, C] bool
 
@@ -48,9 +49,14 @@ def collate(ts: Sequence[Transition], adv: torch.Tensor, w: torch.Tensor, device
                 raise ValueError(f"transition {t.span_id}: {len(t.logprobs)} logprobs for {c} completion tokens")
             slp[i, :c] = torch.tensor(t.logprobs)
             has[i, :c] = True
-    temps = torch.tensor([t.temperature for t in ts]).view(B, 1, 1)  # > 0: transitions map greedy calls to 1
+    bad = [t for t in ts if not t.temperature > 0 or not 0 < t.top_p <= 1]
+    if bad:
+        raise ValueError(f"transition {bad[0].span_id}: temperature {bad[0].temperature}, top_p {bad[0].top_p}: "
+                         f"expected temperature > 0 (greedy calls are not samples) and 0 < top_p <= 1")
+    temps = torch.tensor([t.temperature for t in ts]).view(B, 1, 1)
+    top_p = torch.tensor([t.top_p for t in ts]).view(B, 1, 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    fields = (ids, mask, pos, ids[:, P:], weights, adv.view(B, 1), temps, slp, has)
+    fields = (ids, mask, pos, ids[:, P:], weights, adv.view(B, 1), temps, top_p, slp, has)
     return Batch(*(x.to(device) for x in fields))
 
 

@@ -1,6 +1,8 @@
-"""The GRPO math, pure and tested on hand-computed tensors: advantages, per-token loss weights, the clipped loss.
+"""The GRPO math, pure and tested on hand-computed tensors: advantages, per-token loss weights, the clipped loss,
+the top-p nucleus (shared with the CPU server's sampler) and entropy.
 
-Nothing here touches a model: `train.trainer` feeds these functions tensors it computed.
+Nothing here touches a model: `train.trainer` feeds these functions tensors it computed. docs/credit.md states the
+credit rule and names each option's TRL / verl equivalent.
 """
 
 from __future__ import annotations
@@ -10,52 +12,107 @@ from collections.abc import Sequence
 
 import torch
 
-STD_EPS = 1e-4  # added to the group std before dividing (TRL's convention)
+STD_EPS = 1e-4  # added to the std before dividing (TRL's convention)
+SCALES = ("group", "batch", "none")
+
+
+def _groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str],
+            rollout_ids: Sequence[str]) -> dict[str, tuple[list[str], torch.Tensor]]:
+    """group -> (its rollouts in first-seen order, their outcomes in float64). Every transition of a rollout must
+    carry the same outcome: the episode reward is the rollout's, not the call's."""
+    per: dict[str, float] = {}
+    members: dict[str, list[str]] = defaultdict(list)
+    for r, g, rid in zip(torch.as_tensor(outcomes, dtype=torch.float64).tolist(), group_ids, rollout_ids):
+        if rid not in per:
+            per[rid] = r
+            members[g].append(rid)
+        elif per[rid] != r:
+            raise ValueError(f"rollout {rid}: its transitions carry different episode rewards ({per[rid]} and {r});"
+                             f" intermediate rewards belong in Transition.shaping")
+    return {g: (rids, torch.tensor([per[r] for r in rids], dtype=torch.float64)) for g, rids in members.items()}
+
+
+def zero_variance_groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str],
+                         rollout_ids: Sequence[str]) -> set[str]:
+    """Groups of two or more rollouts whose episode rewards are all equal: they carry no GRPO signal."""
+    return {g for g, (rids, x) in _groups(outcomes, group_ids, rollout_ids).items()
+            if len(rids) > 1 and bool(x.max() == x.min())}
 
 
 def group_advantages(
-    rewards: Sequence[float] | torch.Tensor,
+    outcomes: Sequence[float] | torch.Tensor,
     group_ids: Sequence[str],
     rollout_ids: Sequence[str],
     scale: str = "group",
+    *,
+    credit: Sequence[float] | None = None,
+    shaping: Sequence[float] | None = None,
 ) -> torch.Tensor:
-    """One advantage per transition: its reward minus its group's baseline (optionally / the group's std).
+    """One advantage per transition (LLM call), from its rollout's outcome and its own intermediate rewards.
 
-    A group is the transitions sharing a group_id. The baseline weighs every *rollout* equally, whatever its number
-    of LLM calls (transition weight 1 / (rollouts in group * calls in its rollout)), so an agent that made 5 calls
-    does not count 5x. The std is that weighted std with Bessel's correction over rollouts, which is exactly TRL's
-    `std()` when every rollout has one call. Groups with one rollout, or with all rewards equal, get 0: no signal.
+    1. Each rollout r of a group gets A_r = (R_r - mean_g R) / d, over *rollouts* (however many calls each made):
+       d = the group's std (Bessel, + 1e-4; TRL's scale_rewards="group"), the batch's std ("batch") or 1 ("none").
+    2. Call k of rollout r gets credit_k * A_r (credit_k >= 0 from the credit rule: no call goes negative from its
+       position alone) plus its shaping s_k / d, the shaping limited to what the rollout failing (succeeding)
+       outright would do to A_r: it stays within [A_r(R_r -> worst R in group) - A_r, A_r(R_r -> best) - A_r].
+    Groups with one rollout, or whose outcomes are all equal, give 0 to every call, shaping included: intermediate
+    rewards alone never make a training signal.
     """
-    if scale not in ("group", "none"):
-        raise ValueError(f"scale {scale!r}: expected 'group' or 'none'")
-    r = torch.as_tensor(rewards, dtype=torch.float64)  # float64: equal rewards must give exactly 0 below
-    members: dict[str, list[int]] = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        members[g].append(i)
-    adv = torch.zeros_like(r)
-    for idx in members.values():
-        calls = Counter(rollout_ids[i] for i in idx)
-        n = len(calls)
-        x = r[idx]
-        if n < 2 or bool(x.max() == x.min()):
-            continue
-        w = torch.tensor([1.0 / (n * calls[rollout_ids[i]]) for i in idx], dtype=torch.float64)
-        a = x - (w * x).sum()
+    if scale not in SCALES:
+        raise ValueError(f"scale {scale!r}: expected one of {SCALES}")
+    n_t = len(group_ids)
+    c = torch.ones(n_t, dtype=torch.float64) if credit is None else torch.as_tensor(credit, dtype=torch.float64)
+    s = torch.zeros(n_t, dtype=torch.float64) if shaping is None else torch.as_tensor(shaping, dtype=torch.float64)
+    if bool((c < 0).any()):
+        raise ValueError("credit weights must be >= 0 (a call's share of its rollout's advantage)")
+    groups = _groups(outcomes, group_ids, rollout_ids)
+    live = {g: v for g, v in groups.items() if len(v[0]) > 1}
+    batch_d = 1.0
+    if scale == "batch" and live:
+        every = torch.cat([x for _, x in live.values()])
+        batch_d = (every.std() if len(every) > 1 else torch.tensor(0.0)).item() + STD_EPS
+
+    def adv(x: torch.Tensor) -> torch.Tensor:  # the advantages of outcomes x of one group
+        a = x - x.mean()
         if scale == "group":
-            std = ((w * a * a).sum() * n / (n - 1)).sqrt()
-            a = a / (std + STD_EPS)
-        adv[idx] = a
-    return adv.float()
+            return a / (x.std() + STD_EPS)
+        return a / batch_d if scale == "batch" else a
+
+    base: dict[str, float] = {}  # rollout -> A_r
+    bounds: dict[str, tuple[float, float]] = {}  # rollout -> shaping's (lowest, highest) shift of A_r
+    divisor: dict[str, float] = {}
+    for g, (rids, x) in live.items():
+        if bool(x.max() == x.min()):
+            continue
+        a = adv(x)
+        d = x.std().item() + STD_EPS if scale == "group" else batch_d
+        for j, rid in enumerate(rids):
+            worst, best = x.clone(), x.clone()
+            worst[j], best[j] = x.min(), x.max()
+            base[rid], divisor[rid] = a[j].item(), d
+            bounds[rid] = (adv(worst)[j].item() - a[j].item(), adv(best)[j].item() - a[j].item())
+    out = torch.zeros(n_t, dtype=torch.float64)
+    for i, rid in enumerate(rollout_ids):
+        if rid in base:
+            lo, hi = bounds[rid]
+            out[i] = c[i] * base[rid] + min(max(s[i].item() / divisor[rid], lo), hi)
+    return out.float()
 
 
-def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_norm: str = "rollout") -> torch.Tensor:
+def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_norm: str = "rollout", *,
+                  max_completion_length: int | None = None, micro_batch: Sequence[int] | None = None) -> torch.Tensor:
     """The loss weight of each completion token of each transition (all tokens of one transition weigh the same).
 
-    Weights sum to 1 over the whole batch (sum_i w[i] * num_tokens[i] == 1), so the loss is a plain weighted sum
-    and summing it over micro-batches gives exactly the full-batch loss and gradient.
+    Weights are fixed over the whole batch before it is split, so summing the loss over micro-batches gives
+    exactly the full-batch loss and gradient; all but "constant" sum to 1 (sum_i w[i] * num_tokens[i] == 1).
       "rollout":  every rollout weighs 1/R, spread evenly over all completion tokens of all its calls
-      "token":    every token weighs the same, 1/total tokens (DAPO)
-      "sequence": every transition weighs 1/N, spread over its own tokens (original GRPO)
+      "token":    every token weighs the same, 1/total tokens (DAPO; TRL loss_type="dapo", verl "token-mean")
+      "sequence": every transition weighs 1/N, spread over its own tokens (original GRPO; TRL "grpo", verl
+                  "seq-mean-token-mean")
+      "constant": every token weighs 1/(N * max_completion_length) (Dr.GRPO; TRL "dr_grpo", verl
+                  "seq-mean-token-sum-norm"): no length bias, the normaliser never depends on the batch
+      "bnpo":     every token weighs 1/(M * tokens of its micro-batch), M micro-batches (TRL "bnpo": the mean over
+                  each local batch's tokens, averaged over gradient-accumulation steps); needs micro_batch
     Transitions without completion tokens get 0 and do not count.
     """
     n = torch.as_tensor(num_tokens, dtype=torch.float64)
@@ -66,6 +123,18 @@ def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_no
         w = 1.0 / n.sum().expand_as(n)
     elif loss_norm == "sequence":
         w = 1.0 / (n.clamp(min=1) * live.sum())
+    elif loss_norm == "constant":
+        if not max_completion_length:
+            raise ValueError("loss_norm 'constant' needs max_completion_length (train.max_completion_length)")
+        w = torch.full_like(n, 1.0 / (float(live.sum()) * max_completion_length))
+    elif loss_norm == "bnpo":
+        if micro_batch is None:
+            raise ValueError("loss_norm 'bnpo' needs each transition's micro-batch")
+        per_mb: Counter[int] = Counter()
+        for mb, k in zip(micro_batch, num_tokens):
+            per_mb[mb] += k
+        m = sum(1 for k in per_mb.values() if k > 0)
+        w = torch.tensor([1.0 / (m * max(per_mb[mb], 1)) for mb in micro_batch], dtype=torch.float64)
     elif loss_norm == "rollout":
         per_rollout: Counter[str] = Counter()
         for rid, k in zip(rollout_ids, num_tokens):
@@ -73,7 +142,7 @@ def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_no
         n_rollouts = sum(1 for k in per_rollout.values() if k > 0)
         w = torch.tensor([1.0 / (n_rollouts * max(per_rollout[rid], 1)) for rid in rollout_ids], dtype=torch.float64)
     else:
-        raise ValueError(f"loss_norm {loss_norm!r}: expected 'rollout', 'token' or 'sequence'")
+        raise ValueError(f"loss_norm {loss_norm!r}: expected 'rollout', 'token', 'sequence', 'constant' or 'bnpo'")
     return torch.where(live, w, 0.0).float()
 
 
@@ -88,18 +157,25 @@ def grpo_loss(
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
     is_weight: torch.Tensor | None = None,
+    log_ratio_clamp: float | None = 20.0,
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level clipped GRPO objective, weighted: sum(weights * (-is_w * min(r*A, clip(r)*A) + beta*KL)).
 
     All tensors broadcast to one shape (e.g. [batch, tokens], adv [batch, 1]); padding has weight 0. KL is the k3
     estimator exp(ref-logp) - (ref-logp) - 1 (>= 0, unbiased, low variance). is_weight (no gradient; see
-    sampler_is_weight) scales the policy term only, not the KL, as in TRL. Stats are weighted sums like the loss
-    (means when weights sum to 1; they add up over micro-batches): clip_frac is the share of tokens whose gradient
-    the clip removed, ratio the mean ratio, kl the mean KL (only when ref_logp is given), is_weight the mean
-    importance weight (only when given).
+    sampler_is_weight) scales the policy term only, not the KL, as in TRL. The log-ratio is clamped to
+    +-log_ratio_clamp before exp (verl clamps at 20), so a far-off token gives a finite loss and no gradient, not
+    NaN. dual_clip = c > 1 caps a negative-advantage token's loss at c*|A| (verl's clip_ratio_c, dual-clip PPO).
+    Stats are weighted sums like the loss (means when weights sum to 1; they add up over micro-batches): clip_frac
+    is the share of tokens whose gradient the clip removed, ratio the mean ratio, kl the mean KL (only when ref_logp
+    is given), is_weight the mean importance weight (only when given), dual_clip_frac (only with dual_clip).
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    ratio = torch.exp(logp - old_logp)
+    log_ratio = logp - old_logp
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
     per_token = -torch.min(ratio * adv, clipped * adv)
     # The min picks the clipped (constant) branch exactly when the ratio left the trust region in the direction
@@ -109,6 +185,11 @@ def grpo_loss(
         "clip_frac": (weights * was_clipped).sum().detach(),
         "ratio": (weights * ratio).sum().detach(),
     }
+    if dual_clip is not None:
+        cap = -adv * dual_clip  # > 0 where A < 0
+        dual = (adv < 0) & (per_token > cap)
+        per_token = torch.where(dual, cap.expand_as(per_token), per_token)
+        stats["dual_clip_frac"] = (weights * dual).sum().detach()
     if is_weight is not None:
         per_token = per_token * is_weight
         stats["is_weight"] = (weights * is_weight).sum().detach()
@@ -118,6 +199,24 @@ def grpo_loss(
         per_token = per_token + beta * kl
         stats["kl"] = (weights * kl).sum().detach()
     return (weights * per_token).sum(), stats
+
+
+def top_p_keep(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Bool mask (vocabulary order, last dim) of each row's top-p nucleus: the most probable tokens until the mass
+    before a token reaches top_p (the first token always stays). Rows with top_p >= 1 keep every token.
+
+    The CPU server samples from this nucleus and reports log-probs renormalised over it; the trainer applies the
+    same mask to its own logits, so both score a token under the one distribution it was drawn from.
+    """
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    keep_sorted = (mass_before < top_p) | (top_p >= 1)
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits) over the last dim; -inf logits (outside a nucleus) count as 0 mass."""
+    return torch.special.entr(torch.softmax(logits, dim=-1)).sum(-1)
 
 
 def sampler_is_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor, has_sampler_logp: torch.Tensor,

@@ -2,7 +2,8 @@
 
 The math is in `train.grpo` (pure functions), batching in `train.batch`; `GRPOTrainer` runs the model and steps
 AdamW. One `step(transitions)` is one update phase over one collected batch:
-  advantages per transition (GRPO group baseline) -> per-token weights summing to 1 over the batch
+  advantages per transition (rollout outcome vs its group, credit weight, bounded shaping; docs/credit.md)
+  -> per-token weights fixed over the whole batch
   -> (old / reference log-probs, no grad) -> for each epoch: accumulate grads over micro-batches, clip, step.
 """
 
@@ -25,12 +26,14 @@ from lightning_sdk.config import TrainConfig
 from lightning_sdk.files import atomic_dir
 from lightning_sdk.train.batch import Batch, collate, drop_single_rollout_groups
 from lightning_sdk.train.checkpoint import ADAPTER
-from lightning_sdk.train.grpo import grpo_loss, group_advantages, sampler_is_weight, token_weights
+from lightning_sdk.train.grpo import (entropy, group_advantages, grpo_loss, sampler_is_weight, token_weights,
+                                     top_p_keep, zero_variance_groups)
 from lightning_sdk.transitions import Transition
 
 # What step() reports when a batch leaves nothing to train on (e.g. every group has a single rollout).
 _EMPTY_METRICS = {"loss": 0.0, "grad_norm": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 1.0, "adv_mean": 0.0,
-                  "adv_std": 0.0, "num_transitions": 0.0, "num_tokens": 0.0, "logprob_gap": math.nan}
+                  "adv_std": 0.0, "num_transitions": 0.0, "num_tokens": 0.0, "logprob_gap": math.nan,
+                  "entropy": math.nan}
 
 
 @dataclass
@@ -39,6 +42,8 @@ class _Plan:
 
     ts: list[Transition]
     adv: torch.Tensor
+    zero_variance_frac: float  # share of the groups (of 2+ rollouts) whose outcomes were all equal
+    num_masked: int  # transitions cut by max_tokens that train.mask_truncated left out of the loss
     order: list[int]  # indices into ts of the transitions with completion tokens, shortest first
     batches: list[Batch]
 
@@ -64,7 +69,9 @@ class GRPOTrainer:
     """A LoRA (or QLoRA) adapter on a frozen base model, trained with GRPO from transitions."""
 
     def __init__(self, model_path: str, config: TrainConfig, *, quantization: str = "none", dtype: str = "auto",
-                 seed: int = 0) -> None:
+                 seed: int = 0, total_steps: int | None = None) -> None:
+        """`total_steps`: optimizer steps of the whole run (iterations x epochs), the horizon of a linear or cosine
+        train.lr_schedule."""
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         self.config = config
@@ -95,14 +102,26 @@ class GRPOTrainer:
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()
         ) and not any(getattr(base.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout"))
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        self.scheduler = _lr_scheduler(self.optimizer, config, total_steps)
 
-    def _logprobs(self, b: Batch) -> torch.Tensor:
-        """Log-probs [B, C] of the completion tokens under the current model, from temperature-scaled logits."""
+    def _logits(self, b: Batch) -> torch.Tensor:
+        """[B, C, V] logits of the distribution each completion token was sampled from: temperature-scaled, and
+        -inf outside the row's top-p nucleus (the CPU server's and vLLM's processed log-probs renormalise over it)."""
         C = b.targets.shape[1]
         out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
                          logits_to_keep=C + 1, use_cache=False)
         logits = out.logits[:, :-1].float() / b.temperature  # position j predicts token j+1
-        return torch.log_softmax(logits, dim=-1).gather(-1, b.targets.unsqueeze(-1)).squeeze(-1)
+        if bool((b.top_p < 1).any()):
+            with torch.no_grad():
+                # The sampled token was inside the sampler's nucleus by construction; keeping it when a float
+                # tie puts it just outside ours (and on padding) keeps every log-prob finite.
+                keep = top_p_keep(torch.softmax(logits, dim=-1), b.top_p).scatter(-1, b.targets.unsqueeze(-1), True)
+            logits = logits.masked_fill(~keep, -math.inf)
+        return logits
+
+    def _logprobs(self, b: Batch) -> torch.Tensor:
+        """Log-probs [B, C] of the completion tokens under the current model (see _logits)."""
+        return _gather(self._logits(b), b)
 
     @torch.no_grad()
     def _logprobs_frozen(self, batches: list[Batch], *, reference: bool) -> list[torch.Tensor]:
@@ -123,19 +142,27 @@ class GRPOTrainer:
         for epoch in range(cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for i, (b, ref) in enumerate(zip(plan.batches, refs)):
-                logp = self._logprobs(b)
+                logits = self._logits(b)
+                logp = _gather(logits, b)
                 if olds[i] is None:  # epoch 0 without a separate pass: this is the old policy
                     olds[i] = logp.detach()
                 if epoch == 0:  # no update yet: the policy the sampler ran, so compare with its log-probs
                     totals.update(_sampler_gap(logp, b))
+                    with torch.no_grad():  # weighted like the loss: the mean entropy per trained token
+                        totals["entropy_sum"] += (b.weights * entropy(logits)).sum().item()
+                        totals["weight_sum"] += b.weights.sum().item()
+                del logits
                 is_w = (None if cfg.importance_sampling_cap is None else
                         sampler_is_weight(olds[i], b.sampler_logp, b.has_sampler_logp, cfg.importance_sampling_cap))
                 loss, st = grpo_loss(logp, olds[i], b.adv, b.weights, clip_eps=cfg.clip_eps,
-                                     clip_eps_high=cfg.clip_eps_high, ref_logp=ref, beta=cfg.beta, is_weight=is_w)
+                                     clip_eps_high=cfg.clip_eps_high, ref_logp=ref, beta=cfg.beta, is_weight=is_w,
+                                     log_ratio_clamp=cfg.log_ratio_clamp, dual_clip=cfg.dual_clip)
                 loss.backward()  # weights sum to 1 over the whole batch: accumulated grads == full-batch grads
                 totals.update({"loss": loss.item(), **{k: v.item() for k, v in st.items()}})
             totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+            totals["lr"] += self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
+            self.scheduler.step()
         self.model.eval()
         self.global_step += 1
         if self.device.startswith("cuda"):
@@ -146,22 +173,37 @@ class GRPOTrainer:
     def _prepare(self, transitions: Sequence[Transition]) -> _Plan:
         """Advantages and token weights over the whole batch, then micro-batches of similar lengths (less padding).
 
-        Groups with a single rollout have no baseline and are left out (counted in num_skipped); transitions with
-        empty completions have no tokens to train.
+        Groups with a single rollout have no baseline and are left out (counted in num_skipped), and so are groups
+        whose outcomes are all equal when train.drop_zero_variance_groups is set; transitions with empty
+        completions, or cut by max_tokens under train.mask_truncated, have no tokens to train.
         """
         cfg = self.config
         if not transitions:
             raise ValueError("GRPOTrainer.step: empty batch, no transitions to train on")
         ts = drop_single_rollout_groups(transitions)
-        if not any(t.completion_ids for t in ts):
-            return _Plan(ts, torch.zeros(len(ts)), [], [])
-        adv = group_advantages([t.reward for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts],
-                               cfg.scale_rewards)
-        w = token_weights([len(t.completion_ids) for t in ts], [t.rollout_id for t in ts], cfg.loss_norm)
-        order = sorted((i for i, t in enumerate(ts) if t.completion_ids),
+        args = ([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts])
+        zero = zero_variance_groups(*args)
+        frac = len(zero) / len({t.group_id for t in ts}) if ts else 0.0
+        if cfg.drop_zero_variance_groups:
+            ts = [t for t in ts if t.group_id not in zero]
+            args = ([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts])
+        masked = [cfg.mask_truncated and t.finish_reason == "length" for t in ts]
+        n = [0 if m else len(t.completion_ids) for t, m in zip(ts, masked)]
+        if not any(n):
+            return _Plan(ts, torch.zeros(len(ts)), frac, sum(masked), [], [])
+        adv = group_advantages(*args, cfg.scale_rewards, credit=[t.credit for t in ts],
+                               shaping=[t.shaping for t in ts])
+        order = sorted((i for i in range(len(ts)) if n[i]),
                        key=lambda i: len(ts[i].prompt_ids) + len(ts[i].completion_ids))
         chunks = [order[k:k + cfg.micro_batch_size] for k in range(0, len(order), cfg.micro_batch_size)]
-        return _Plan(ts, adv, order, [collate([ts[i] for i in c], adv[c], w[c], self.device) for c in chunks])
+        micro_batch = [-1] * len(ts)
+        for k, c in enumerate(chunks):
+            for i in c:
+                micro_batch[i] = k
+        w = token_weights(n, args[2], cfg.loss_norm, max_completion_length=cfg.max_completion_length,
+                          micro_batch=micro_batch)
+        return _Plan(ts, adv, frac, sum(masked), order,
+                     [collate([ts[i] for i in c], adv[c], w[c], self.device) for c in chunks])
 
     def _frozen_logprobs(self, batches: list[Batch]) -> tuple[list, list]:
         """Old-policy and reference log-probs, each computed only when needed ([None] * n otherwise).
@@ -179,10 +221,13 @@ class GRPOTrainer:
     def _metrics(self, transitions: Sequence[Transition], plan: _Plan, totals: Counter, t0: float) -> dict[str, float]:
         """Loss statistics averaged over epochs; logprob_gap is the mean |trainer - sampler| log-prob before the
         update (the train/inference mismatch)."""
-        m = {**_EMPTY_METRICS, "reward_mean": _rollout_mean(transitions),
-             "num_skipped": float(len(transitions) - len(plan.ts))}
+        m = {**_EMPTY_METRICS, **_rollout_means(transitions), "lr": self.optimizer.param_groups[0]["lr"],
+             "num_skipped": float(len(transitions) - len(plan.ts)), "zero_variance_frac": plan.zero_variance_frac,
+             "num_masked_truncated": float(plan.num_masked)}
         if plan.batches:
             gap, gap_n = totals.pop("gap", 0.0), totals.pop("gap_n", 0)
+            ent, ent_w = totals.pop("entropy_sum", 0.0), totals.pop("weight_sum", 0.0)
+            m["entropy"] = ent / ent_w if ent_w else math.nan
             kept = plan.adv[plan.order]
             m.update({k: v / self.config.epochs for k, v in totals.items()})
             m.update(adv_mean=kept.mean().item(), adv_std=kept.std().item() if len(plan.order) > 1 else 0.0,
@@ -208,6 +253,7 @@ class GRPOTrainer:
         with atomic_dir(path) as tmp:
             self._save_adapter_files(tmp / ADAPTER)
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
             # Not Python's `random`: the trainer does not draw from it, and restoring it on resume replayed the
             # span ids OpenTelemetry draws from it. (Older checkpoints' "python" entry is ignored on load.)
             rng = {"torch": torch.get_rng_state(),
@@ -228,6 +274,8 @@ class GRPOTrainer:
         if missing:
             raise ValueError(f"{path}: adapter does not match this model (missing {missing[:3]}...)")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
+        if (path / "scheduler.pt").exists():  # checkpoints from before train.lr_schedule have none: constant lr
+            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
         rng = torch.load(path / "rng.pt")
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] and torch.cuda.is_available():
@@ -235,12 +283,32 @@ class GRPOTrainer:
         self.global_step = json.loads((path / "trainer_state.json").read_text())["global_step"]
 
 
-def _rollout_mean(ts: Sequence[Transition]) -> float:
-    """Mean reward with every rollout counted once (its transitions' mean), however many calls it made."""
-    per: dict[str, list[float]] = defaultdict(list)
+def _rollout_means(ts: Sequence[Transition]) -> dict[str, float]:
+    """episode_reward_mean: the mean outcome with every rollout counted once (failed rollouts trained at
+    rollout.failed_reward included, so it can differ from the runtime's reward_mean over succeeded rollouts);
+    shaping_mean: the mean over rollouts of the intermediate rewards credited to their calls."""
+    outcome: dict[str, float] = {}
+    shaping: dict[str, float] = defaultdict(float)
     for t in ts:
-        per[t.rollout_id].append(t.reward)
-    return sum(sum(v) / len(v) for v in per.values()) / len(per)
+        outcome[t.rollout_id] = t.outcome
+        shaping[t.rollout_id] += t.shaping
+    return {"episode_reward_mean": sum(outcome.values()) / len(outcome),
+            "shaping_mean": sum(shaping.values()) / len(outcome)}
+
+
+def _gather(logits: torch.Tensor, b: Batch) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1).gather(-1, b.targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int | None):
+    """train.warmup_steps of linear warmup from 0, then train.lr_schedule (transformers' schedulers, as TRL's
+    lr_scheduler_type / warmup_steps); one scheduler step per optimizer step."""
+    from transformers import get_scheduler
+
+    if cfg.lr_schedule != "constant" and total_steps is None:
+        raise ValueError(f"train.lr_schedule = {cfg.lr_schedule!r} needs the run's total optimizer steps")
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[cfg.lr_schedule]
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps)
 
 
 def _sampler_gap(logp: torch.Tensor, b: Batch) -> dict[str, float]:
