@@ -122,7 +122,7 @@ MORE_CASES = {
     "empty module": (config(agent='module = ""'), GOOD_ROWS, "agent.module = '': expected a .py path"),
     "bogus credit": (config(rollout='credit = "bogus"'), GOOD_ROWS, "rollout.credit = 'bogus': expected one of"),
     "non-UTF-8 dataset": (config(), None, "train.jsonl, line 2: not UTF-8 (byte 0xff"),
-    "dataset is a directory": (config(), None, "train.jsonl: is a directory"),
+    "dataset is a directory": (config(), None, "train.jsonl: a directory"),
     "row nested 200k deep": (config(), None, "train.jsonl, line 3: nested too deeply"),
     "ids 1 and '1'": (config(data='train = "train.jsonl"'), '{"id": 1, "q": "a"}\n{"id": "1", "q": "b"}\n',
                       "rows 1 and 2: both get task id '1' (id 1 and id '1')"),

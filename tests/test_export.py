@@ -210,7 +210,7 @@ concurrency = 4
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["eval"], r["iteration"], r["eval.reward_mean"]) for r in lines if r.get("phase") == "eval"]
     assert evals == [("untrained", 0, baseline), ("trained", 1, final)]
-    assert [r["iteration"] for r in lines if r.get("phase") != "eval"] == [0]
+    assert [r["iteration"] for r in lines if r.get("phase") != "eval"] == [1]  # iterations count from 1
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -218,7 +218,7 @@ concurrency = 4
     tb.Reload()
     assert [(e.step, e.value) for e in tb.Scalars("eval/reward_mean")] == [(0, pytest.approx(baseline)),
                                                                           (1, pytest.approx(final))]
-    assert [e.step for e in tb.Scalars("reward_mean")] == [0]
+    assert [e.step for e in tb.Scalars("reward_mean")] == [1]
 
     import mlflow
 
@@ -227,13 +227,13 @@ concurrency = 4
     (mlrun,) = client.search_runs([client.get_experiment_by_name("obs").experiment_id])
     history = client.get_metric_history(mlrun.info.run_id, "eval/reward_mean")
     assert sorted((m.step, m.value) for m in history) == [(0, pytest.approx(baseline)), (1, pytest.approx(final))]
-    assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss")] == [0]
+    assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss")] == [1]
 
     (offline,) = (run / "wandb").glob("offline-run-*/*.wandb")
     history = wandb_history(offline)
     assert [(step, row["eval/reward_mean"]) for step, row in history if "eval/reward_mean" in row] == \
         [(0, pytest.approx(baseline)), (1, pytest.approx(final))]
-    assert [step for step, row in history if "train/loss" in row] == [0]
+    assert [step for step, row in history if "train/loss" in row] == [1]
 
 
 def wandb_history(path: Path) -> list[tuple[int, dict]]:
