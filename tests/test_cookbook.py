@@ -68,16 +68,16 @@ def trained_example(example: str, tmp: Path) -> tuple[Path, Store, list, list]:
     toml = small_run(example, tmp, eval_tasks=2)
     out = lightning("run", "-c", str(toml), cwd=tmp)
     assert "eval (untrained" in out and "eval (trained" in out
-    store, rollouts, transitions = transitions_of(toml)
+    store, rollouts, trained = transitions_of(toml)
     assert len(rollouts) == 9 and all(r.status == "succeeded" for r in rollouts)
-    return toml, store, rollouts, transitions
+    return toml, store, rollouts, trained
 
 
 def test_calc_autogen_trains_and_evals(tmp_path):
-    toml, store, rollouts, transitions = trained_example("calc", tmp_path)
+    toml, store, rollouts, trained = trained_example("calc", tmp_path)
     names = {s.name for r in rollouts for s in store.spans(r.rollout_id)}
     assert "invoke_agent calc" in names  # AutoGen's own spans reach the store beside the LLM calls
-    assert transitions and all(t.completion_ids for t in transitions)
+    assert trained and all(t.completion_ids for t in trained)
     # `lightning eval` scores the base and the trained adapter on the held-out tasks.
     base = lightning("eval", "-c", str(toml), "--limit", "1", cwd=tmp_path)
     trained = lightning("eval", "-c", str(toml), "--trained", cwd=tmp_path)
@@ -97,7 +97,7 @@ def test_calc_autogen_trains_and_evals(tmp_path):
 
 
 def test_sql_langgraph_trains_only_writer_and_rewriter(tmp_path):
-    _, store, rollouts, transitions = trained_example("sql", tmp_path)
+    _, store, rollouts, trained = trained_example("sql", tmp_path)
     assert all(r.reward in (0.0, 1.0) for r in rollouts)  # execution match
     # Each rollout is the LangGraph flow: writer, checker, and the rewriter only when the checker objected.
     for r in rollouts + store.rollouts(phase="eval"):
@@ -105,16 +105,16 @@ def test_sql_langgraph_trains_only_writer_and_rewriter(tmp_path):
         assert nodes in (["writer", "checker"], ["writer", "checker", "rewriter"]), nodes
     calls = [s for r in rollouts for s in store.spans(r.rollout_id) if transitions.is_llm_call(s)]
     assert {"writer", "checker"} <= {s.component for s in calls}  # every LangGraph node's call is traced
-    trained = {t.span_id for t in transitions}
-    assert {t.component for t in transitions} <= {"writer", "rewriter"} and transitions
-    assert all(s.span_id not in trained for s in calls if s.component == "checker")
-    assert trained == {s.span_id for s in calls if s.component in ("writer", "rewriter") and not s.is_error}
+    assert {t.component for t in trained} <= {"writer", "rewriter"} and trained
+    ids = {t.span_id for t in trained}
+    assert all(s.span_id not in ids for s in calls if s.component == "checker")
+    assert ids == {s.span_id for s in calls if s.component in ("writer", "rewriter") and not s.is_error}
 
 
 def test_rag_agents_sdk_trains(tmp_path):
-    _, store, rollouts, transitions = trained_example("rag", tmp_path)
+    _, store, rollouts, trained = trained_example("rag", tmp_path)
     assert all(0.0 <= r.reward <= 1.0 for r in rollouts)  # answer F1
-    assert transitions and all(t.prompt_ids and t.completion_ids for t in transitions)
+    assert trained and all(t.prompt_ids and t.completion_ids for t in trained)
     # The pretrained model searches in most of its answers (teacher.py): the SDK ran the search tool on the
     # model's query, and the next LLM call of the rollout has exactly what BM25 returned for it in its prompt.
     rag = load_module(ROOT / "cookbook/rag/agent.py")

@@ -3,6 +3,7 @@ Hugging Face hub ids."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,9 @@ TINY = "tiny:"  # tiny:<teacher.py>: a tiny model pretrained offline on what tha
 # builtin:<name> is tiny:<that teacher file of the repository>; a wheel install has no cookbook beside the package.
 BUILTINS = {"tiny-arith": "cookbook/arith/teacher.py"}
 REPO = Path(__file__).parents[2]  # lightning_sdk/models/__init__.py -> the checkout's root
+# A teacher file's models built ahead of time (scripts/rebuild_models.py) sit in this folder beside it, so a fresh
+# checkout starts without minutes of building; the name holds the recipe's key, so an edited teacher builds anew.
+PREBUILT = "prebuilt"
 
 
 class ModelLoadError(RuntimeError):
@@ -23,7 +27,8 @@ def resolve(name: str) -> str:
     """Turn a configured model name into something `from_pretrained` takes.
 
     `tiny:<path/teacher.py>` is built locally on first use (a tiny model pretrained on the `teacher` that file
-    defines; see `tiny.Teacher`), and so is `builtin:tiny-arith` (the repository's cookbook/arith/teacher.py); an
+    defines; see `tiny.Teacher`), and so is `builtin:tiny-arith` (the repository's cookbook/arith/teacher.py),
+    unless the teacher's `prebuilt/` folder ships the model its current recipe makes; an
     existing directory is used as it is; anything else is a hub id, which loads from the local Hugging Face cache
     (or the hub, where one is reachable).
     """
@@ -94,11 +99,21 @@ def _builtin_teacher(name: str) -> Path:
     return REPO / file
 
 
-def _build_tiny(name: str, path: Path) -> str:
+@dataclass
+class TinyRecipe:
+    """What a teacher file says to build: its `teacher` (keyed on the file's content), `steps` and `batch`."""
+
+    teacher: Any
+    steps: int
+    batch: int
+    prebuilt: Path  # <the teacher's folder>/prebuilt: where a model built ahead of time for it is shipped
+
+
+def tiny_recipe(path: Path, name: str | None = None) -> TinyRecipe:
+    """Load a `tiny:` teacher file (`name` is the configured model name, for errors)."""
     import hashlib
 
-    from lightning_sdk.models import tiny
-
+    name = name or f"{TINY}{path}"
     if path.suffix != ".py" or not path.exists():
         raise ModelLoadError(f"model {name!r}: expected tiny:<path to a .py file that defines `teacher`>")
     mod = load_py_file(path, f"lightning_teacher_{path.stem}")
@@ -112,7 +127,15 @@ def _build_tiny(name: str, path: Path) -> str:
         def __getattr__(self, name: str):  # everything else is the teacher's own
             return getattr(teacher, name)
 
-    return str(tiny.ensure_built(Keyed(), steps=int(getattr(mod, "steps", 300)), batch=int(getattr(mod, "batch", 128)),
+    return TinyRecipe(Keyed(), steps=int(getattr(mod, "steps", 300)), batch=int(getattr(mod, "batch", 128)),
+                      prebuilt=path.parent / PREBUILT)
+
+
+def _build_tiny(name: str, path: Path) -> str:
+    from lightning_sdk.models import tiny
+
+    recipe = tiny_recipe(path, name)
+    return str(tiny.ensure_built(recipe.teacher, steps=recipe.steps, batch=recipe.batch, prebuilt=recipe.prebuilt,
                                  what=name if name.startswith(TINY) else f"{name}, taught by {path}"))
 
 

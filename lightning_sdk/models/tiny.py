@@ -95,11 +95,22 @@ def cache_dir(key: str) -> Path:
     return Path(root) / "models" / key
 
 
-def ensure_built(teacher: Teacher, *, steps: int = 300, batch: int = 128, what: str = "") -> Path:
+def model_name(teacher: Teacher) -> str:
+    """The directory name of the model `teacher` teaches, in the cache and among prebuilt models."""
+    return f"tiny-{teacher.key}-v{VERSION}"
+
+
+def ensure_built(teacher: Teacher, *, steps: int = 300, batch: int = 128, prebuilt: Path | None = None,
+                 what: str = "") -> Path:
     """Path of the model `teacher` teaches, building it once (safe when several processes ask at the same time).
 
-    `what` names the model in the status line a build prints (e.g. "builtin:tiny-arith from cookbook/...")."""
-    target = cache_dir(f"tiny-{teacher.key}-v{VERSION}")
+    `what` names the model in the status line a build prints (e.g. "builtin:tiny-arith from cookbook/...").
+    `prebuilt` is a folder of models already built (shipped beside their teacher): one named for this recipe is
+    used as it is, since the name holds the recipe's key.
+    """
+    if prebuilt is not None and (prebuilt / model_name(teacher) / "config.json").exists():
+        return prebuilt / model_name(teacher)
+    target = cache_dir(model_name(teacher))
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
