@@ -137,11 +137,11 @@ def to_transitions(
             completion_ids=tuple(a[COMPLETION_IDS]),
             logprobs=tuple(logprobs) if logprobs is not None else None,
             reward=float(episode) + shaping[call.span_id],
-            temperature=float(a.get("gen_ai.request.temperature", 1.0)),
+            temperature=_number(a, "gen_ai.request.temperature", 1.0),
             episode_reward=float(episode),
             shaping=shaping[call.span_id],
             credit=w,
-            top_p=float(a.get("gen_ai.request.top_p", 1.0)),
+            top_p=_number(a, "gen_ai.request.top_p", 1.0),
             finish_reason=finish[0] if finish else None,
         ))
     return out
@@ -168,3 +168,9 @@ def _intermediate_rewards(ordered: Sequence[SpanRecord], error_reward: float) ->
         elif s.is_error and s.span_id not in has_failed_child and not is_llm_call(s):
             out.append((s, error_reward))
     return out
+
+
+def _number(attributes: dict, key: str, default: float) -> float:
+    """A sampling setting of the call; absent (or recorded as null) means the server's default."""
+    value = attributes.get(key)
+    return default if value is None else float(value)

@@ -58,11 +58,12 @@ class AttributeTarget:
         return True
 
     def set_attribute(self, key: str, value: Any) -> None:
-        self.attributes[key] = value
+        if value is not None:  # as a live span: an attribute set to None is not an attribute
+            self.attributes[key] = value
 
     def set_attributes(self, attributes: dict[str, Any]) -> None:
         for k, v in attributes.items():
-            self.attributes[k] = v
+            self.set_attribute(k, v)
 
     def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
         self.status = status if isinstance(status, Status) else Status(status, description)
