@@ -250,26 +250,20 @@ def describe(record: Any) -> str:
 
 
 def conversation(attrs: dict[str, Any]) -> list[tuple[str, str]]:
-    """An LLM call's messages as (role, text): the prompt (`gen_ai.input.messages`: system, user, assistant and
-    tool turns), then the completion (`gen_ai.output.messages`, role "assistant" shown as "→ reply")."""
+    """An LLM call's messages as (role, text): the system instructions, the prompt (system, user, assistant and
+    tool turns), then the completion (role "assistant" shown as "→ reply")."""
+    from lightning_sdk.tracing.records import messages
+
     out = []
-    for key, reply in (("gen_ai.system_instructions", False), ("gen_ai.input.messages", False),
-                       ("gen_ai.output.messages", True)):
-        raw = attrs.get(key)
-        if not raw:
-            continue
+    raw = attrs.get("gen_ai.system_instructions")  # a list of parts, not of messages
+    if raw:
         try:
-            messages = json.loads(raw)
+            out.append(("system", "\n".join(_part_text(p) for p in json.loads(raw))))
         except (TypeError, ValueError):
-            out.append((key, str(raw)))
-            continue
-        if key == "gen_ai.system_instructions":  # a list of parts, not of messages
-            messages = [{"role": "system", "parts": messages}]
-        for m in messages if isinstance(messages, list) else [messages]:
-            if not isinstance(m, dict):
-                out.append(("?", json.dumps(m)))
-                continue
-            role = "→ reply" if reply else str(m.get("role", "?"))
+            out.append(("gen_ai.system_instructions", str(raw)))
+    for direction in ("input", "output"):
+        for m in messages(attrs, direction):
+            role = "→ reply" if direction == "output" else str(m.get("role", "?"))
             out.append((role, "\n".join(_part_text(p) for p in m.get("parts") or [])))
     return out
 
@@ -289,14 +283,10 @@ def _part_text(part: Any) -> str:
 
 def _output_text(attrs: dict[str, Any]) -> str:
     """The completion text as the instrumentor recorded it (current `gen_ai.output.messages` JSON or legacy)."""
-    raw = attrs.get("gen_ai.output.messages")
-    if raw:
-        try:
-            parts = json.loads(raw)[0].get("parts", [])
-            return "".join(str(p.get("content", "")) for p in parts)
-        except (ValueError, IndexError, AttributeError, TypeError):
-            return str(raw)
-    return str(attrs.get("gen_ai.completion.0.content", ""))
+    from lightning_sdk.tracing.records import messages
+
+    out = messages(attrs, "output")
+    return "".join(str(p.get("content", "")) for p in out[0].get("parts") or []) if out else ""
 
 
 if __name__ == "__main__":

@@ -103,11 +103,18 @@ class RolloutRecord:
 
 
 class Store:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, read_only: bool = False):
+        """`read_only` opens an existing store the way SQLite does read-only (a reader such as the dashboard): it
+        creates nothing, writes no schema and leaves the journal mode alone; every write fails."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self.span_conflicts = 0  # spans refused by write_spans: their id held another span
+        if read_only:
+            self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False,
+                                       timeout=30)
+            self._db.row_factory = sqlite3.Row
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
         with self._lock:

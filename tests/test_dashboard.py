@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lightning_sdk.dashboard.runs import ReadOnlyStore
 from lightning_sdk.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +188,7 @@ def test_dashboard_in_a_browser(live, project, browser, tmp_path):
     page.screenshot(path=str(shots / "run.png"), full_page=True)
 
     before = _digest(live["dir"])
-    with ReadOnlyStore(live["dir"] / "store.sqlite") as store:
+    with Store(live["dir"] / "store.sqlite", read_only=True) as store:
         probe_rollout = next(r for r in store.rollouts(phase="train", iteration=1) if r.task_id == "probe")
         spans = store.spans(probe_rollout.rollout_id)
     call = next(s for s in spans if s.name == "openai.chat")
@@ -243,7 +242,7 @@ def test_dashboard_in_a_browser(live, project, browser, tmp_path):
     page.select_option("select[name=component]", "solver")
     page.fill("input[name=min_reward]", "1")
     page.dispatch_event("input[name=min_reward]", "change")
-    with ReadOnlyStore(live["dir"] / "store.sqlite") as store:
+    with Store(live["dir"] / "store.sqlite", read_only=True) as store:
         wins = [r.rollout_id for r in store.rollouts() if r.reward is not None and r.reward >= 1]
     shown = f"1–{len(wins)} of {len(wins)}" if wins else "no rollout matches"
     page.wait_for_selector(f".pager >> text={shown}")
@@ -288,7 +287,7 @@ def test_every_request_needs_the_key_and_nothing_writes(live, project):
         for offset in range(0, total, 3):
             ids += [r["rollout_id"] for r in c.get("/api/rollouts", params={"run": "main", "limit": 3,
                                                                              "offset": offset}).json()["rows"]]
-        with ReadOnlyStore(live["dir"] / "store.sqlite") as store:
+        with Store(live["dir"] / "store.sqlite", read_only=True) as store:
             assert ids == [r.rollout_id for r in store.rollouts(newest_first=True)] and len(ids) == total
 
 

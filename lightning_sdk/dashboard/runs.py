@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from lightning_sdk import credit as credit_mod
 from lightning_sdk.errors import CaptureError
 from lightning_sdk.store import Store
+from lightning_sdk.tracing.records import messages
 from lightning_sdk.tracing.records import COMPLETION_IDS, PROMPT_IDS, REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord
 from lightning_sdk.train.checkpoint import STATE, latest_checkpoint
 from lightning_sdk.transitions import is_llm_call, to_transitions
@@ -30,18 +30,6 @@ MAX_PAGE = 500
 
 class RunNotFound(LookupError):
     """The asked-for run is not a run under the dashboard's root."""
-
-
-class ReadOnlyStore(Store):
-    """The store's own reads over a connection SQLite opens read-only: the dashboard cannot write, create the
-    schema or change the journal mode of a run's store."""
-
-    def __init__(self, path: str | Path):  # not super().__init__: that creates the file and writes the schema
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False,
-                                   timeout=30)
-        self._db.row_factory = sqlite3.Row
 
 
 @dataclass(frozen=True)
@@ -147,7 +135,7 @@ class RunReader:
         cond = (" WHERE " + " AND ".join(where)) if where else ""
         limit = max(1, min(int(limit), MAX_PAGE))
 
-        def query(store: ReadOnlyStore) -> dict[str, Any]:
+        def query(store: Store) -> dict[str, Any]:
             total = store._read(f"SELECT COUNT(*) AS n FROM rollouts{cond}", args)[0]["n"]
             rows = store._read(f"SELECT * FROM rollouts{cond} ORDER BY started_at DESC, rollout_id DESC "
                                f"LIMIT ? OFFSET ?", [*args, limit, max(0, int(offset))])
@@ -166,7 +154,7 @@ class RunReader:
         and the reward the run's credit rule gives them."""
         path = self.run_dir(run_id)
 
-        def query(store: ReadOnlyStore):
+        def query(store: Store):
             record = store.rollout(rollout_id)
             if record is None:
                 return None
@@ -202,7 +190,7 @@ class RunReader:
         if not db.is_file():
             return empty
         try:
-            store = ReadOnlyStore(db)
+            store = Store(db, read_only=True)
         except sqlite3.OperationalError:
             return empty
         try:
@@ -243,16 +231,16 @@ def _state(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _status_counts(store: ReadOnlyStore) -> dict[str, int]:
+def _status_counts(store: Store) -> dict[str, int]:
     return {r["status"]: r["n"] for r in store._read("SELECT status, COUNT(*) AS n FROM rollouts GROUP BY status")}
 
 
-def _components(store: ReadOnlyStore) -> list[str]:
+def _components(store: Store) -> list[str]:
     return [r["component"] for r in store._read(
         "SELECT DISTINCT component FROM spans WHERE component IS NOT NULL ORDER BY component")]
 
 
-def _call_counts(store: ReadOnlyStore, rollout_ids: list[str]) -> dict[str, tuple[int, int]]:
+def _call_counts(store: Store, rollout_ids: list[str]) -> dict[str, tuple[int, int]]:
     """(LLM calls, all spans) per rollout. An LLM call as `transitions.is_llm_call` tells it; Store.call_counts
     counts every span but reward spans, tool spans included."""
     if not rollout_ids:
@@ -266,7 +254,7 @@ def _call_counts(store: ReadOnlyStore, rollout_ids: list[str]) -> dict[str, tupl
     return {r["rollout_id"]: (r["calls"], r["spans"]) for r in rows}
 
 
-def _evals(store: ReadOnlyStore) -> list[dict[str, Any]]:
+def _evals(store: Store) -> list[dict[str, Any]]:
     # The runtime scores eval tasks at iteration 0 before training and at run.iterations after it; a failed
     # eval rollout scores 0, as the runtime counts it.
     rows = store._read(
@@ -285,28 +273,6 @@ def _kind(span: SpanRecord) -> str:
     if span.attributes.get("gen_ai.operation.name") == "execute_tool" or "tool" in span.name.lower():
         return "tool"
     return "span"
-
-
-def messages(attrs: dict[str, Any], direction: str) -> list[dict[str, Any]]:
-    """The call's messages as [{role, parts: [{type, content, ...}]}]: `gen_ai.{input,output}.messages` JSON
-    (current conventions), or the legacy numbered `gen_ai.prompt.N.*` / `gen_ai.completion.N.*` attributes."""
-    raw = attrs.get(f"gen_ai.{direction}.messages")
-    if raw:
-        try:
-            parsed = json.loads(raw) if isinstance(raw, str) else raw
-            if isinstance(parsed, list):
-                return [m if isinstance(m, dict) else {"role": "?", "parts": [{"type": "text", "content": str(m)}]}
-                        for m in parsed]
-        except ValueError:
-            pass
-        return [{"role": "?", "parts": [{"type": "text", "content": str(raw)}]}]
-    prefix = "gen_ai.prompt." if direction == "input" else "gen_ai.completion."
-    out, i = [], 0
-    while f"{prefix}{i}.role" in attrs or f"{prefix}{i}.content" in attrs:
-        out.append({"role": attrs.get(f"{prefix}{i}.role", "?"),
-                    "parts": [{"type": "text", "content": str(attrs.get(f"{prefix}{i}.content", ""))}]})
-        i += 1
-    return out
 
 
 _SHOWN = {"gen_ai.input.messages", "gen_ai.output.messages", PROMPT_IDS, COMPLETION_IDS,
@@ -340,4 +306,4 @@ def _span_view(s: SpanRecord, t0: int, credited: float | None) -> dict[str, Any]
     return view
 
 
-__all__ = ["CreditSettings", "ReadOnlyStore", "RunNotFound", "RunReader", "discover", "is_run", "messages"]
+__all__ = ["CreditSettings", "RunNotFound", "RunReader", "discover", "is_run", "messages"]

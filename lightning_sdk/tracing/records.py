@@ -6,6 +6,7 @@ attributes are the instrumentor's `gen_ai.*` ones, kept as they are.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -77,3 +78,25 @@ def to_record(span: Any) -> SpanRecord | None:
         events=[{"name": e.name, "time_ns": e.timestamp,
                  "attributes": {k: _plain(v) for k, v in (e.attributes or {}).items()}} for e in span.events],
     )
+
+
+def messages(attrs: dict[str, Any], direction: str) -> list[dict[str, Any]]:
+    """The call's messages as [{role, parts: [{type, content, ...}]}]: `gen_ai.{input,output}.messages` JSON
+    (current conventions), or the legacy numbered `gen_ai.prompt.N.*` / `gen_ai.completion.N.*` attributes."""
+    raw = attrs.get(f"gen_ai.{direction}.messages")
+    if raw:
+        try:
+            parsed = json.loads(raw) if isinstance(raw, str) else raw
+            if isinstance(parsed, list):
+                return [m if isinstance(m, dict) else {"role": "?", "parts": [{"type": "text", "content": str(m)}]}
+                        for m in parsed]
+        except ValueError:
+            pass
+        return [{"role": "?", "parts": [{"type": "text", "content": str(raw)}]}]
+    prefix = "gen_ai.prompt." if direction == "input" else "gen_ai.completion."
+    out, i = [], 0
+    while f"{prefix}{i}.role" in attrs or f"{prefix}{i}.content" in attrs:
+        out.append({"role": attrs.get(f"{prefix}{i}.role", "?"),
+                    "parts": [{"type": "text", "content": str(attrs.get(f"{prefix}{i}.content", ""))}]})
+        i += 1
+    return out
