@@ -36,6 +36,14 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": types.get(status, "APIError"), "param": param, "code": status}}
 
 
+class GatewayError(Exception):
+    """A request the gateway (or a route it serves) answers with an OpenAI-shaped error (`error_body`)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
 async def _send_json(send: Any, status: int, body: dict) -> None:
     payload = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
