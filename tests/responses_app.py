@@ -9,6 +9,7 @@ import time
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from lightning_sdk.serving.process import auth_headers, free_port
 from lightning_sdk.serving.responses import responses_router
@@ -16,11 +17,14 @@ from lightning_sdk.serving.responses import responses_router
 API_KEY = "test-key"
 
 
+BREAK_MIDSTREAM = "break-midstream"  # a request with this `user` goes to a backend that fails mid-stream
+
+
 class ResponsesApp:
     """`base_url` serves /v1/responses; `paths` lists the routes agents called, `chat_bodies` what went on."""
 
-    def __init__(self, server):
-        self.server = server
+    def __init__(self, server, **router_kwargs):
+        self.server, self.router_kwargs = server, router_kwargs
         self.paths: list[str] = []
         self.chat_bodies: list[dict] = []
         self.port = free_port()
@@ -30,7 +34,9 @@ class ResponsesApp:
     async def _send(self, body: dict) -> httpx.Response:
         self.chat_bodies.append(body)
         body = {**body, "model": self.server.served_model_name}  # every name is served by the one model
-        request = self._client.build_request("POST", f"{self.server.base_url}/chat/completions", json=body,
+        url = (f"http://127.0.0.1:{self.port}/broken/v1" if body.get("user") == BREAK_MIDSTREAM
+               else self.server.base_url)
+        request = self._client.build_request("POST", f"{url}/chat/completions", json=body,
                                              headers=auth_headers(self.server.api_key))
         return await self._client.send(request, stream=True)
 
@@ -43,7 +49,29 @@ class ResponsesApp:
             self.paths.append(f"{request.method} {request.url.path}")
             return await call_next(request)
 
-        app.include_router(responses_router(self._send))
+        @app.post("/broken/v1/chat/completions")
+        async def broken(request: Request) -> StreamingResponse:
+            """A backend that fails after its first token, reporting it in the stream as vLLM does: the server's
+            own chunks up to the first piece of text, then an error chunk."""
+            upstream = await self._client.send(self._client.build_request(
+                "POST", f"{self.server.base_url}/chat/completions", content=await request.body(),
+                headers={"content-type": "application/json", **auth_headers(self.server.api_key)}), stream=True)
+
+            async def relay():
+                try:
+                    async for line in upstream.aiter_lines():
+                        if line.startswith("data: "):
+                            yield f"{line}\n\n"
+                            if '"content": ""' not in line:
+                                break
+                    yield 'data: {"error": {"message": "the engine died", "type": "InternalServerError", ' \
+                          '"param": null, "code": 500}}\n\n'
+                finally:
+                    await upstream.aclose()
+
+            return StreamingResponse(relay(), media_type="text/event-stream")
+
+        app.include_router(responses_router(self._send, **self.router_kwargs))
         self._uvicorn = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                       lifespan="off"))
         self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)

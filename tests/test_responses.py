@@ -13,7 +13,7 @@ from pydantic import TypeAdapter
 from lightning_sdk import models
 
 from .conftest import SERVED
-from .responses_app import ResponsesApp
+from .responses_app import BREAK_MIDSTREAM, ResponsesApp
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is 2 + 3?"
@@ -165,6 +165,27 @@ def test_previous_response_id_continues_the_conversation(app, server):
     assert e.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(unkept.id)
+
+
+def test_kept_responses_are_bounded(server):
+    small = ResponsesApp(server, max_kept=1).start()
+    try:
+        c = client(small)
+        first, second = (c.responses.create(model="m", input=QUESTION, max_output_tokens=2) for _ in range(2))
+        with pytest.raises(openai.BadRequestError):  # the older one was let go
+            c.responses.create(model="m", input="and?", previous_response_id=first.id, max_output_tokens=2)
+        assert c.responses.create(model="m", input="and?", previous_response_id=second.id, max_output_tokens=2)
+    finally:
+        small.stop()
+
+
+def test_backend_failure_mid_stream_is_an_error_event(app):
+    events = sse_events(app, {"model": "m", "input": QUESTION, "max_output_tokens": 20, "user": BREAK_MIDSTREAM})
+    kinds = [e["type"] for e in events]
+    assert kinds[-1] == "error" and "response.output_text.delta" in kinds and "response.completed" not in kinds
+    assert events[-1]["message"] == "the engine died" and events[-1]["code"] == "500"
+    streamed = list(client(app).responses.create(model="m", input=QUESTION, user=BREAK_MIDSTREAM, stream=True))
+    assert streamed[-1].type == "error"
 
 
 @pytest.mark.parametrize("body, param", [

@@ -16,7 +16,7 @@ from lightning_sdk.store import RolloutRecord
 from lightning_sdk.tracing import COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS
 from lightning_sdk.transitions import to_transitions
 
-from .responses_app import ResponsesApp
+from .responses_app import BREAK_MIDSTREAM
 from .test_responses import QUESTION, RAG_QUESTION, app, rag_app  # noqa: F401  (fixtures)
 
 
@@ -117,13 +117,14 @@ def test_failed_and_abandoned_calls_are_error_spans(app, store):
         stream = c.responses.create(model="m", input=QUESTION, max_output_tokens=20, stream=True)
         next(iter(stream))
         stream.close()  # before its final event: no Response, no sample
-    failed, abandoned = spans(store, "resp-fail")
-    assert failed.status == "ERROR" and abandoned.status == "ERROR" and COMPLETION_IDS not in failed.attributes
-    assert failed.attributes["gen_ai.operation.name"] == "chat"
+        events = list(c.responses.create(model="m", input=QUESTION, user=BREAK_MIDSTREAM, stream=True))
+    calls = spans(store, "resp-fail")
+    assert [s.status for s in calls] == ["ERROR"] * 3 and events[-1].type == "error"
+    assert all(COMPLETION_IDS not in s.attributes and s.attributes["gen_ai.operation.name"] == "chat"
+               for s in calls)
     skipped = Counter()
-    with pytest.raises(Exception, match="no LLM call"):  # only failed calls: nothing to train on
-        to_transitions(rollout("resp-fail"), [failed, abandoned], skipped=skipped)
-    assert skipped["failed_call"] == 2
+    assert to_transitions(rollout("resp-fail"), calls, skipped=skipped, failed_reward=0.0) == []
+    assert skipped["failed_call"] == 3  # failed calls are never trained on
 
 
 def test_calls_outside_a_rollout_are_not_stored(app, store):
