@@ -41,7 +41,7 @@ class ResponsesApp:
         return await self._client.send(request, stream=True)
 
     def start(self) -> "ResponsesApp":
-        app = FastAPI()
+        app = FastAPI(telemetry={"tracing": False})  # FastAPI's own spans would reach the global provider
         self._client = httpx.AsyncClient(timeout=60)
 
         @app.middleware("http")

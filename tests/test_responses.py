@@ -105,6 +105,15 @@ def test_instructions_and_message_items_become_chat_messages(app):
         {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "1 + 1?"}]}]
 
 
+def test_fields_without_a_chat_meaning_are_ignored(app):
+    r = post(app, {"model": "m", "input": QUESTION, "max_output_tokens": 2, "include": ["reasoning.encrypted_content"],
+                   "reasoning": {"effort": "low"}, "truncation": "auto", "service_tier": "auto",
+                   "metadata": {"run": "7"}, "text": {"format": {"type": "text"}, "verbosity": "low"},
+                   "a_field_from_the_future": [1, 2]})
+    assert r.status_code == 200, r.text
+    assert Response.model_validate(r.json()).metadata == {"run": "7"}
+
+
 def test_max_output_tokens_cut_is_incomplete(app):
     raw = client(app).responses.with_raw_response.create(model="m", input=QUESTION, max_output_tokens=1,
                                                          extra_body={"seed": 3})

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Literal
 
 import httpx
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError
 
 from lightning_sdk.serving.guard import INT64, GatewayError, Lenient, error_body, text_size
@@ -281,7 +281,7 @@ def _translate(raw: bytes, kept: _Kept) -> _Call:
                            f"(unknown, stored with store=false, or evicted)", "previous_response_id")
     new = _messages(req.input)
     history = (previous.history if previous else []) + new
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) + history
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
     if not messages:
         raise _refused("input is empty: give input, instructions or previous_response_id", "input")
     chat: dict[str, Any] = {"model": req.model, "messages": messages, "n": 1, "logprobs": True,
@@ -338,6 +338,7 @@ class _Reply:
         message = dict(choice.get("message") or {})
         message["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(message.get("tool_calls") or [])]
         self._choice(choice, message)
+        self.close()  # the same items a stream ends with (an empty reply is an empty message)
 
     def _choice(self, choice: dict, delta: dict) -> list[tuple[str, dict]]:
         ids = choice.get("token_ids")
@@ -482,8 +483,13 @@ def _text_part(text: str) -> dict:
 
 # ---- the routes -----------------------------------------------------------------------------------------------
 
-def _error(e: GatewayError) -> JSONResponse:
-    return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
+def _json(body: dict, status: int = 200) -> Response:
+    # ASCII-escaped: a lone surrogate a backend echoes back in an error message cannot fail the encoding.
+    return Response(json.dumps(body), status, media_type="application/json")
+
+
+def _error(e: GatewayError) -> Response:
+    return _json(error_body(e.status, e.message, e.param), e.status)
 
 
 def _backend_error(status: int, content: bytes) -> Response:
@@ -494,7 +500,7 @@ def _backend_error(status: int, content: bytes) -> Response:
         if isinstance(err, dict) and isinstance(err.get("param"), str):
             head, _, rest = err["param"].partition(".")
             err["param"] = ".".join(filter(None, [_RESPONSES_PARAM.get(head, head), rest]))
-        return JSONResponse(body, status_code=status)
+        return _json(body, status)
     except (ValueError, KeyError, TypeError):
         return Response(content, status, media_type="application/json")
 
@@ -543,7 +549,7 @@ def responses_router(chat: ChatSender, *, max_kept: int = MAX_KEPT,
         if entry is None:
             return _error(GatewayError(404, f"no response {response_id!r}: unknown, stored with store=false, or "
                                             f"evicted", "response_id"))
-        return JSONResponse(entry.response)
+        return _json(entry.response)
 
     return router
 
@@ -560,7 +566,7 @@ def _plain(call: _Call, content: bytes, kept: _Kept) -> Response:
     response = reply.response()
     if call.request.store is not False:
         kept.put(call.response_id, reply.entry(response))
-    return JSONResponse(response)
+    return _json(response)
 
 
 class _Events:
