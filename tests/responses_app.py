@@ -1,61 +1,54 @@
-"""The Responses router under test behind a small FastAPI app on 127.0.0.1, forwarding its chat requests to a real
-built-in server (the gateway will take this app's place)."""
+"""The Responses router under test, mounted on the real Gateway (serving/gateway.py) in front of a real built-in
+server on 127.0.0.1; it records the chat requests the router sent."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
-import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from lightning_sdk.serving.process import auth_headers, free_port
+from lightning_sdk.serving.gateway import Gateway
+from lightning_sdk.serving.process import auth_headers
 from lightning_sdk.serving.responses import responses_router
-
-API_KEY = "test-key"
-
 
 BREAK_MIDSTREAM = "break-midstream"  # a request with this `user` goes to a backend that fails mid-stream
 
 
 class ResponsesApp:
-    """`base_url` serves /v1/responses; `paths` lists the routes agents called, `chat_bodies` what went on."""
+    """`base_url` / `api_key` are the gateway's; `chat_bodies` lists the chat requests /v1/responses made."""
 
     def __init__(self, server, **router_kwargs):
         self.server, self.router_kwargs = server, router_kwargs
-        self.paths: list[str] = []
+        self.gateway = Gateway(api_key="agents-key")
+        self.base_url, self.api_key = self.gateway.base_url, self.gateway.api_key
+        self.auth = auth_headers(self.api_key)
         self.chat_bodies: list[dict] = []
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self._uvicorn: uvicorn.Server | None = None
 
     async def _send(self, body: dict) -> httpx.Response:
         self.chat_bodies.append(body)
-        body = {**body, "model": self.server.served_model_name}  # every name is served by the one model
-        url = (f"http://127.0.0.1:{self.port}/broken/v1" if body.get("user") == BREAK_MIDSTREAM
-               else self.server.base_url)
-        request = self._client.build_request("POST", f"{url}/chat/completions", json=body,
-                                             headers=auth_headers(self.server.api_key))
+        if body.get("user") != BREAK_MIDSTREAM:
+            return await self.gateway.send_chat(body)
+        request = self._client.build_request("POST", f"{self.gateway.url}/broken/v1/chat/completions", json=body,
+                                             headers=self.auth)
         return await self._client.send(request, stream=True)
 
+    @property
+    def chat_calls(self) -> int:
+        """Chat requests the gateway sent its backend (from /v1/responses or /v1/chat/completions)."""
+        return sum(self.gateway.backends.served)
+
     def start(self) -> "ResponsesApp":
-        app = FastAPI(telemetry={"tracing": False})  # FastAPI's own spans would reach the global provider
         self._client = httpx.AsyncClient(timeout=60)
+        broken = APIRouter()
 
-        @app.middleware("http")
-        async def note(request: Request, call_next):
-            self.paths.append(f"{request.method} {request.url.path}")
-            return await call_next(request)
-
-        @app.post("/broken/v1/chat/completions")
-        async def broken(request: Request) -> StreamingResponse:
+        @broken.post("/broken/v1/chat/completions")
+        async def fail_midstream(request: Request) -> StreamingResponse:
             """A backend that fails after its first token, reporting it in the stream as vLLM does: the server's
             own chunks up to the first piece of text, then an error chunk."""
+            body = {**await request.json(), "model": self.server.served_model_name}
             upstream = await self._client.send(self._client.build_request(
-                "POST", f"{self.server.base_url}/chat/completions", content=await request.body(),
-                headers={"content-type": "application/json", **auth_headers(self.server.api_key)}), stream=True)
+                "POST", f"{self.server.base_url}/chat/completions", json=body,
+                headers=auth_headers(self.server.api_key)), stream=True)
 
             async def relay():
                 try:
@@ -71,17 +64,11 @@ class ResponsesApp:
 
             return StreamingResponse(relay(), media_type="text/event-stream")
 
-        app.include_router(responses_router(self._send, **self.router_kwargs))
-        self._uvicorn = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                      lifespan="off"))
-        self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
-        self._thread.start()
-        for _ in range(600):  # up to 30 s
-            if self._uvicorn.started:
-                return self
-            time.sleep(0.05)
-        raise RuntimeError("the test app did not start")
+        self.gateway.add_routes(broken)
+        self.gateway.add_routes(responses_router(self._send, **self.router_kwargs))
+        self.gateway.start([self.server.url], backend_key=self.server.api_key)
+        self.gateway.policy = self.server.served_model_name
+        return self
 
     def stop(self) -> None:
-        self._uvicorn.should_exit = True
-        self._thread.join(timeout=10)
+        self.gateway.stop()

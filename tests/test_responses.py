@@ -43,11 +43,11 @@ def rag_app(tmp_path_factory):
 
 
 def client(app) -> openai.OpenAI:
-    return openai.OpenAI(base_url=app.base_url, api_key="EMPTY", max_retries=0)
+    return openai.OpenAI(base_url=app.base_url, api_key=app.api_key, max_retries=0)
 
 
 def post(app, body, **kw) -> httpx.Response:
-    return httpx.post(f"{app.base_url}/responses", json=body, timeout=60, **kw)
+    return httpx.post(f"{app.base_url}/responses", json=body, headers=app.auth, timeout=60, **kw)
 
 
 def chat_ids(server, messages, **kw):
@@ -62,7 +62,8 @@ def chat_ids(server, messages, **kw):
 def sse_events(app, body) -> list[dict]:
     """The raw stream, each event validated as OpenAI's type."""
     events = []
-    with httpx.stream("POST", f"{app.base_url}/responses", json={**body, "stream": True}, timeout=60) as r:
+    with httpx.stream("POST", f"{app.base_url}/responses", json={**body, "stream": True}, headers=app.auth,
+                      timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -225,10 +226,10 @@ def test_bad_requests_are_400_naming_the_field(app, body, param):
 
 def test_unreadable_bodies_are_400(app):
     lone = '{"model": "m", "input": "\\ud800"}'
-    r = httpx.post(f"{app.base_url}/responses", content=lone, headers={"content-type": "application/json"})
+    r = httpx.post(f"{app.base_url}/responses", content=lone, headers={"content-type": "application/json", **app.auth})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     for content in (b"{not json", b"[1, 2]"):
-        r = httpx.post(f"{app.base_url}/responses", content=content)
+        r = httpx.post(f"{app.base_url}/responses", content=content, headers=app.auth)
         assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     with pytest.raises(openai.BadRequestError):  # as the openai client sees it
         client(app).responses.create(model="m", input=QUESTION, tools=[{"type": "web_search"}])
@@ -277,5 +278,5 @@ def test_tool_calls_are_function_call_items(rag_app):
 
 
 def test_unknown_response_is_404(app):
-    r = httpx.get(f"{app.base_url}/responses/resp_nope")
+    r = httpx.get(f"{app.base_url}/responses/resp_nope", headers=app.auth)
     assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"

@@ -21,7 +21,7 @@ from .test_responses import QUESTION, RAG_QUESTION, app, rag_app  # noqa: F401  
 
 
 def client(app, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=app.base_url, api_key="EMPTY", max_retries=0, **kw)
+    return openai.OpenAI(base_url=app.base_url, api_key=app.api_key, max_retries=0, **kw)
 
 
 def spans(store, rid):
@@ -92,7 +92,7 @@ def test_streamed_calls_are_spans_with_the_final_events_ids(app, store):
 
 def test_async_calls_are_spans(app, store):
     async def go():
-        c = openai.AsyncOpenAI(base_url=app.base_url, api_key="EMPTY", max_retries=0)
+        c = openai.AsyncOpenAI(base_url=app.base_url, api_key=app.api_key, max_retries=0)
         with tracing.rollout_context("resp-async"):
             plain = await c.responses.create(model="m", input=QUESTION, max_output_tokens=8)
             stream = await c.responses.create(model="m", input=QUESTION, max_output_tokens=8, stream=True)
@@ -137,7 +137,7 @@ def test_registered_endpoints_are_asked_for_token_ids(app, store):
     sent = []
     http = openai.DefaultHttpxClient(event_hooks={"request": [lambda r: sent.append(json.loads(r.read()))]})
     other = app.base_url.replace("127.0.0.1", "localhost")  # the same server under a name nobody registered
-    openai.OpenAI(base_url=other, api_key="EMPTY", http_client=http).responses.create(
+    openai.OpenAI(base_url=other, api_key=app.api_key, http_client=http).responses.create(
         model="m", input=QUESTION, max_output_tokens=2)
     tracing.request_token_ids_from(app.base_url)
     client(app, http_client=http).responses.create(model="m", input=QUESTION, max_output_tokens=2)
@@ -150,7 +150,7 @@ def test_agents_sdk_agent_given_a_model_name_is_served_and_traced(rag_app, store
     from agents import Agent, ModelSettings, Runner, function_tool
 
     monkeypatch.setenv("OPENAI_BASE_URL", rag_app.base_url)
-    monkeypatch.setenv("OPENAI_API_KEY", "EMPTY")
+    monkeypatch.setenv("OPENAI_API_KEY", rag_app.api_key)
     monkeypatch.setenv("OPENAI_AGENTS_DISABLE_TRACING", "1")
     searched = []
 
@@ -165,7 +165,7 @@ def test_agents_sdk_agent_given_a_model_name_is_served_and_traced(rag_app, store
                   instructions="Answer with the region name only. Search for the person, then for their town's "
                                "region.",
                   model_settings=ModelSettings(temperature=0))  # greedy: the call the teacher taught, every time
-    before = len(rag_app.paths)
+    before = (len(rag_app.chat_bodies), rag_app.chat_calls)
 
     async def both():  # one event loop: the SDK's default client shares its connections across runs
         plain = await Runner.run(agent, RAG_QUESTION, max_turns=4)
@@ -178,10 +178,12 @@ def test_agents_sdk_agent_given_a_model_name_is_served_and_traced(rag_app, store
         result, streamed_result = asyncio.run(both())
     assert isinstance(result.final_output, str) and isinstance(streamed_result.final_output, str)
     assert searched[0] == "Rentissa" and len(searched) >= 2  # it really called its tool, in both runs
-    paths = rag_app.paths[before:]
-    assert paths and set(paths) == {"POST /v1/responses"}  # the Responses API, not chat completions
+    responses_calls = len(rag_app.chat_bodies) - before[0]
+    assert responses_calls == rag_app.chat_calls - before[1] > 0  # all through /v1/responses, none to chat
+    assert rag_app.gateway.asked["gpt-4o-mini"] >= responses_calls  # the name the agent was given
     calls = spans(store, "resp-agents")
-    assert len(calls) == len(paths)
+    assert len(calls) == responses_calls
     for span in calls:
-        response = httpx.get(f"{rag_app.base_url}/responses/{span.attributes['gen_ai.response.id']}").json()
+        response = httpx.get(f"{rag_app.base_url}/responses/{span.attributes['gen_ai.response.id']}",
+                             headers=rag_app.auth).json()
         assert_ids(span, response)
