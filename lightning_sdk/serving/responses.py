@@ -299,6 +299,10 @@ def _translate(raw: bytes, kept: _Kept) -> _Call:
 
 # ---- chat completions -> Responses ----------------------------------------------------------------------------
 
+def _name(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
 class _Reply:
     """A chat reply, fed whole or chunk by chunk, as Responses output items; yields the stream events it causes."""
 
@@ -314,6 +318,7 @@ class _Reply:
         self.output_ids: list[int] = []
         self.logprobs: list[float] | None = []
         self.saw_ids = False
+        self.model: str | None = None  # the name the backend answered as (the gateway's policy), once known
 
     # -- input
 
@@ -321,6 +326,7 @@ class _Reply:
         """One chat.completion.chunk -> the stream events it causes."""
         if self.prompt_ids is None and chunk.get("prompt_token_ids") is not None:
             self.prompt_ids = chunk["prompt_token_ids"]
+        self.model = self.model or _name(chunk.get("model"))
         self.usage = chunk.get("usage") or self.usage
         events: list[tuple[str, dict]] = []
         for choice in chunk.get("choices") or []:
@@ -331,6 +337,7 @@ class _Reply:
     def whole(self, completion: dict) -> None:
         """A whole chat.completion (a plain request)."""
         self.prompt_ids = completion.get("prompt_token_ids")
+        self.model = _name(completion.get("model"))
         self.usage = completion.get("usage")
         choice = next((c for c in completion.get("choices") or [] if c.get("index", 0) == 0), None)
         if choice is None:
@@ -449,6 +456,7 @@ class _Reply:
         if status is not None:
             return out
         out["status"] = "incomplete" if self.truncated else "completed"
+        out["model"] = self.model or req.model  # as a chat completion's: the model that answered
         if self.truncated:
             reason = "max_output_tokens" if self.finish_reason == "length" else "content_filter"
             out["incomplete_details"] = {"reason": reason}
