@@ -18,7 +18,7 @@ HEIGHT = {
     "agent": 2, "tracing": 3,                      # the agent side: no store, trainer or server below them
     "store": 4, "credit": 5, "transitions": 6, "models": 5,
     "train": 7, "serving": 7, "metrics": 7,
-    "rollouts": 8, "runtime": 9, "cli": 10, "dashboard": 10, "api": 11,
+    "rollouts": 8, "runtime": 9, "client": 9, "cli": 10, "dashboard": 10, "api": 11,
 }
 AGENT_SIDE = {"agent", "tracing"}
 
