@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from lightning_sdk import config as config_mod
-from lightning_sdk.distribution import DISTRIBUTION, VERSION
+from lightning_sdk.distribution import DISTRIBUTION, VERSION, missing_train_extra
 
 EXIT_USAGE = 2  # click's convention for bad input
 LOG_WIDTH = 200  # columns when the output is not a terminal: the iteration table's 11 columns fit uncut
@@ -81,10 +81,8 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
             cfg.run.iterations = iterations
     except config_mod.ConfigError as e:
         _fail(console, str(e))
-    from lightning_sdk.data import DatasetError
+    DatasetError, ModelLoadError, Runtime = _training_side(console, "lightning run")
     from lightning_sdk.errors import CaptureError, RunError, SetupError
-    from lightning_sdk.models import ModelLoadError
-    from lightning_sdk.runtime import Runtime
 
     try:
         Runtime(cfg, resume=resume, overwrite=overwrite, console=console).run()
@@ -117,11 +115,9 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
         _fail(console, str(e))
     if run_dir is not None:
         cfg.run.dir = run_dir
+    DatasetError, ModelLoadError, Runtime = _training_side(console, "lightning eval")
     from lightning_sdk import data
-    from lightning_sdk.data import DatasetError
     from lightning_sdk.errors import RunError, SetupError
-    from lightning_sdk.models import ModelLoadError
-    from lightning_sdk.runtime import Runtime
     from lightning_sdk.train.checkpoint import adapter_dir, latest_checkpoint
 
     path = data_path or cfg.data.eval
@@ -204,9 +200,11 @@ def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str 
 @click.option("--port", default=8321, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
 def dashboard(run_dir: Path | None, config_path: Path | None, host: str, port: int) -> None:
     """Serve a read-only web page of runs: rewards, iterations, rollouts, each LLM call (needs the printed key)."""
-    from lightning_sdk.dashboard import CreditSettings, RunReader, bind, new_token, serve
-
     console = Console()
+    try:
+        from lightning_sdk.dashboard import CreditSettings, RunReader, bind, new_token, serve
+    except ImportError as e:
+        _fail(console, missing_train_extra(e, "lightning dashboard") or str(e))
     settings = CreditSettings()
     if config_path is not None:
         try:
@@ -234,6 +232,20 @@ def dashboard(run_dir: Path | None, config_path: Path | None, host: str, port: i
     console.print(f"dashboard of {reader.root} at {url}  (read-only; Ctrl-C stops it)", highlight=False,
                   soft_wrap=True)
     serve(reader, sock, token)
+
+
+def _training_side(console: Console, what: str) -> tuple[type, type, type]:
+    """DatasetError, ModelLoadError and Runtime: imported here, where a missing `train` extra is one line, exit 2."""
+    try:
+        from lightning_sdk.data import DatasetError
+        from lightning_sdk.models import ModelLoadError
+        from lightning_sdk.runtime import Runtime
+    except ImportError as e:
+        line = missing_train_extra(e, what)
+        if line is None:
+            raise
+        _fail(console, line)
+    return DatasetError, ModelLoadError, Runtime
 
 
 def describe(record: Any) -> str:

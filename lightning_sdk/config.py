@@ -70,6 +70,9 @@ class AgentConfig(_Section):
     module: str = Field(description="a .py path or a dotted module that holds the @rollout and @reward functions")
     rollout: str | None = None  # name of the @rollout function; optional if the module has exactly one
     reward: str | None = None
+    redirect_openai: bool = Field(True, description="during a run, point the agent process's OpenAI clients at "
+                                  "the run's server (OPENAI_BASE_URL, OPENAI_API_KEY, set before the module is "
+                                  "imported); false for agents that also call other OpenAI-compatible services")
 
 
 class DataConfig(_Section):
@@ -90,7 +93,10 @@ class ModelConfig(_Section):
 
 class ServeConfig(_Section):
     backend: Literal["cpu", "vllm", "auto"] = "cpu"
-    host: str = "127.0.0.1"
+    # Where agents reach the run's server (the gateway, serving/gateway.py): every runtime's agents and remote
+    # workers call it; the inference backends behind it listen on 127.0.0.1 (Ray's actors: their node's IP).
+    host: str = Field("127.0.0.1", description="address the run's server listens on; a reachable one for "
+                                                "agents on other machines (Ray nodes, remote workers)")
 
     @field_validator("host")
     @classmethod
@@ -106,7 +112,17 @@ class ServeConfig(_Section):
             raise ValueError("expected an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1) or a host name")
         return v
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
-    api_key: str | None = Field(None, description="the servers' bearer key; none = a new one for each run")
+    api_key: str | None = Field(None, description="the key agents (and remote workers) present to the run's "
+                                "server; none = a new one for each run")
+    model_names: list[str] = Field(default_factory=list, description="model names the agent may ask for, each "
+                                   "served by the policy being trained; empty = any name")
+
+    @field_validator("model_names")
+    @classmethod
+    def _names(cls, v):
+        if any(not n or not n.isprintable() for n in v):
+            raise ValueError("expected non-empty printable model names")
+        return v
     max_batch_size: int = Field(64, ge=1)
     max_model_len: int = Field(2048, ge=16)
     startup_timeout: float = Field(120.0, gt=0)
@@ -220,8 +236,6 @@ class RayConfig(_Section):
                                                                    "none = rollout.concurrency / num_workers")
     servers: int = Field(1, ge=1, description="inference-server actors behind the router")
     cpus_per_server: float = Field(1.0, gt=0)
-    router_host: str = Field("127.0.0.1", description="where the router listens; a reachable IP on a multi-node "
-                                                      "cluster")
     max_retries: int = Field(1, ge=0, description="re-runs of a rollout whose worker died")
 
 

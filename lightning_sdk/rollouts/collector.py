@@ -1,8 +1,9 @@
 """How rollouts run is a strategy: one `Collector` protocol, one implementation per runtime (`run.runtime`).
 
-A collector owns the inference server its rollouts call, runs a phase's jobs and returns one result per job,
-in order; the runtime loop calls only this interface. Each implementation is imported only when chosen, so Ray
-is imported only by the Ray runtime.
+A collector owns the inference server(s) its rollouts call and starts the run's gateway in front of them (the
+one address agents get: serving/gateway.py), runs a phase's jobs and returns one result per job, in order; the
+runtime loop calls only this interface. Each implementation is imported only when chosen, so Ray is imported
+only by the Ray runtime.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lightning_sdk.config import Config
 from lightning_sdk.errors import SetupError
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
 from lightning_sdk.serving import InferenceServer
+from lightning_sdk.serving.gateway import Gateway
 from lightning_sdk.store import Store
 
 
@@ -35,6 +37,7 @@ class Agent:
 
 class Collector(Protocol):
     server: InferenceServer  # where the policy is served; started by start(), stopped by stop()
+    gateway: Gateway  # what agents call; start() starts it in front of the server (the runtime made and stops it)
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
@@ -54,7 +57,7 @@ RUNTIMES = {
 }
 
 
-def make_collector(cfg: Config, *, agent: Agent, model_path: str, store: Store, log_dir: Path,
+def make_collector(cfg: Config, *, agent: Agent, gateway: Gateway, model_path: str, store: Store, log_dir: Path,
                    console: Console) -> Collector:
     module, _, name = RUNTIMES[cfg.run.runtime].partition(":")
     try:
@@ -62,7 +65,8 @@ def make_collector(cfg: Config, *, agent: Agent, model_path: str, store: Store, 
     except ImportError as e:
         raise SetupError(f"run.runtime = {cfg.run.runtime!r} needs {e.name or e}: pip install "
                          f"'lightning-agent-rl[{cfg.run.runtime}]' ({e})") from None
-    return cls(cfg, agent=agent, model_path=model_path, store=store, log_dir=log_dir, console=console)
+    return cls(cfg, agent=agent, gateway=gateway, model_path=model_path, store=store, log_dir=log_dir,
+               console=console)
 
 
 @contextmanager

@@ -20,6 +20,7 @@ from lightning_sdk.errors import RunError
 from lightning_sdk.rollouts.collector import Agent, progress_bar
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult, run_rollout
 from lightning_sdk.serving import ServerError
+from lightning_sdk.serving.gateway import Gateway
 from lightning_sdk.serving.select import make_server
 from lightning_sdk.store import Store
 
@@ -27,9 +28,9 @@ MAX_SERVER_RESTARTS = 3  # per run: a server that keeps dying is a bug to fix, n
 
 
 class EmbeddedCollector:
-    def __init__(self, cfg: Config, *, agent: Agent, model_path: str, store: Store, log_dir: Path,
+    def __init__(self, cfg: Config, *, agent: Agent, gateway: Gateway, model_path: str, store: Store, log_dir: Path,
                  console: Console):
-        self.cfg, self.agent, self.store, self.console = cfg, agent, store, console
+        self.cfg, self.agent, self.gateway, self.store, self.console = cfg, agent, gateway, store, console
         self.log_path = Path(log_dir) / "server.log"
         self.server = make_server(cfg, model_path, self.log_path)
         self._adapters: dict[str, Path] = {}  # policies hot-loaded and still served: reloaded after a restart
@@ -40,6 +41,7 @@ class EmbeddedCollector:
     def start(self) -> None:
         self._loop = asyncio.Runner()
         self.server.start()
+        self.gateway.start([self.server.url], backend_key=self.server.api_key)  # a restart keeps the server's port
 
     def stop(self) -> None:
         try:
@@ -64,7 +66,7 @@ class EmbeddedCollector:
             self._adapters.pop(previous, None)
 
     def collect(self, jobs: list[RolloutJob], policy: str, *, label: str) -> list[RolloutResult]:
-        llm = LLM(base_url=self.server.base_url, api_key=self.server.api_key or "EMPTY", model=policy)
+        llm = LLM(base_url=self.gateway.base_url, api_key=self.gateway.api_key, model=policy)
         timeout = self.cfg.rollout.timeout
 
         async def go() -> list[RolloutResult]:

@@ -35,7 +35,7 @@ from lightning_sdk.serving.engine import (
     ModelNotFound,
     RequestError,
 )
-from lightning_sdk.serving.guard import KeyCheck, error_body
+from lightning_sdk.serving.guard import BodyLimit, KeyCheck, error_body
 
 log = logging.getLogger("lightning_sdk.serving")
 
@@ -145,45 +145,6 @@ class APIError(Exception):
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status)
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes gets an OpenAI-shaped 413 before anything parses it.
-
-    A declared Content-Length is refused at once; a chunked body is read here up to the limit and replayed.
-    """
-
-    def __init__(self, app: Any, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            return await self._refuse(scope, receive, send)
-        messages, size = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.limit:
-                return await self._refuse(scope, receive, send)
-            if not message.get("more_body"):
-                break
-        pending = iter(messages)
-
-        async def replay() -> dict:
-            return next(pending, None) or await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
-        log.warning("%s %s -> 413: body over %d bytes", scope.get("method"), scope.get("path"), self.limit)
-        await error_response(413, f"the request body is larger than the server's limit of {self.limit} bytes",
-                             None)(scope, receive, send)
 
 
 def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,

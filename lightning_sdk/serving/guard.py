@@ -1,4 +1,5 @@
-"""What stands between the network and a server's routes: the API-key check and uvicorn's connection limits.
+"""What stands between the network and a server's routes: the API-key check, the body limit and uvicorn's
+connection limits.
 
 Shared by the inference server (`serving/app.py`, in its own process) and the router (`serving/router.py`, in the
 runtime's process); it imports neither torch nor the engine.
@@ -164,3 +165,42 @@ def guarded_protocol(*, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
                 self.transport.close()
 
     return GuardedH11Protocol
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets an OpenAI-shaped 413 before anything parses it.
+
+    A declared Content-Length is refused at once; a chunked body is read here up to the limit and replayed.
+    """
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._refuse(scope, receive, send)
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        pending = iter(messages)
+
+        async def replay() -> dict:
+            return next(pending, None) or await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        log.warning("%s %s -> 413: body over %d bytes", scope.get("method"), scope.get("path"), self.limit)
+        await _send_json(send, 413, error_body(413, f"the request body is larger than the server's limit of "
+                                                    f"{self.limit} bytes"))
