@@ -33,12 +33,11 @@ from lightning_sdk import tracing
 from lightning_sdk.agent import LLM, load_agent, output_json, run_environment
 from lightning_sdk.errors import RunError, SetupError
 from lightning_sdk.rollouts import protocol
-from lightning_sdk.rollouts.protocol import Claim, Result, RunInfo
+from lightning_sdk.rollouts.protocol import SERVER_FILE, TOKEN_FILE, Claim, Result, RunInfo
 from lightning_sdk.rollouts.worker import run_rollout
 from lightning_sdk.tracing.ship import RolloutShipper
 
 SERVER_ENV, TOKEN_ENV = "LIGHTNING_SERVER", "LIGHTNING_TOKEN"
-TOKEN_FILE, SERVER_FILE = "worker.token", "server.json"  # what the server writes to its run directory
 MAX_BACKOFF_S = 10.0
 
 
@@ -153,7 +152,11 @@ class Worker:
         headers = {"Authorization": f"Bearer {s.token}"}
         timeout = httpx.Timeout(30.0, read=protocol.LONG_POLL_S + 15)
         async with httpx.AsyncClient(base_url=s.server, headers=headers, timeout=timeout) as self.http:
-            info = RunInfo.model_validate((await self._request("GET", protocol.RUN, what="connect")).json())
+            r = await self._request("GET", protocol.RUN, what="connect")
+            if r.status_code != 200:
+                raise SetupError(f"--server {s.server}: GET {protocol.RUN} answered {r.status_code}; is this the URL "
+                                 f"a `lightning run` with run.runtime = 'remote' printed?")
+            info = RunInfo.model_validate(r.json())
             if info.over:
                 return f"run {info.name!r} at {s.server} is over; nothing to do"
             with run_environment(f"{s.server}/v1", s.token, redirect_openai=info.redirect_openai):
@@ -161,7 +164,7 @@ class Worker:
                 self._install_tracing(headers)
                 self.console.print(f"worker {s.name}: run {info.name!r} at {s.server}, agent {s.module}, "
                                    f"{s.concurrency} rollout(s) at a time", highlight=False, soft_wrap=True)
-                loops = [asyncio.create_task(self._loop(k)) for k in range(s.concurrency)]
+                loops = [asyncio.create_task(self._loop()) for _ in range(s.concurrency)]
                 try:
                     done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
                 finally:
@@ -184,8 +187,8 @@ class Worker:
     def _tally(self) -> str:
         return ", ".join(f"{n} {k}" for k, n in self.done.items() if n) or "no rollouts"
 
-    async def _loop(self, k: int) -> None:
-        name = f"{self.s.name}/{k}"
+    async def _loop(self) -> None:
+        name = self.s.name  # the server knows workers by process: one name for all its loops
         while True:
             r = await self._request("POST", protocol.CLAIM, json={"worker": name}, what="claim")
             if r.status_code == 204:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 from lightning_sdk.rollouts.protocol import Result
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
@@ -150,11 +150,15 @@ class Dispatch:
                                  phase=job.phase, attempt=job.attempt, model=policy)
         return claim
 
-    async def claim(self, worker: str, wait_s: float) -> Claimed | None:
-        """`claim_now`, waiting up to `wait_s` seconds (long poll) for work to come; None if none came."""
+    async def claim(self, worker: str, wait_s: float, gone: Callable[[], Awaitable[bool]]) -> Claimed | None:
+        """`claim_now`, waiting up to `wait_s` seconds (long poll) for work to come; None if none came, or if the
+        worker went away meanwhile (`gone`: a killed worker's poll must not take work nobody will do)."""
         loop = asyncio.get_running_loop()
         until = loop.time() + wait_s
         while True:
+            # Asked every round, the first one too: that first ask also makes the server watch the connection.
+            if await gone():
+                return None
             woken = loop.create_future()
             waiter = (loop, woken)
             with self._lock:

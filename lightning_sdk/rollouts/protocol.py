@@ -18,6 +18,7 @@ RESULT = "/v1/work/{rollout_id}/result"  # POST Result -> 200 | 409 not (or no l
 RUN = "/v1/run"  # GET -> RunInfo
 TRACES = "/v1/traces"  # POST OTLP/HTTP ExportTraceServiceRequest (protobuf or JSON)
 
+TOKEN_FILE, SERVER_FILE = "worker.token", "server.json"  # in the run directory: the key, and {"url": ...}
 LONG_POLL_S = 20.0  # a claim waits at most this long for work before it is answered 204
 
 

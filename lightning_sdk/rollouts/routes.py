@@ -46,7 +46,7 @@ def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, timeout: flo
         body = await _parse(request, ClaimRequest, max_body_bytes)
         if isinstance(body, Response):
             return body
-        claimed = await dispatch.claim(body.worker, long_poll_s)
+        claimed = await dispatch.claim(body.worker, long_poll_s, request.is_disconnected)
         if claimed is None:
             if dispatch.over:
                 dispatch.mark_told(body.worker)
