@@ -98,3 +98,22 @@ def test_no_arrow_runs_back_up():
 def test_every_runtime_the_config_accepts_has_one_collector():
     accepted = set(typing.get_args(config.RunConfig.model_fields["runtime"].annotation))
     assert accepted == set(RUNTIMES)
+
+
+def test_the_runtimes_whose_agent_runs_elsewhere_agree_with_their_collectors():
+    """config.AGENT_ELSEWHERE makes [agent] optional; the collector's `runs_agent` keeps the runtime from importing
+    the agent module. One list, said twice: they must agree."""
+    from lightning_sdk.rollouts.collector import runs_agent
+
+    assert {rt for rt in RUNTIMES if not runs_agent(rt)} == set(config.AGENT_ELSEWHERE)
+    for rt in RUNTIMES:
+        data = {"run": {"runtime": rt}, "data": {"train": "t.jsonl"}}
+        if rt in config.AGENT_ELSEWHERE:
+            assert config.parse(data).agent is None
+        else:
+            try:
+                config.parse(data)
+            except config.ConfigError as e:
+                assert str(e).startswith("agent: required key is missing")
+            else:
+                raise AssertionError(f"run.runtime = {rt!r} without [agent] was accepted")

@@ -26,7 +26,7 @@ MAX_BODY_BYTES = 16 * 2**20  # a result's output, or one OTLP export (before and
 _PARSE_INLINE = 64 * 2**10  # bodies above this are parsed in a thread
 
 
-class TooLarge(Exception):
+class _TooLarge(Exception):
     pass
 
 
@@ -84,7 +84,7 @@ def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, timeout: flo
             raw = await _read(request, max_body_bytes)
             decoded = await asyncio.to_thread(otlp.decode, raw, content_type=kind, limit=max_body_bytes,
                                               content_encoding=request.headers.get("content-encoding"))
-        except TooLarge:
+        except _TooLarge:
             return _otlp_error(413, f"the body is larger than the limit of {max_body_bytes} bytes", kind)
         except otlp.OtlpError as e:
             return _otlp_error(e.status, str(e), kind)
@@ -102,15 +102,15 @@ def _otlp_error(status: int, message: str, kind: str) -> Response:
 
 
 async def _read(request: Request, limit: int) -> bytes:
-    """The body, refused (TooLarge) as soon as it passes `limit` bytes, whatever Content-Length claims."""
+    """The body, refused (_TooLarge) as soon as it passes `limit` bytes, whatever Content-Length claims."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise TooLarge
+        raise _TooLarge
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise TooLarge
+            raise _TooLarge
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -119,7 +119,7 @@ async def _parse(request: Request, model: type[BaseModel], limit: int) -> BaseMo
     """The JSON body as `model`, or the 4xx answer: 413 over the limit, 400 naming the first bad field."""
     try:
         raw = await _read(request, limit)
-    except TooLarge:
+    except _TooLarge:
         return JSONResponse(error_body(413, f"the request body is larger than the limit of {limit} bytes"),
                             status_code=413)
     try:
