@@ -211,7 +211,12 @@ class Worker:
         result = await run_rollout(job, rollout_fn=self.rollout_fn, reward_fn=self.reward_fn, llm=llm,
                                    store=self.rows, timeout=claim.timeout)
         row = self.rows.finished.pop(job.rollout_id, {})
-        await asyncio.to_thread(tracing.flush)  # the writer hands the rollout's spans to the shipper
+        left = deadline - time.monotonic()
+        try:  # the writer hands the rollout's spans to the shipper
+            await asyncio.to_thread(tracing.flush, max(1.0, left))
+        except TimeoutError:
+            self._drop(job.rollout_id, "its spans were not all traced before its deadline")
+            return
         left = deadline - time.monotonic()
         if not await asyncio.to_thread(self.shipper.deliver, job.rollout_id, max(0.0, left)):
             self._drop(job.rollout_id, "its spans could not be delivered before its deadline")
