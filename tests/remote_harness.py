@@ -24,8 +24,8 @@ class Api:
 
     def _serve(self, port: int) -> Gateway:
         g = Gateway(api_key=KEY, port=port)
-        g.add_routes(work_router(self.dispatch, run_name="test", api_key=KEY, timeout=self.timeout,
-                                 redirect_openai=True, max_body_bytes=self.max_body_bytes))
+        g.add_routes(work_router(self.dispatch, run_name="test", api_key=KEY, redirect_openai=True,
+                                 max_body_bytes=self.max_body_bytes))
         g.start([self.server.url], backend_key=self.server.api_key)
         g.policy = self.server.served_model_name
         return g
@@ -41,7 +41,7 @@ class Api:
 
     def queue(self, jobs: list[RolloutJob], *, deadline_s: float = 60.0) -> None:
         self.dispatch.open(list(enumerate(jobs)), policy=self.server.served_model_name, label="test",
-                           deadline_s=deadline_s)
+                           timeout=self.timeout, deadline_s=deadline_s)
 
     def results(self, n: int, timeout: float = 60.0) -> list[RolloutResult]:
         """The next `n` results, in the order they came (bounded wait)."""

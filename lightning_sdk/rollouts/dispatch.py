@@ -65,6 +65,7 @@ class Dispatch:
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()  # long-polling claims
         self.policy: str | None = None
         self.label: str | None = None
+        self.timeout = 0.0  # rollout.timeout: what a worker gives the agent (set per phase)
         self.deadline_s = 0.0  # seconds a claim holds: rollout.timeout + remote.grace (set per phase)
         self.generation = 0
         self.over = False
@@ -75,10 +76,11 @@ class Dispatch:
 
     # --------------------------------------------------------------------------------- the collector's side
 
-    def open(self, jobs: list[tuple[int, RolloutJob]], *, policy: str, label: str, deadline_s: float) -> None:
+    def open(self, jobs: list[tuple[int, RolloutJob]], *, policy: str, label: str, timeout: float,
+             deadline_s: float) -> None:
         """Queue a phase's jobs (index, job); claims of an earlier phase are gone by now."""
         with self._lock:
-            self.policy, self.label, self.deadline_s = policy, label, deadline_s
+            self.policy, self.label, self.timeout, self.deadline_s = policy, label, timeout, deadline_s
             self._queue.extend(jobs)
         self._wake()
 

@@ -58,7 +58,7 @@ class RemoteCollector(EmbeddedCollector):
     def start(self) -> None:
         cfg = self.cfg
         self.gateway.add_routes(work_router(
-            self.dispatch, run_name=cfg.run.name, api_key=self.gateway.api_key, timeout=cfg.rollout.timeout,
+            self.dispatch, run_name=cfg.run.name, api_key=self.gateway.api_key,
             redirect_openai=cfg.agent is None or cfg.agent.redirect_openai))
         super().start()  # the inference server, then the gateway in front of it, with our routes
         self._write_access()
@@ -108,7 +108,8 @@ class RemoteCollector(EmbeddedCollector):
         cfg, d = self.cfg, self.dispatch
         results: dict[int, RolloutResult] = {}
         d.generation = self._generation
-        d.open(list(enumerate(jobs)), policy=policy, label=label, deadline_s=cfg.rollout.timeout + cfg.remote.grace)
+        d.open(list(enumerate(jobs)), policy=policy, label=label, timeout=cfg.rollout.timeout,
+               deadline_s=cfg.rollout.timeout + cfg.remote.grace)
         waiting_since = time.monotonic()
         try:
             with progress_bar(self.console, label, len(jobs)) as advance:

@@ -30,9 +30,9 @@ class _TooLarge(Exception):
     pass
 
 
-def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, timeout: float, redirect_openai: bool,
+def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, redirect_openai: bool,
                 long_poll_s: float = protocol.LONG_POLL_S, max_body_bytes: int = MAX_BODY_BYTES) -> APIRouter:
-    """The routes; `timeout` is rollout.timeout (what a worker gives the agent), `api_key` the key agents use."""
+    """The routes; `api_key` is the key agents use for LLM calls (the gateway's)."""
     router = APIRouter()
 
     @router.get(protocol.RUN)
@@ -56,7 +56,7 @@ def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, timeout: flo
         log.debug("%s claimed %s", body.worker, job.rollout_id)
         return JSONResponse(Claim(
             rollout_id=job.rollout_id, task_id=job.task_id, group_id=job.group_id, task=job.task,
-            iteration=job.iteration, phase=job.phase, attempt=job.attempt, timeout=timeout,
+            iteration=job.iteration, phase=job.phase, attempt=job.attempt, timeout=dispatch.timeout,
             deadline_s=max(0.0, claimed.deadline - dispatch.clock()),
             # the address this worker reached us at: right for workers on other machines too
             llm=Endpoint(base_url=f"{str(request.base_url).rstrip('/')}/v1", api_key=api_key,
