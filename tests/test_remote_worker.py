@@ -58,13 +58,13 @@ def test_a_worker_runs_rollouts_and_rides_out_a_server_restart(server, tmp_path)
         until(lambda: api.store.count("spans") >= 2, 60, "two rollouts' LLM calls")  # shipped as they end
         api.restart(down_s=2.0)  # results and the next claims come while nothing listens: retried
         results = api.results(4)
-        api.dispatch.end()
+        worker.send_signal(signal.SIGINT)  # Ctrl-C while it waits for work
         out, _ = worker.communicate(timeout=60)
     finally:
         worker.kill()
         api.stop()
-    assert worker.returncode == 0, out
-    assert "unreachable" in out and "reachable again" in out and "is over: worker" in out
+    assert worker.returncode == 130, out
+    assert "unreachable" in out and "reachable again" in out and "worker stopped (Ctrl-C)" in out
     assert "IMPORTED []" in out  # no torch, transformers, peft, fastapi, uvicorn, store or serving code
     assert sorted(r.job.rollout_id for r in results) == ["r-0", "r-1", "r-2", "r-3"]
     assert all(r.status == "succeeded" and r.output["base_url"] == f"{api.url}/v1" for r in results)
@@ -72,6 +72,27 @@ def test_a_worker_runs_rollouts_and_rides_out_a_server_restart(server, tmp_path)
         [t] = to_transitions(api.store.rollout(r.job.rollout_id), api.store.spans(r.job.rollout_id))
         assert t.prompt_ids and len(t.logprobs) == len(t.completion_ids)
     assert api.dispatch.spans_refused == {}
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from lightning_sdk.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for var in ("LIGHTNING_SERVER", "LIGHTNING_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    for args, env, words in ((["worker", AGENT], {}, "no server"),
+                             (["worker", AGENT, "--server", "http://127.0.0.1:9"], {}, "no token"),
+                             (["worker", "--server", "ftp://x"], {"LIGHTNING_TOKEN": "t"}, "expected an http"),
+                             (["worker", "nope.py", "--server", "http://127.0.0.1:9"], {"LIGHTNING_TOKEN": "t"},
+                              "'nope.py': file not found"),
+                             (["worker", "--server", "http://127.0.0.1:9"], {"LIGHTNING_TOKEN": "t"},
+                              "no agent module"),
+                             (["worker", "--run-dir", str(tmp_path)], {}, "no readable server.json")):
+        result = CliRunner().invoke(main, args, env=env)
+        assert result.exit_code == 2 and words in result.output, (args, result.output)
+        assert result.output.count("\n") == 1
 
 
 @pytest.fixture(scope="module")
