@@ -42,6 +42,16 @@ chat = ChatOpenAI(model="gpt-4o-mini", max_tokens=8, temperature=1.0)
 async def solve(task):
     return (await chat.ainvoke(task["question"])).content
 ''' + REWARD
+AGENTS_SDK = '''
+from agents import Agent, ModelSettings, Runner
+import lightning_sdk as ls
+
+solver = Agent(name="solver", model="gpt-4o-mini", model_settings=ModelSettings(temperature=1.0, max_tokens=8))
+
+@ls.rollout
+async def solve(task):
+    return (await Runner.run(solver, task["question"])).final_output
+''' + REWARD
 
 
 def project(tmp_path: Path, source: str, **agent) -> Path:
@@ -82,8 +92,9 @@ def _openai_env() -> dict:
     return {k: v for k, v in os.environ.items() if k.startswith("OPENAI")}
 
 
-@pytest.mark.parametrize("source", [PLAIN, LANGCHAIN], ids=["openai-client", "langchain"])
+@pytest.mark.parametrize("source", [PLAIN, LANGCHAIN, AGENTS_SDK], ids=["openai-client", "langchain", "agents-sdk"])
 def test_an_unchanged_agent_trains(tmp_path, openai_elsewhere, source, caplog):
+    """The Agents SDK's `Agent` given only a model name calls the Responses API (`/v1/responses`)."""
     with caplog.at_level("INFO", logger="lightning_sdk"):
         result = ls.run(project(tmp_path, source))
     assert [row["iteration"] for row in result.history] == [1, 2]
@@ -93,6 +104,7 @@ def test_an_unchanged_agent_trains(tmp_path, openai_elsewhere, source, caplog):
              if "lightning.llm.completion_token_ids" in s.attributes]
     assert len(calls) == 16
     assert {s.attributes["gen_ai.request.model"] for s in calls} == {"gpt-4o-mini"}  # what the agent asked for
+    assert {s.name for s in calls} == {"openai.response" if source is AGENTS_SDK else "openai.chat"}
     assert {s.attributes["gen_ai.response.model"] for s in calls} == {"builtin:tiny-arith", "zero-iter1"}  # served
     assert any("the agent asked for model 'gpt-4o-mini'" in r.getMessage() for r in caplog.records)
     assert _openai_env() == openai_elsewhere  # the agent's environment is its own again after the run

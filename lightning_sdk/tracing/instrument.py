@@ -17,7 +17,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
-from lightning_sdk.tracing import context, deferred, export, token_ids
+from lightning_sdk.tracing import context, deferred, export, responses, token_ids
 from lightning_sdk.tracing.records import SpanSink
 from lightning_sdk.tracing.writer import StoreSpanProcessor
 
@@ -233,3 +233,4 @@ def _instrument(provider: TracerProvider) -> None:
     # No W3C traceparent header on the agent's requests: the spans stay in our store, no server continues the
     # trace, and injecting it costs every call.
     OpenAIInstrumentor(enable_trace_context_propagation=False).instrument(tracer_provider=provider)
+    responses.instrument(provider)  # the Responses API: our spans instead of the instrumentor's
