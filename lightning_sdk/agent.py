@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import json
 import math
 import numbers
 import os
@@ -86,6 +87,19 @@ def is_rollout(obj: Any) -> bool:
 
 def is_reward(obj: Any) -> bool:
     return callable(obj) and getattr(obj, REWARD_MARK, False) is True
+
+
+def output_json(output: Any) -> str:
+    """A rollout's output as JSON (the store's column, a remote worker's report); one JSON cannot hold (a list
+    that contains itself, a dict with tuple keys) is kept as its repr, so recording it never fails the rollout,
+    let alone the run."""
+    try:
+        return json.dumps(output, default=str)
+    except (TypeError, ValueError, RecursionError):
+        try:
+            return json.dumps(repr(output))
+        except Exception:  # noqa: BLE001 - a __repr__ that raises: the type is all that is left
+            return json.dumps(f"<{type(output).__name__} that neither JSON nor repr() can show>")
 
 
 # What a run puts in the agent process's environment. OPENAI_BASE_URL / OPENAI_API_KEY are what the openai client

@@ -1,5 +1,5 @@
 """`lightning`: the command line. `lightning run` trains, `lightning eval` scores a policy on held-out tasks,
-`lightning traces` shows what the store holds."""
+`lightning traces` shows what the store holds, `lightning worker` runs the agent for a remote run."""
 
 from __future__ import annotations
 
@@ -246,6 +246,42 @@ def _training_side(console: Console, what: str) -> tuple[type, type, type]:
             raise
         _fail(console, line)
     return DatasetError, ModelLoadError, Runtime
+
+
+@main.command()
+@click.argument("module", required=False)
+@click.option("--server", help="The run's URL, as `lightning run` printed it (env LIGHTNING_SERVER).")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="The run directory's worker.token (or env LIGHTNING_TOKEN holding the token).")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="A run's directory on this machine: its server.json and worker.token.")
+@click.option("--concurrency", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Rollouts at once.")
+@click.option("--rollout", help="The @rollout function's name, if the module has several.")
+@click.option("--reward", help="The @reward function's name, if the module has several.")
+def worker(module: str | None, server: str | None, token_file: Path | None, run_dir: Path | None, concurrency: int,
+           rollout: str | None, reward: str | None) -> None:
+    """Run the agent for a remote run (run.runtime = "remote"), here in its own folder and environment.
+
+    MODULE is the agent's .py file or dotted module (default: [agent] module of ./lightning.toml).
+    """
+    from lightning_sdk import client
+    from lightning_sdk.errors import RunError, SetupError
+
+    console = make_console()
+    try:
+        worker = client.Worker(client.settings(module=module, server=server, token_file=token_file, run_dir=run_dir,
+                                               concurrency=concurrency, rollout=rollout, reward=reward), console)
+        console.print(worker.run(), highlight=False, soft_wrap=True)
+    except SetupError as e:
+        _fail(console, str(e), getattr(e, "traceback", None))
+    except RunError as e:
+        console.print(f"[bold red]worker stopped:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        console.print("worker stopped (Ctrl-C); the server re-runs its unfinished rollouts after their deadline",
+                      highlight=False, soft_wrap=True)
+        sys.exit(130)
 
 
 def describe(record: Any) -> str:

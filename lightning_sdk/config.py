@@ -34,7 +34,9 @@ class RunConfig(_Section):
     dir: Path = Path("runs/run")
     iterations: int = Field(10, ge=1)
     seed: int = 0
-    runtime: Literal["embedded", "ray"] = "embedded"  # "ray": rollouts and inference on a Ray cluster ([ray])
+    # "ray": rollouts and inference on a Ray cluster ([ray]); "remote": rollouts by `lightning worker` processes,
+    # in the agent's own environment, on this machine or others ([remote], docs/remote.md)
+    runtime: Literal["embedded", "ray", "remote"] = "embedded"
     report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
         default_factory=lambda: ["tensorboard"], description="experiment trackers that get every iteration's "
         "metrics and the eval scores (metrics.jsonl always does); all but tensorboard need the [track] extra")
@@ -239,6 +241,21 @@ class RayConfig(_Section):
     max_retries: int = Field(1, ge=0, description="re-runs of a rollout whose worker died")
 
 
+class RemoteConfig(_Section):
+    """Used when run.runtime = "remote": `lightning worker` processes claim the rollouts (docs/remote.md)."""
+
+    worker_timeout: float = Field(300.0, gt=0, description="seconds without a request from any worker while "
+                                  "rollouts wait for one (none claimed) before the run stops, saying how to start one")
+    grace: float = Field(30.0, ge=0, description="seconds a claimed rollout's result may come after rollout.timeout "
+                         "(its reward, span delivery and report); later, the claim is abandoned (spans kept) and the "
+                         "rollout re-run once under a new id")
+
+
+# Runtimes whose agent runs elsewhere (remote workers): [agent] is optional for them, and the trainer never imports
+# it. Their collector says so too (`runs_agent = False`, read by the runtime); tests/test_layout.py checks both agree.
+AGENT_ELSEWHERE = ("remote",)
+
+
 # train.* defaults for the tiny models (builtin:, tiny:): the global ones (lr 1e-4, r 16, no lm_head, 1 epoch) suit
 # a pretrained instruct model, but leave a tiny model's reward flat (eval 0.05 -> 0.05 with a minimal config); with
 # these it learns (tests/test_first_run.py). A key the file sets wins.
@@ -248,13 +265,15 @@ TINY_TRAIN_DEFAULTS: dict[str, Any] = {"lr": 2e-3, "lora_r": 8, "lora_alpha": 16
 
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
-    agent: AgentConfig
+    agent: AgentConfig | None = Field(None, description="required unless run.runtime runs the agent elsewhere "
+                                      "(AGENT_ELSEWHERE: 'remote', where workers name their module)")
     data: DataConfig
     model: ModelConfig = Field(default_factory=ModelConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    remote: RemoteConfig = Field(default_factory=RemoteConfig)
 
     @model_validator(mode="after")
     def _tiny_model_defaults(self):
@@ -263,6 +282,13 @@ class Config(_Section):
                 if key not in self.train.model_fields_set:
                     setattr(self.train, key, value)
                     self.train.model_fields_set.discard(key)  # still a default: see override()
+        return self
+
+    @model_validator(mode="after")
+    def _agent_here(self):
+        if self.agent is None and self.run.runtime not in AGENT_ELSEWHERE:
+            raise ValueError(f"agent: required key is missing (run.runtime = {self.run.runtime!r} runs the agent in "
+                             f"this run; [agent] module names it)")
         return self
 
     @model_validator(mode="after")
@@ -304,7 +330,7 @@ def parse(data: dict, *, base: Path | None = None) -> Config:
         cfg.data.eval = rel(cfg.data.eval)
         if cfg.model.name.startswith("tiny:") and not Path(cfg.model.name[5:]).is_absolute():
             cfg.model.name = f"tiny:{base / cfg.model.name[5:]}"
-        if cfg.agent.module.endswith(".py") and not Path(cfg.agent.module).is_absolute():
+        if cfg.agent is not None and cfg.agent.module.endswith(".py") and not Path(cfg.agent.module).is_absolute():
             cfg.agent.module = str(base / cfg.agent.module)
     return cfg
 

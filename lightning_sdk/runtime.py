@@ -32,7 +32,7 @@ from lightning_sdk.config import Config
 from lightning_sdk.errors import CaptureError, RunError, SetupError
 from lightning_sdk.files import DirBusyError, clean_atomic_leftovers, locked_dir
 from lightning_sdk.metrics import MetricsLog, check_trackers
-from lightning_sdk.rollouts.collector import Agent, Collector, make_collector
+from lightning_sdk.rollouts.collector import Agent, Collector, make_collector, runs_agent
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
 from lightning_sdk.serving import ServerError, SleepableServer
 from lightning_sdk.serving.gateway import Gateway
@@ -193,16 +193,19 @@ class Runtime:
                              "expected an address of this machine, e.g. 127.0.0.1")) from None
         stack.callback(gateway.stop)
         stack.enter_context(run_environment(gateway.base_url, gateway.api_key,
-                                            redirect_openai=cfg.agent.redirect_openai))
+                                            redirect_openai=cfg.agent is None or cfg.agent.redirect_openai))
         return gateway
 
-    def _load_agent(self) -> Agent:
+    def _load_agent(self) -> Agent | None:
+        """The agent's functions; None where the runtime's workers run it (they import it, this process never)."""
         a = self.cfg.agent
+        if not runs_agent(self.cfg.run.runtime):
+            return None
         rollout_fn, reward_fn = load_agent(a.module, a.rollout, a.reward)
         return Agent(a.module, rollout_fn, reward_fn)
 
     @contextmanager
-    def _session(self, agent: Agent, gateway: Gateway, model_path: str, store: Store,
+    def _session(self, agent: Agent | None, gateway: Gateway, model_path: str, store: Store,
                  log_dir: Path) -> Iterator[Collector]:
         """Tracing into `store`, and the collector (its inference server, the gateway in front) started; all
         undone on exit."""

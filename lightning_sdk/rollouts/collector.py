@@ -54,17 +54,28 @@ class Collector(Protocol):
 RUNTIMES = {
     "embedded": "lightning_sdk.rollouts.embedded:EmbeddedCollector",
     "ray": "lightning_sdk.rollouts.ray:RayCollector",
+    "remote": "lightning_sdk.rollouts.remote:RemoteCollector",
 }
 
 
-def make_collector(cfg: Config, *, agent: Agent, gateway: Gateway, model_path: str, store: Store, log_dir: Path,
-                   console: Console) -> Collector:
-    module, _, name = RUNTIMES[cfg.run.runtime].partition(":")
+def collector_class(runtime: str) -> type:
+    module, _, name = RUNTIMES[runtime].partition(":")
     try:
-        cls = getattr(importlib.import_module(module), name)
+        return getattr(importlib.import_module(module), name)
     except ImportError as e:
-        raise SetupError(f"run.runtime = {cfg.run.runtime!r} needs {e.name or e}: pip install "
-                         f"'lightning-agent-rl[{cfg.run.runtime}]' ({e})") from None
+        raise SetupError(f"run.runtime = {runtime!r} needs {e.name or e}: pip install "
+                         f"'lightning-agent-rl[{runtime}]' ({e})") from None
+
+
+def runs_agent(runtime: str) -> bool:
+    """Whether this runtime runs the agent in this run's processes, so the runtime imports its module: a collector
+    class whose agent runs elsewhere (remote workers, in their own environment) says `runs_agent = False`."""
+    return getattr(collector_class(runtime), "runs_agent", True)
+
+
+def make_collector(cfg: Config, *, agent: Agent | None, gateway: Gateway, model_path: str, store: Store, log_dir: Path,
+                   console: Console) -> Collector:
+    cls = collector_class(cfg.run.runtime)
     return cls(cfg, agent=agent, gateway=gateway, model_path=model_path, store=store, log_dir=log_dir,
                console=console)
 

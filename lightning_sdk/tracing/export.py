@@ -104,8 +104,9 @@ class Exporters:
             p.shutdown()
 
 
-def exporters(own: TracerProvider, app: TracerProvider | None, endpoint: str | None) -> Exporters:
-    out: list[SpanProcessor | AppProvider] = []
+def exporters(own: TracerProvider, app: TracerProvider | None, endpoint: str | None,
+              outlets: Sequence[SpanProcessor] = ()) -> Exporters:
+    out: list[SpanProcessor | AppProvider] = list(outlets)
     otlp = otlp_processor(endpoint)
     if otlp is not None:
         out.append(otlp)

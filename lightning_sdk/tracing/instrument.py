@@ -11,7 +11,7 @@ import logging
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
@@ -22,7 +22,8 @@ from lightning_sdk.tracing.records import SpanSink
 from lightning_sdk.tracing.writer import StoreSpanProcessor
 
 
-def install(sink: SpanSink, *, otlp_endpoint: str | None = None) -> StoreSpanProcessor:
+def install(sink: SpanSink, *, otlp_endpoint: str | None = None,
+            outlets: Sequence[SpanProcessor] = ()) -> StoreSpanProcessor:
     """Instrument the OpenAI client (once per process) and send rollout spans to `sink`.
 
     The OpenAI instrumentor gets a private TracerProvider, so a user's own OpenTelemetry setup is neither
@@ -31,7 +32,8 @@ def install(sink: SpanSink, *, otlp_endpoint: str | None = None) -> StoreSpanPro
     `_adopt_global`. Calling it again swaps the sink (a new run in the same process).
 
     Rollout spans also go to an OTLP/HTTP collector at `otlp_endpoint` (a base URL; default: the
-    OTEL_EXPORTER_OTLP_ENDPOINT environment variable, if set) and to the application's own global provider.
+    OTEL_EXPORTER_OTLP_ENDPOINT environment variable, if set), to the application's own global provider, and to
+    `outlets` (a remote worker's `ship.RolloutShipper`).
     """
     with _install_lock:
         if _state.processor is not None:
@@ -45,7 +47,7 @@ def install(sink: SpanSink, *, otlp_endpoint: str | None = None) -> StoreSpanPro
             _state.app_provider = _adopt_global(_state.provider)
             atexit.register(_shutdown)  # the exporters' last batch goes out before the process ends
         processor = StoreSpanProcessor(sink, exporters=export.exporters(_state.provider, _state.app_provider,
-                                                                         otlp_endpoint))
+                                                                         otlp_endpoint, outlets))
         _state.forward.target = processor
         _state.processor = processor
         return processor
