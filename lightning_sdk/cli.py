@@ -69,7 +69,7 @@ def make_console() -> Console:
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Override run.dir.")
 @click.option("--iterations", type=click.IntRange(min=1), help="Override run.iterations.")
 def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, iterations: int | None) -> None:
-    """Start the embedded runtime: serve the model, run the agent, train it with GRPO."""
+    """Train: serve the model, run the agent (here, on Ray or in `lightning worker`s: run.runtime), update it."""
     console = make_console()
     if resume and overwrite:
         _fail(console, "--resume and --overwrite exclude each other")

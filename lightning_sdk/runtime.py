@@ -247,7 +247,7 @@ class Runtime:
         if free < MIN_FREE_BYTES:
             raise SetupError(f"run.dir = {str(d)!r}: only {free / 2**20:.1f} MiB free on its disk; a run needs at "
                              f"least {MIN_FREE_BYTES / 2**20:.0f} MiB for its store and checkpoints")
-        if cfg.run.runtime == "embedded" and cfg.serve.backend == "vllm":
+        if cfg.serve.backend == "vllm":  # (the config refuses it for the Ray runtime)
             from lightning_sdk.serving.select import make_server
 
             make_server(cfg, "", d / "server.log")  # refuses vllm where it cannot run; builds, starts nothing
