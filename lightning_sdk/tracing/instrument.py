@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import atexit
 import logging
-import secrets
+import os
+import random
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,8 +17,9 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-from lightning_sdk.tracing import context, deferred, export, token_ids
+from lightning_sdk.tracing import context, deferred, export, recorded, token_ids
 from lightning_sdk.tracing.records import SpanSink
 from lightning_sdk.tracing.writer import StoreSpanProcessor
 
@@ -37,7 +39,8 @@ def install(sink: SpanSink, *, otlp_endpoint: str | None = None) -> StoreSpanPro
         if _state.processor is not None:
             _state.processor.shutdown()
         if _state.provider is None:
-            _state.provider = TracerProvider(id_generator=OsRandomIds())
+            # Always sampled: the store needs every call, whatever an application samples for its own spans.
+            _state.provider = TracerProvider(sampler=ALWAYS_ON, id_generator=PrivateRandomIds())
             context.use_provider(_state.provider)
             # A provider keeps its processors for life: route through one whose target can be swapped.
             _state.provider.add_span_processor(_state.forward)
@@ -51,18 +54,24 @@ def install(sink: SpanSink, *, otlp_endpoint: str | None = None) -> StoreSpanPro
         return processor
 
 
-class OsRandomIds(IdGenerator):
-    """Span and trace ids from the OS's randomness (`secrets`), not Python's `random`.
+class PrivateRandomIds(IdGenerator):
+    """Span and trace ids from a random generator of our own, seeded from the OS (again in a forked child).
 
-    OpenTelemetry's default generator draws from `random`, whose state training code seeds and restores: a
-    resumed run would draw the very ids it drew before the kill, and the store would see old ids for new spans.
+    OpenTelemetry's default generator draws from the `random` module, whose state training code seeds and
+    restores: a resumed run would draw the very ids it drew before the kill, and the store would see old ids for
+    new spans. Drawing each id from the OS (`secrets`) avoids that too, but is a system call that releases the
+    GIL twice per span: a writer thread waiting for the GIL takes it there, in the middle of the agent's call.
     """
 
+    def __init__(self) -> None:
+        self._random = random.Random()  # seeded from os.urandom
+        os.register_at_fork(after_in_child=self._random.seed)
+
     def generate_span_id(self) -> int:
-        return secrets.randbits(64) or 1  # 0 is the invalid span id
+        return self._random.getrandbits(64) or 1  # 0 is the invalid span id
 
     def generate_trace_id(self) -> int:
-        return secrets.randbits(128) or 1
+        return self._random.getrandbits(128) or 1
 
     def is_trace_id_random(self) -> bool:
         return True
@@ -203,7 +212,12 @@ def _defer_attributes(chat_wrappers: Any) -> None:
         deferred.defer(span, lambda target: _run_inline(handle_request(target, kept, instance)))
 
     def deferred_response(response, span, *args, **kwargs):
-        if not deferred.defer(span, lambda target: handle_response(response, target, *args, **kwargs)):
+        if chat_wrappers.should_emit_events():  # its events read the response object's attributes
+            done = deferred.defer(span, lambda target: handle_response(response, target, *args, **kwargs))
+        else:  # it reads `model_dump()` of the response: the JSON data is the same
+            done = deferred.defer_response(span, response,
+                                           lambda target, data: handle_response(data, target, *args, **kwargs))
+        if not done:
             handle_response(response, span, *args, **kwargs)
         return response
 
@@ -230,4 +244,6 @@ def _instrument(provider: TracerProvider) -> None:
         wrap_function_wrapper(mod, name, token_ids.async_wrapper)
     # No W3C traceparent header on the agent's requests: the spans stay in our store, no server continues the
     # trace, and injecting it costs every call.
-    OpenAIInstrumentor(enable_trace_context_propagation=False).instrument(tracer_provider=provider)
+    # Its spans inside a rollout are recorded on the agent's thread and built on the writer thread (`recorded`).
+    OpenAIInstrumentor(enable_trace_context_propagation=False).instrument(
+        tracer_provider=recorded.RecordingTracerProvider(provider, _state.forward))

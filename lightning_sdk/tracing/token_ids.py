@@ -6,8 +6,8 @@ when they run), ask registered endpoints for token ids (`return_token_ids`, vLLM
 server honours too) and copy vLLM's `prompt_token_ids` / `choices[].token_ids` fields and the sampled tokens'
 log-probs onto the span, for plain, streamed and raw-response calls.
 
-The calling thread only keeps a reference to the response (or the stream's chunks); reading the ids out of it
-and building the lists happens on the span writer thread (`deferred`), before the span is stored or exported.
+The calling thread only keeps the response's JSON text (or the stream's chunks); reading the ids out of it and
+building the lists happens on the span writer thread (`deferred`), before the span is stored or exported.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from lightning_sdk.tracing.deferred import AttributeTarget, defer
+from lightning_sdk.tracing.deferred import AttributeTarget, defer, defer_response
 from lightning_sdk.tracing.records import COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS
 
 # Base URLs whose calls ask for token ids; other providers' calls are left untouched.
@@ -181,20 +181,12 @@ def _prepare_request(instance: Any, kwargs: dict) -> dict:
     return kwargs
 
 
-def _parsed(response: Any) -> Any:
-    # `with_raw_response` calls hand back an APIResponse; parse() caches, so the caller's own parse() is free.
-    from openai._legacy_response import LegacyAPIResponse
-
-    return response.parse() if isinstance(response, LegacyAPIResponse) else response
-
-
 def sync_wrapper(wrapped, instance, args, kwargs):
     span = trace.get_current_span()  # the instrumentor's span: it wraps us and makes its span current
     response = wrapped(*args, **_prepare_request(instance, kwargs))
     if _is_stream(response):
         return _wrap_stream(response, span)
-    parsed = _parsed(response)
-    defer(span, lambda target: _response_ids(target, parsed))
+    defer_response(span, response, _response_ids)
     return response
 
 
@@ -203,6 +195,5 @@ async def async_wrapper(wrapped, instance, args, kwargs):
     response = await wrapped(*args, **_prepare_request(instance, kwargs))
     if _is_stream(response):
         return _wrap_stream(response, span)
-    parsed = _parsed(response)
-    defer(span, lambda target: _response_ids(target, parsed))
+    defer_response(span, response, _response_ids)
     return response

@@ -12,7 +12,7 @@ import time
 
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
-from lightning_sdk.tracing import deferred
+from lightning_sdk.tracing import deferred, recorded
 from lightning_sdk.tracing.context import current_component, current_rollout
 from lightning_sdk.tracing.export import Exporters
 from lightning_sdk.tracing.records import ATTEMPT, COMPONENT, ROLLOUT_ID, SpanSink, to_record
@@ -29,8 +29,9 @@ class StoreSpanProcessor(SpanProcessor):
     The writer instead wakes every `interval` seconds, or at once on a flush, and writes what has gathered in one
     transaction.
 
-    The writer also finishes each span (`deferred.complete`: the attributes the calling thread left for it) and
-    hands it to `exporters` (an OTLP collector, the application's provider) after the store has it.
+    The writer also finishes each span (`recorded.finished`: the SDK span of a recorded one; `deferred.complete`:
+    the attributes the calling thread left for it) and hands it to `exporters` (an OTLP collector, the
+    application's provider) after the store has it.
     """
 
     def __init__(self, sink: SpanSink, *, exporters: Exporters | None = None, max_batch: int = 512,
@@ -77,7 +78,7 @@ class StoreSpanProcessor(SpanProcessor):
             self._wake.clear()
             while batch := self._take():
                 try:
-                    batch = [deferred.complete(s) for s in batch]
+                    batch = [deferred.complete(recorded.finished(s)) for s in batch]
                     self._sink.write_spans([r for r in map(to_record, batch) if r is not None])
                 except Exception as e:  # keep the writer alive; the runtime reports these loudly
                     self.errors.append(f"{type(e).__name__}: {e}")
