@@ -19,14 +19,10 @@ from opentelemetry.trace import Status, StatusCode
 from lightning_sdk.tracing.records import ROLLOUT_ID
 
 Work = Callable[["AttributeTarget"], None]
-ResponseWork = Callable[["AttributeTarget", Any], None]
 
 # span id -> work for the writer thread. One span is only ever touched by the thread that runs its call, and
 # dict/list operations are atomic under the GIL: no lock on the agent's path.
 _pending: dict[int, list[Work]] = {}
-# span id -> (id of the response object, its frozen copy): the instrumentor and the token-id wrapper defer work on
-# the same response, which is copied once.
-_frozen: dict[int, tuple[int, "Frozen"]] = {}
 
 
 def in_rollout(span: Any) -> bool:
@@ -42,35 +38,20 @@ def defer(span: Any, work: Work) -> bool:
     return True
 
 
-def defer_response(span: Any, response: Any, work: ResponseWork) -> bool:
-    """Run `work(target, data)` on the writer thread for this rollout span, `data` being the response as plain
-    JSON data (what `model_dump()` gives); False (and nothing kept) for other spans.
-
-    What the calling thread keeps is the response's JSON text, not the response: its objects (a few per token with
-    log-probs) would otherwise outlive the call until the writer runs, and the garbage collector would traverse
-    them and promote them to its oldest generation, whose full collections then come more often.
-    """
-    if not in_rollout(span):
-        return False
-    span_id = span.get_span_context().span_id
-    if not hasattr(response, "model_dump_json") and hasattr(response, "parse"):
-        response = response.parse()  # a `with_raw_response` call's APIResponse; parse() caches
-    memo = _frozen.get(span_id)
-    if memo is not None and memo[0] == id(response):
-        frozen = memo[1]
-    else:
-        frozen = Frozen(response)
-        _frozen[span_id] = (id(response), frozen)
-    _pending.setdefault(span_id, []).append(lambda target: work(target, frozen.data()))
-    return True
-
-
 class Frozen:
-    """A response kept as JSON text (a model), or as it is (anything else); `data()` on the writer thread."""
+    """A response kept as JSON text (what `model_dump()` gives, once loaded), or as it is if it is no model;
+    `data()` on the writer thread.
+
+    Deferred work that keeps a response keeps all its objects alive until the writer runs; the garbage collector
+    traverses them meanwhile and promotes them to its oldest generation, whose full collections then come more
+    often. Serialising costs less than that when the response holds objects per token (log-probs).
+    """
 
     __slots__ = ("_text", "_data")
 
     def __init__(self, response: Any):
+        if not hasattr(response, "model_dump_json") and hasattr(response, "parse"):
+            response = response.parse()  # a `with_raw_response` call's APIResponse; parse() caches
         self._text: str | None = None
         self._data: Any = response
         if hasattr(response, "model_dump_json"):
@@ -87,7 +68,6 @@ class Frozen:
 
 def discard(span_id: int) -> None:
     _pending.pop(span_id, None)
-    _frozen.pop(span_id, None)
 
 
 class AttributeTarget:
@@ -120,9 +100,7 @@ class AttributeTarget:
 
 def complete(span: ReadableSpan) -> ReadableSpan:
     """The span with its deferred attributes (writer thread). The span's own attributes win on a clash."""
-    span_id = span.get_span_context().span_id
-    _frozen.pop(span_id, None)
-    work = _pending.pop(span_id, None)
+    work = _pending.pop(span.get_span_context().span_id, None)
     if not work:
         return span
     target = AttributeTarget(span)

@@ -195,6 +195,14 @@ def _snapshot(kwargs: dict) -> dict:
     return kept
 
 
+def _holds_logprobs(response: Any) -> bool:
+    """Whether a reply carries log-prob objects (a few per token): the agent asked for them."""
+    choices = getattr(response, "choices", None)
+    if choices is None and hasattr(response, "parse"):  # a `with_raw_response` call's APIResponse
+        choices = getattr(response.parse(), "choices", None)
+    return any(getattr(c, "logprobs", None) is not None for c in choices or ())
+
+
 def _defer_attributes(chat_wrappers: Any) -> None:
     """Run the instrumentor's request and response attribute work on the span writer thread (see `deferred`).
 
@@ -212,13 +220,14 @@ def _defer_attributes(chat_wrappers: Any) -> None:
         deferred.defer(span, lambda target: _run_inline(handle_request(target, kept, instance)))
 
     def deferred_response(response, span, *args, **kwargs):
-        if chat_wrappers.should_emit_events():  # its events read the response object's attributes
-            done = deferred.defer(span, lambda target: handle_response(response, target, *args, **kwargs))
-        else:  # it reads `model_dump()` of the response: the JSON data is the same
-            done = deferred.defer_response(span, response,
-                                           lambda target, data: handle_response(data, target, *args, **kwargs))
-        if not done:
+        if not deferred.in_rollout(span):
             handle_response(response, span, *args, **kwargs)
+        elif _holds_logprobs(response) and not chat_wrappers.should_emit_events():
+            # It reads `model_dump()` of the response: the JSON data is the same (see `deferred.Frozen`).
+            frozen = deferred.Frozen(response)
+            deferred.defer(span, lambda target: handle_response(frozen.data(), target, *args, **kwargs))
+        else:
+            deferred.defer(span, lambda target: handle_response(response, target, *args, **kwargs))
         return response
 
     chat_wrappers._handle_request = deferred_request
