@@ -9,6 +9,7 @@ a rollout defer anything: others go nowhere, so their attributes are never built
 
 from __future__ import annotations
 
+import contextvars
 import json
 from typing import Any, Callable
 
@@ -23,6 +24,9 @@ Work = Callable[["AttributeTarget"], None]
 # span id -> work for the writer thread. One span is only ever touched by the thread that runs its call, and
 # dict/list operations are atomic under the GIL: no lock on the agent's path.
 _pending: dict[int, list[Work]] = {}
+
+# The call the span writer thread is replaying through the instrumentor (`calls.RecordedCall`), else None.
+replaying: contextvars.ContextVar[Any] = contextvars.ContextVar("lightning_replaying", default=None)
 
 
 def in_rollout(span: Any) -> bool:
@@ -64,6 +68,15 @@ class Frozen:
         if self._text is not None:
             self._data, self._text = json.loads(self._text), None
         return self._data
+
+
+def snapshot(kwargs: dict) -> dict:
+    """A request as the call saw it: agents append to their `messages` list right after a call returns."""
+    kept = dict(kwargs)
+    messages = kept.get("messages")
+    if isinstance(messages, list):
+        kept["messages"] = [dict(m) if isinstance(m, dict) else m for m in messages]
+    return kept
 
 
 def discard(span_id: int) -> None:

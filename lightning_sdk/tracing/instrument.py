@@ -129,6 +129,10 @@ class _Forward(SpanProcessor):
         if self.target is not None and not isinstance(span, export.ExportedSpan):
             self.target.on_end(span)
 
+    def record(self, call) -> None:
+        if self.target is not None:
+            self.target.record(call)
+
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.target.force_flush(timeout_millis) if self.target is not None else True
 
@@ -186,15 +190,6 @@ def _fix_version_checks() -> None:
             module.is_openai_v1 = lambda: v1
 
 
-def _snapshot(kwargs: dict) -> dict:
-    """The request as the call saw it: agents append to their `messages` list right after a call returns."""
-    kept = dict(kwargs)
-    messages = kept.get("messages")
-    if isinstance(messages, list):
-        kept["messages"] = [dict(m) if isinstance(m, dict) else m for m in messages]
-    return kept
-
-
 def _holds_logprobs(response: Any) -> bool:
     """Whether a reply carries log-prob objects (a few per token): the agent asked for them."""
     choices = getattr(response, "choices", None)
@@ -216,7 +211,7 @@ def _defer_attributes(chat_wrappers: Any) -> None:
     async def deferred_request(span, kwargs, instance):
         if not deferred.in_rollout(span):
             return await handle_request(span, kwargs, instance)
-        kept = _snapshot(kwargs)
+        kept = deferred.snapshot(kwargs)
         deferred.defer(span, lambda target: _run_inline(handle_request(target, kept, instance)))
 
     def deferred_response(response, span, *args, **kwargs):
@@ -235,9 +230,12 @@ def _defer_attributes(chat_wrappers: Any) -> None:
 
 
 def _instrument(provider: TracerProvider) -> None:
+    import openai.resources.chat.completions as chat
     from opentelemetry.instrumentation.openai import OpenAIInstrumentor
     from opentelemetry.instrumentation.openai.shared import chat_wrappers
     from wrapt import wrap_function_wrapper
+
+    from lightning_sdk.tracing import calls
 
     if hasattr(chat_wrappers, "run_async"):
         chat_wrappers.run_async = _run_inline
@@ -245,14 +243,25 @@ def _instrument(provider: TracerProvider) -> None:
     _fix_version_checks()
     logging.getLogger("opentelemetry.attributes").addFilter(_DropSentinelWarnings())
 
-    # Ours first, so the instrumentor's wrapper ends up outside it and its span is current when ours runs.
     mod = "openai.resources.chat.completions"
-    for name in ("Completions.create", "Completions.parse"):
+    sync_names, async_names = ("Completions.create", "Completions.parse"), ("AsyncCompletions.create",
+                                                                          "AsyncCompletions.parse")
+    originals = {name: getattr(getattr(chat, name.split(".")[0]), name.split(".")[1])
+                 for name in sync_names + async_names}
+    # Ours first, so the instrumentor's wrapper ends up outside it and its span is current when ours runs.
+    for name in sync_names:
         wrap_function_wrapper(mod, name, token_ids.sync_wrapper)
-    for name in ("AsyncCompletions.create", "AsyncCompletions.parse"):
+    for name in async_names:
         wrap_function_wrapper(mod, name, token_ids.async_wrapper)
     # No W3C traceparent header on the agent's requests: the spans stay in our store, no server continues the
-    # trace, and injecting it costs every call.
-    # Its spans inside a rollout are recorded on the agent's thread and built on the writer thread (`recorded`).
+    # trace, and injecting it costs every call. Its spans inside a rollout are recorded on the agent's thread and
+    # built on the writer thread (`recorded`).
     OpenAIInstrumentor(enable_trace_context_propagation=False).instrument(
         tracer_provider=recorded.RecordingTracerProvider(provider, _state.forward))
+    # Outermost: calls inside a rollout are made beneath the instrumentor and replayed through it on the span
+    # writer thread (`calls`), whose clock it then reads.
+    chat_wrappers.time = calls.ReplayClock()
+    for name in sync_names:
+        wrap_function_wrapper(mod, name, calls.sync_recorder(originals[name], _state.forward.record))
+    for name in async_names:
+        wrap_function_wrapper(mod, name, calls.async_recorder(originals[name], _state.forward.record))

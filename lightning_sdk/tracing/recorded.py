@@ -26,6 +26,7 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
 from lightning_sdk.tracing.context import current_rollout
+from lightning_sdk.tracing.deferred import replaying
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # opentelemetry-api >= 1.39
@@ -63,8 +64,12 @@ class RecordingTracer(trace.Tracer):
             parent = None
             ctx = SpanContext(self.ids.generate_trace_id(), self.ids.generate_span_id(), False,
                               _SAMPLED_RANDOM if self.random_roots else _SAMPLED)
+        call = replaying.get()  # a call made earlier (`calls`): the span takes its times
         span = RecordedSpan(self, name, ctx, parent, kind, dict(attributes) if attributes else {},
-                            start_time or time_ns(), record_exception, set_status_on_exception)
+                            call.start_ns if call else start_time or time_ns(), record_exception,
+                            set_status_on_exception)
+        if call:
+            span.planned_end = call.end_ns
         self.processor.on_start(span, context)  # stamps the rollout id, attempt and component
         return span
 
@@ -85,7 +90,7 @@ class RecordedSpan(trace.Span):
     `end()`, which hands it to the span processor; the writer thread reads it after that."""
 
     __slots__ = ("tracer", "name", "context", "parent", "kind", "attributes", "start_time", "end_time",
-                 "record_exception_on_exit", "status_on_exit", "ops")
+                 "planned_end", "record_exception_on_exit", "status_on_exit", "ops")
 
     def __init__(self, tracer: RecordingTracer, name: str, context: SpanContext, parent: SpanContext | None,
                  kind: SpanKind, attributes: dict[str, Any], start_time: int, record_exception: bool,
@@ -93,6 +98,7 @@ class RecordedSpan(trace.Span):
         self.tracer, self.name, self.context, self.parent, self.kind = tracer, name, context, parent, kind
         self.attributes = attributes  # raw: the SDK validates them on the writer thread
         self.start_time, self.end_time = start_time, None
+        self.planned_end: int | None = None  # a replayed call's end
         self.record_exception_on_exit, self.status_on_exit = record_exception, set_status_on_exception
         self.ops: list[tuple[str, tuple]] | None = None  # status, events, links, in call order
 
@@ -146,7 +152,7 @@ class RecordedSpan(trace.Span):
     def end(self, end_time: int | None = None) -> None:
         if self.end_time is not None:
             return
-        self.end_time = end_time or time_ns()
+        self.end_time = end_time or self.planned_end or time_ns()
         self.tracer.processor.on_end(self)  # type: ignore[arg-type]
 
     def readable(self) -> ReadableSpan:

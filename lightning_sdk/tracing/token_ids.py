@@ -17,7 +17,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from lightning_sdk.tracing.deferred import AttributeTarget, defer, in_rollout
+from lightning_sdk.tracing.deferred import AttributeTarget, defer, in_rollout, replaying
 from lightning_sdk.tracing.records import COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS
 
 # Base URLs whose calls ask for token ids; other providers' calls are left untouched.
@@ -77,7 +77,7 @@ def _set_ids(target: AttributeTarget, prompt_ids: Any, completion_ids: Any, logp
         target.trusted[COMPLETION_LOGPROBS] = logprobs
 
 
-def _response_ids(response: Any, strip_logprobs: bool) -> tuple[Any, Any, list[float] | None]:
+def response_ids(response: Any, strip_logprobs: bool) -> tuple[Any, Any, list[float] | None]:
     """The prompt's ids and choice 0's ids and sampled log-probs (the id lists as the response holds them).
 
     With `strip_logprobs` (tracing asked for log-probs, the agent did not) the response's log-prob objects are
@@ -201,7 +201,7 @@ def _is_stream(obj: Any) -> bool:
     return isinstance(obj, _stream_types)
 
 
-def _prepare_request(instance: Any, kwargs: dict) -> tuple[dict, bool]:
+def prepare_request(instance: Any, kwargs: dict) -> tuple[dict, bool]:
     """Ask registered endpoints (vLLM) for token ids and log-probs; leaves other providers' calls untouched.
     Returns the request and whether log-probs were added to it."""
     if not _asks_for_ids(instance):
@@ -222,16 +222,28 @@ def _parsed(response: Any) -> Any:
 
 
 def _keep_ids(span: Any, response: Any, added_logprobs: bool) -> None:
-    ids = _response_ids(_parsed(response), strip_logprobs=added_logprobs)
+    ids = response_ids(_parsed(response), strip_logprobs=added_logprobs)
     defer(span, lambda target: _set_ids(target, *ids))
+
+
+def _replayed(span: Any, call: Any) -> Any:
+    """A recorded call's outcome, handed to the instrumentor replaying it (`calls`), its ids to its span."""
+    if call.error is not None:
+        raise call.error
+    if call.ids is not None:
+        ids = call.ids
+        defer(span, lambda target: _set_ids(target, *ids))
+    return call.response
 
 
 # Calls outside a rollout are left as they are: their spans reach no store.
 def sync_wrapper(wrapped, instance, args, kwargs):
     span = trace.get_current_span()  # the instrumentor's span: it wraps us and makes its span current
+    if (call := replaying.get()) is not None:
+        return _replayed(span, call)
     if not in_rollout(span):
         return wrapped(*args, **kwargs)
-    request, added_logprobs = _prepare_request(instance, kwargs)
+    request, added_logprobs = prepare_request(instance, kwargs)
     response = wrapped(*args, **request)
     if _is_stream(response):
         return _wrap_stream(response, span)
@@ -241,9 +253,11 @@ def sync_wrapper(wrapped, instance, args, kwargs):
 
 async def async_wrapper(wrapped, instance, args, kwargs):
     span = trace.get_current_span()
+    if (call := replaying.get()) is not None:
+        return _replayed(span, call)
     if not in_rollout(span):
         return await wrapped(*args, **kwargs)
-    request, added_logprobs = _prepare_request(instance, kwargs)
+    request, added_logprobs = prepare_request(instance, kwargs)
     response = await wrapped(*args, **request)
     if _is_stream(response):
         return _wrap_stream(response, span)

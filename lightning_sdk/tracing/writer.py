@@ -13,6 +13,7 @@ import time
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from lightning_sdk.tracing import deferred, recorded
+from lightning_sdk.tracing.calls import RecordedCall
 from lightning_sdk.tracing.context import current_component, current_rollout
 from lightning_sdk.tracing.export import Exporters
 from lightning_sdk.tracing.records import ATTEMPT, COMPONENT, ROLLOUT_ID, SpanSink, to_record
@@ -64,6 +65,10 @@ class StoreSpanProcessor(SpanProcessor):
         if span.attributes is not None and ROLLOUT_ID in span.attributes:
             self._spans.append(span)  # deque.append is atomic: safe from any thread
 
+    def record(self, call: RecordedCall) -> None:
+        """A call made inside a rollout, to trace on the writer thread (`calls`): its span comes back to `on_end`."""
+        self._spans.append(call)
+
     def _take(self) -> list[ReadableSpan]:
         batch = []
         with self._cond:
@@ -78,7 +83,7 @@ class StoreSpanProcessor(SpanProcessor):
             self._wake.clear()
             while batch := self._take():
                 try:
-                    batch = [deferred.complete(recorded.finished(s)) for s in batch]
+                    batch = [deferred.complete(recorded.finished(s)) for s in self._replay(batch)]
                     self._sink.write_spans([r for r in map(to_record, batch) if r is not None])
                 except Exception as e:  # keep the writer alive; the runtime reports these loudly
                     self.errors.append(f"{type(e).__name__}: {e}")
@@ -91,6 +96,19 @@ class StoreSpanProcessor(SpanProcessor):
                 self._cond.notify_all()
                 if self._stopping:
                     return
+
+    def _replay(self, batch: list) -> list[ReadableSpan]:
+        """The spans of a batch; its recorded calls are replayed, and their spans queued (through `on_end`)."""
+        spans = []
+        for item in batch:
+            if not isinstance(item, RecordedCall):
+                spans.append(item)
+                continue
+            try:
+                item.replay()
+            except Exception as e:
+                self.errors.append(f"replaying a call: {type(e).__name__}: {e}")
+        return spans
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         deadline = time.monotonic() + timeout_millis / 1000
