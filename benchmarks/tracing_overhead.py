@@ -18,12 +18,15 @@ Printed per mode:
 - the calling thread's CPU per call (`time.thread_time` around it): traced minus untraced is what tracing costs
   the agent's thread, the bigger reply's parse included. It is the agent's own CPU only: time it waits for the
   GIL while tracing's threads hold it is not in it, but is in the wall time;
-- wall time per call: traced minus untraced holds the calling thread's extra CPU, the server's extra work for the
-  bigger reply, and the GIL waits tracing's threads caused (noisy: compare it with the CPU figure);
-- the CPU of the span writer thread and of the OTLP export thread per span: work moved off the agent's thread,
-  which still runs on its process and takes the GIL while the agent waits for its server;
+- wall time per call: traced minus untraced holds the calling thread's extra CPU, the server's and the client's
+  extra work for the bigger reply, and the GIL waits tracing's threads caused (noisy on a shared machine);
+- the CPU of the span writer thread and of OTLP export per span: work moved off the agent's thread, which still
+  runs in its process and holds the GIL while it runs. Most of it falls while the agent waits for its server
+  (the GIL is free then); what falls while the agent wants the GIL shows as wall time, not as calling-thread CPU;
 - the calling thread's extra CPU with the server's reply replayed by an in-process httpx transport (no network,
-  no server: the least noisy figure);
+  no server: the least noisy figure), and, there, the GIL time tracing's threads take from an agent that never
+  waits for I/O (the worst case): its wall time beyond its CPU with the span writer working alongside it, minus
+  the same with the writer held until the end of each phase;
 - `ratio=<traced/untraced mean wall time, export off> ratio_otlp=<the same with export on>` last.
 """
 
@@ -89,11 +92,13 @@ class Results:
         self.wall = {k: [] for k in ("plain", "plain_ids", "traced")}
         self.threads = {"lightning-span-writer": 0.0, "OtelBatchSpanRecordProcessor": 0.0}
         self.spans = 0
+        self.flush_cpu = 0.0  # the calling thread's CPU in the flush after each phase
 
 
 def run(client: openai.OpenAI, store: Store, rounds: dict[str, int], phases: int, warmup: int,
-        tag: str) -> dict[str, Results]:
-    """Alternate phases of `rounds[mode] // phases` rounds with export off and on."""
+        tag: str, hold: bool = False) -> dict[str, Results]:
+    """Alternate phases of `rounds[mode] // phases` rounds with export off and on. With `hold`, the span writer
+    thread waits for the flush at the end of each phase instead of working during it."""
     out = {m: Results() for m in MODES}
 
     def call(kind: str, i: int, res: Results | None) -> None:
@@ -113,6 +118,8 @@ def run(client: openai.OpenAI, store: Store, rounds: dict[str, int], phases: int
     for phase in range(-1, phases):
         for mode in MODES:
             tracing.install(store, otlp_endpoint=endpoint if mode == "on" else None)
+            if hold:
+                tracing.instrument._state.processor._interval = 3600.0  # it wakes on the flush
             res = out[mode] if phase >= 0 else None
             threads = [t for t in threading.enumerate() if res is not None and t.name in res.threads]
             cpu0 = {t: thread_cpu(t) for t in threads}
@@ -120,8 +127,10 @@ def run(client: openai.OpenAI, store: Store, rounds: dict[str, int], phases: int
                 n += 1
                 for k in kinds[n % 3:] + kinds[:n % 3]:
                     call(k, n, res)
-            tracing.flush(exporters=True)
+            c0 = time.thread_time()
+            tracing.flush(exporters=True)  # with export on, the batch processor encodes and posts here
             if res is not None:
+                res.flush_cpu += time.thread_time() - c0
                 res.spans += rounds[mode] // phases
                 for t in threads:
                     res.threads[t.name] += thread_cpu(t) - cpu0[t]
@@ -151,6 +160,7 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
                            http_client=httpx.Client(transport=httpx.MockTransport(replay)))
     tracing.request_token_ids_from("http://canned.invalid/v1")
     replayed = run(canned, store, rounds, args.phases, args.warmup, "canned")
+    held = run(canned, store, rounds, args.phases, args.warmup, "held", hold=True)
     store.close()
 receiver.terminate()
 
@@ -169,17 +179,28 @@ for mode in MODES:
     diffs = [t - u for t, u in zip(r.wall["traced"], r.wall["plain"])]
     iso = replayed[mode].cpu
     figures[mode] = cpu["traced"] - cpu["plain"]
+    bigger = {"cpu": cpu["plain_ids"] - cpu["plain"], "wall": wall["plain_ids"] - wall["plain"]}
     print(f"export {mode}:")
     print(f"  calling-thread CPU per call: untraced {cpu['plain']:.0f} us, untraced with tracing's request "
           f"{cpu['plain_ids']:.0f} us, traced {cpu['traced']:.0f} us -> tracing costs the agent's thread "
-          f"+{figures[mode]:.0f} us per call (the bigger reply's parse: {cpu['plain_ids'] - cpu['plain']:+.0f} us)")
+          f"+{figures[mode]:.0f} us per call, of which parsing the bigger reply {bigger['cpu']:+.0f} us")
     print(f"  wall per call: untraced mean {wall['plain']:.0f} us (median {statistics.median(r.wall['plain']) * US:.0f}), "
           f"traced mean {wall['traced']:.0f} us (median {statistics.median(r.wall['traced']) * US:.0f}); "
-          f"traced - untraced: mean {statistics.mean(diffs) * US:+.0f} us, median {statistics.median(diffs) * US:+.0f} us")
+          f"traced - untraced: mean {statistics.mean(diffs) * US:+.0f} us, median of pairs "
+          f"{statistics.median(diffs) * US:+.0f} us (the bigger reply alone: {bigger['wall']:+.0f} us)")
+    export_cpu = (r.threads["OtelBatchSpanRecordProcessor"] + r.flush_cpu) / r.spans * US
     print(f"  off the calling thread, CPU per span: span writer {r.threads['lightning-span-writer'] / r.spans * US:.0f} us"
-          + (f", OTLP export {r.threads['OtelBatchSpanRecordProcessor'] / r.spans * US:.0f} us" if mode == "on" else ""))
-    print(f"  replayed reply (no server): calling-thread CPU untraced {mean_us(iso['plain']):.0f} us, traced "
-          f"{mean_us(iso['traced']):.0f} us -> +{mean_us(iso['traced']) - mean_us(iso['plain']):.0f} us per call")
+          + (f", OTLP export {export_cpu:.0f} us (encoding and posting: the batch processor's thread every 5 s or "
+             f"512 spans in a run, the flush after each phase here)" if mode == "on" else ""))
+    waits = {k: (sum(res.wall["traced"] + res.wall["plain"] + res.wall["plain_ids"])
+                 - sum(res.cpu["traced"] + res.cpu["plain"] + res.cpu["plain_ids"])) / res.spans * US
+             for k, res in (("running", replayed[mode]), ("held", held[mode]))}
+    print(f"  replayed reply (no server: the agent's thread never waits for I/O): calling-thread CPU untraced "
+          f"{mean_us(iso['plain']):.0f} us, traced {mean_us(iso['traced']):.0f} us -> "
+          f"+{mean_us(iso['traced']) - mean_us(iso['plain']):.0f} us per call; its wall time beyond its CPU per "
+          f"traced call: {waits['running']:.0f} us with the writer working alongside, {waits['held']:.0f} us with "
+          f"it held until the phase ends -> the GIL time tracing's threads took from it: "
+          f"{waits['running'] - waits['held']:+.0f} us per span")
 print(f"calling thread per traced call: +{figures['off']:.0f} us export off, +{figures['on']:.0f} us export on")
 ratio = {m: statistics.mean(live[m].wall["traced"]) / statistics.mean(live[m].wall["plain"]) for m in MODES}
 print(f"ratio={ratio['off']:.4f} ratio_otlp={ratio['on']:.4f}")

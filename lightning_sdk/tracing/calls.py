@@ -27,22 +27,26 @@ from opentelemetry import context as context_api
 
 from lightning_sdk.tracing import token_ids
 from lightning_sdk.tracing.context import current_rollout
-from lightning_sdk.tracing.deferred import replaying, snapshot
+from lightning_sdk.tracing.deferred import Frozen, replaying, snapshot
 
 RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"  # openai's `with_raw_response`: such calls go live
 
 Submit = Callable[["RecordedCall"], None]
-# The context keys that turn the instrumentor off (read by it on every call), set when a recorder is made: their
-# modules take ~20 ms to import, which `import lightning_sdk` should not pay.
+# What the instrumentor reads, set when a recorder is made (its modules take ~20 ms to import, which
+# `import lightning_sdk` should not pay): the context keys that turn it off, and whether it emits events (which
+# read the response object's attributes) rather than span attributes.
 _suppress_keys: tuple[str, ...] = ()
+_emits_events: Callable[[], bool] = bool
 
 
-def _load_suppress_keys() -> None:
-    global _suppress_keys
+def _load_instrumentor() -> None:
+    global _suppress_keys, _emits_events
+    from opentelemetry.instrumentation.openai.shared.chat_wrappers import should_emit_events
     from opentelemetry.instrumentation.utils import _SUPPRESS_INSTRUMENTATION_KEY
     from opentelemetry.semconv_ai import SUPPRESS_LANGUAGE_MODEL_INSTRUMENTATION_KEY
 
     _suppress_keys = (_SUPPRESS_INSTRUMENTATION_KEY, SUPPRESS_LANGUAGE_MODEL_INSTRUMENTATION_KEY)
+    _emits_events = should_emit_events
 
 
 class RecordedCall:
@@ -113,8 +117,10 @@ def _recordable(args: tuple, kwargs: dict) -> bool:
 
 def _finish(call: RecordedCall, response: Any, added_logprobs: bool, submit: Submit) -> None:
     call.end_ns = time_ns()
-    call.response = response
     call.ids = token_ids.response_ids(response, strip_logprobs=added_logprobs)
+    # Log-probs the agent asked for are objects per token: kept as JSON text, they cost the GC nothing.
+    frozen = token_ids.holds_logprobs(response) and not _emits_events()
+    call.response = Frozen(response) if frozen else response
     submit(call)
 
 
@@ -128,7 +134,7 @@ def _fail(call: RecordedCall, error: BaseException) -> None:
 
 def sync_recorder(original: Callable, submit: Submit) -> Callable:
     """The outermost wrapper of a sync method whose unwrapped function is `original`."""
-    _load_suppress_keys()
+    _load_instrumentor()
 
     def recorder(wrapped, instance, args, kwargs):
         if not _recordable(args, kwargs):
@@ -148,7 +154,7 @@ def sync_recorder(original: Callable, submit: Submit) -> Callable:
 
 def async_recorder(original: Callable, submit: Submit) -> Callable:
     """The outermost wrapper of an async method whose unwrapped function is `original`."""
-    _load_suppress_keys()
+    _load_instrumentor()
 
     async def recorder(wrapped, instance, args, kwargs):
         if not _recordable(args, kwargs):

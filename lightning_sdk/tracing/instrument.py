@@ -2,6 +2,10 @@
 
 The OpenAI instrumentor gets a private TracerProvider, so a user's own OpenTelemetry setup is neither replaced
 nor flooded; spans that frameworks send to the global provider reach the store too (`_adopt_global`).
+
+What the agent's thread pays per call inside a rollout is kept small: plain calls are made beneath the
+instrumentor and traced through it on the span writer thread (`calls`); streams and other calls it traces live,
+with its spans recorded (`recorded`) and its attribute work deferred (`deferred`) to that thread.
 """
 
 from __future__ import annotations
@@ -190,21 +194,14 @@ def _fix_version_checks() -> None:
             module.is_openai_v1 = lambda: v1
 
 
-def _holds_logprobs(response: Any) -> bool:
-    """Whether a reply carries log-prob objects (a few per token): the agent asked for them."""
-    choices = getattr(response, "choices", None)
-    if choices is None and hasattr(response, "parse"):  # a `with_raw_response` call's APIResponse
-        choices = getattr(response.parse(), "choices", None)
-    return any(getattr(c, "logprobs", None) is not None for c in choices or ())
-
-
 def _defer_attributes(chat_wrappers: Any) -> None:
     """Run the instrumentor's request and response attribute work on the span writer thread (see `deferred`).
 
     Its chat wrapper looks these two module functions up on every call, so replacing them moves the work (prompt
     and completion serialisation, `model_as_dict`, ~25 validated `set_attribute` calls, its metrics) off the
     agent's thread, while the span, its timing, its status and its attribute names stay the instrumentor's.
-    Calls outside a rollout keep the work inline: their spans reach no store.
+    Calls outside a rollout keep the work inline: their spans reach no store. (A call replayed on the writer
+    thread, see `calls`, defers it too: the attributes then go into the stored span unbounded, as live ones.)
     """
     handle_request, handle_response = chat_wrappers._handle_request, chat_wrappers._handle_response
 
@@ -217,7 +214,7 @@ def _defer_attributes(chat_wrappers: Any) -> None:
     def deferred_response(response, span, *args, **kwargs):
         if not deferred.in_rollout(span):
             handle_response(response, span, *args, **kwargs)
-        elif _holds_logprobs(response) and not chat_wrappers.should_emit_events():
+        elif token_ids.holds_logprobs(response) and not chat_wrappers.should_emit_events():
             # It reads `model_dump()` of the response: the JSON data is the same (see `deferred.Frozen`).
             frozen = deferred.Frozen(response)
             deferred.defer(span, lambda target: handle_response(frozen.data(), target, *args, **kwargs))

@@ -17,7 +17,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from lightning_sdk.tracing.deferred import AttributeTarget, defer, in_rollout, replaying
+from lightning_sdk.tracing.deferred import AttributeTarget, Frozen, defer, in_rollout, replaying
 from lightning_sdk.tracing.records import COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS
 
 # Base URLs whose calls ask for token ids; other providers' calls are left untouched.
@@ -91,6 +91,14 @@ def response_ids(response: Any, strip_logprobs: bool) -> tuple[Any, Any, list[fl
             if hasattr(choice, "logprobs"):
                 choice.logprobs = None
     return ids
+
+
+def holds_logprobs(response: Any) -> bool:
+    """Whether a reply carries log-prob objects (a few per token): the agent asked for them."""
+    choices = getattr(response, "choices", None)
+    if choices is None and hasattr(response, "parse"):  # a `with_raw_response` call's APIResponse
+        choices = getattr(response.parse(), "choices", None)
+    return any(getattr(c, "logprobs", None) is not None for c in choices or ())
 
 
 def _stream_ids(target: AttributeTarget, chunks: list[Any]) -> None:
@@ -233,7 +241,7 @@ def _replayed(span: Any, call: Any) -> Any:
     if call.ids is not None:
         ids = call.ids
         defer(span, lambda target: _set_ids(target, *ids))
-    return call.response
+    return call.response.data() if isinstance(call.response, Frozen) else call.response
 
 
 # Calls outside a rollout are left as they are: their spans reach no store.

@@ -41,7 +41,7 @@ class StoreSpanProcessor(SpanProcessor):
         self.exporters = exporters or Exporters([])
         self._max_batch = max_batch
         self._interval = interval
-        self._spans: collections.deque[ReadableSpan] = collections.deque()
+        self._spans: collections.deque[ReadableSpan | RecordedCall] = collections.deque()
         self._wake = threading.Event()
         self._cond = threading.Condition()  # guards _busy; notified after every batch
         self._busy = False  # the writer holds spans taken off the deque but not yet written
