@@ -95,11 +95,11 @@ class Results:
         self.flush_cpu = 0.0  # the calling thread's CPU in the flush after each phase
 
 
-def run(client: openai.OpenAI, store: Store, rounds: dict[str, int], phases: int, warmup: int,
-        tag: str, hold: bool = False) -> dict[str, Results]:
-    """Alternate phases of `rounds[mode] // phases` rounds with export off and on. With `hold`, the span writer
-    thread waits for the flush at the end of each phase instead of working during it."""
-    out = {m: Results() for m in MODES}
+def run(client: openai.OpenAI, store: Store, variants: dict[str, tuple[str, bool]], rounds: int, phases: int,
+        warmup: int, tag: str) -> dict[str, Results]:
+    """Phases of `rounds // phases` rounds for each variant in turn; a variant is (export "off" or "on", held):
+    held, the span writer thread waits for the flush at the end of each phase instead of working during it."""
+    out = {v: Results() for v in variants}
 
     def call(kind: str, i: int, res: Results | None) -> None:
         c0, t0 = time.thread_time(), time.perf_counter()
@@ -116,14 +116,14 @@ def run(client: openai.OpenAI, store: Store, rounds: dict[str, int], phases: int
     kinds = ("plain", "plain_ids", "traced")
     n = 0
     for phase in range(-1, phases):
-        for mode in MODES:
+        for variant, (mode, held) in variants.items():
             tracing.install(store, otlp_endpoint=endpoint if mode == "on" else None)
-            if hold:
+            if held:
                 tracing.instrument._state.processor._interval = 3600.0  # it wakes on the flush
-            res = out[mode] if phase >= 0 else None
+            res = out[variant] if phase >= 0 else None
             threads = [t for t in threading.enumerate() if res is not None and t.name in res.threads]
             cpu0 = {t: thread_cpu(t) for t in threads}
-            for i in range(rounds[mode] // phases if phase >= 0 else warmup):
+            for i in range(rounds // phases if phase >= 0 else warmup):
                 n += 1
                 for k in kinds[n % 3:] + kinds[:n % 3]:
                     call(k, n, res)
@@ -131,7 +131,7 @@ def run(client: openai.OpenAI, store: Store, rounds: dict[str, int], phases: int
             tracing.flush(exporters=True)  # with export on, the batch processor encodes and posts here
             if res is not None:
                 res.flush_cpu += time.thread_time() - c0
-                res.spans += rounds[mode] // phases
+                res.spans += rounds // phases
                 for t in threads:
                     res.threads[t.name] += thread_cpu(t) - cpu0[t]
     tracing.flush(exporters=True)
@@ -143,8 +143,7 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
     tracing.install(store)
     tracing.request_token_ids_from(server.base_url)
     client = openai.OpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0)
-    rounds = {m: args.calls for m in MODES}
-    live = run(client, store, rounds, args.phases, args.warmup, "bench")
+    live = run(client, store, {m: (m, False) for m in MODES}, args.calls, args.phases, args.warmup, "bench")
     stored = store.count("spans")
     errors = tracing.export_errors() + tracing.writer_errors()
 
@@ -159,8 +158,8 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
     canned = openai.OpenAI(base_url="http://canned.invalid/v1", api_key="EMPTY", max_retries=0,
                            http_client=httpx.Client(transport=httpx.MockTransport(replay)))
     tracing.request_token_ids_from("http://canned.invalid/v1")
-    replayed = run(canned, store, rounds, args.phases, args.warmup, "canned")
-    held = run(canned, store, rounds, args.phases, args.warmup, "held", hold=True)
+    replayed = run(canned, store, {v: (v.split()[0], "held" in v) for m in MODES for v in (m, f"{m} held")},
+                   args.calls, args.phases, args.warmup, "canned")
     store.close()
 receiver.terminate()
 
@@ -194,7 +193,7 @@ for mode in MODES:
              f"512 spans in a run, the flush after each phase here)" if mode == "on" else ""))
     waits = {k: (sum(res.wall["traced"] + res.wall["plain"] + res.wall["plain_ids"])
                  - sum(res.cpu["traced"] + res.cpu["plain"] + res.cpu["plain_ids"])) / res.spans * US
-             for k, res in (("running", replayed[mode]), ("held", held[mode]))}
+             for k, res in (("running", replayed[mode]), ("held", replayed[f"{mode} held"]))}
     print(f"  replayed reply (no server: the agent's thread never waits for I/O): calling-thread CPU untraced "
           f"{mean_us(iso['plain']):.0f} us, traced {mean_us(iso['traced']):.0f} us -> "
           f"+{mean_us(iso['traced']) - mean_us(iso['plain']):.0f} us per call; its wall time beyond its CPU per "
