@@ -18,6 +18,8 @@ from lightning_sdk import config, data, models
 from lightning_sdk.agent import load_agent
 from lightning_sdk.rollouts.collector import Agent
 from lightning_sdk.rollouts.ray import RayCollector
+from lightning_sdk.serving.gateway import Gateway
+from lightning_sdk.serving.process import new_api_key
 from lightning_sdk.store import Store
 from lightning_sdk.rollouts.worker import RolloutJob
 
@@ -36,9 +38,11 @@ for workers in (1, 2):
     tmp = Path(tempfile.mkdtemp(prefix="ls-ray-bench-"))
     store = Store(tmp / "store.sqlite")
     agent = Agent(cfg.agent.module, *load_agent(cfg.agent.module, cfg.agent.rollout, cfg.agent.reward))
-    cluster = RayCollector(cfg, agent=agent, model_path=models.resolve(cfg.model.name), store=store, log_dir=tmp,
-                           console=Console(quiet=True))
+    gateway = Gateway(api_key=new_api_key())
+    cluster = RayCollector(cfg, agent=agent, gateway=gateway, model_path=models.resolve(cfg.model.name),
+                           store=store, log_dir=tmp, console=Console(quiet=True))
     cluster.start()
+    gateway.policy = cfg.model.name
     best = 0.0
     for rep in range(args.repeats + 1):  # the first pass warms the workers and the server
         jobs = [RolloutJob(f"b{rep}-{i}-{uuid.uuid4().hex[:6]}", data.task_id(t), f"{i}", t, 0)
@@ -50,6 +54,7 @@ for workers in (1, 2):
         if rep:
             best = max(best, len(jobs) / dt)
     cluster.stop()
+    gateway.stop()
     rate[workers] = best
     print(f"{workers} worker(s): {best:.1f} rollouts/s (best of {args.repeats}, {args.rollouts} rollouts)")
 print(f"ratio 2 workers / 1 worker: {rate[2] / rate[1]:.2f}x")

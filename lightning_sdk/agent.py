@@ -1,18 +1,23 @@
 """The agent-side API: `@rollout`, `@reward` and the `LLM` handle. Plain functions stay plain.
 
 The decorators only mark a function so `lightning run` can find it; calling it yourself just runs your agent.
-`load_agent` finds the two in the agent's module, and `reward_value` is the one check every reward passes
-(`@reward`'s return value and `emit_reward`'s argument alike). This module (like `tracing.context`) imports no
+`load_agent` finds the two in the agent's module, `run_environment` is what a run sets in the agent's process,
+and `reward_value` is the one check every reward passes (`@reward`'s return value and `emit_reward`'s argument
+alike). This module (like `tracing.context`) imports no
 torch and no server code, so the agent's environment stays light.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import json
 import math
 import numbers
+import os
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -40,38 +45,87 @@ class LLM:
     sampling: dict[str, Any] = field(default_factory=dict)
 
 
-def _check_arity(fn: Callable, needed: int, what: str) -> None:
+def _arity(fn: Callable, accepted: tuple[int, ...], what: str, shape: str) -> int:
+    """How many positional arguments `fn` is called with: the largest of `accepted` that it takes."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return
+        return max(accepted)
     params = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    varargs = any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values())
-    required = [p for p in params if p.default is p.empty]
-    if not varargs and (len(params) < needed or len(required) > needed):
-        raise TypeError(f"@{what} {fn.__qualname__}{sig}: expected a function of {needed} positional arguments")
+    if any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()):
+        return max(accepted)
+    required = sum(p.default is p.empty for p in params)
+    fits = [n for n in accepted if required <= n <= len(params)]
+    if not fits:
+        raise TypeError(f"@{what} {fn.__qualname__}{sig}: expected {shape}")
+    return max(fits)
 
 
 def rollout(fn: F) -> F:
-    """Mark `fn(task, llm)` (sync or async) as one episode of the agent; its return value goes to `@reward`."""
-    _check_arity(fn, 2, "rollout")
-    setattr(fn, ROLLOUT_MARK, True)
+    """Mark `fn(task)` or `fn(task, llm)` (sync or async) as one episode of the agent; its return value goes to
+    `@reward`. Without the `llm` argument the agent builds its OpenAI client as it always does (`OpenAI()`): during
+    a run the environment points it at the run's server (see `redirect_openai`)."""
+    setattr(fn, ROLLOUT_MARK, _arity(fn, (1, 2), "rollout", "fn(task) or fn(task, llm)"))
     return fn
 
 
 def reward(fn: F) -> F:
     """Mark `fn(task, output) -> float` (sync or async) as the episode's score."""
-    _check_arity(fn, 2, "reward")
+    _arity(fn, (2,), "reward", "fn(task, output)")
     setattr(fn, REWARD_MARK, True)
     return fn
 
 
+def rollout_args(fn: Callable, task: Any, llm: LLM) -> tuple:
+    """The arguments `fn` (a @rollout) is called with: (task, llm), or (task) for `fn(task)`."""
+    return (task, llm) if getattr(fn, ROLLOUT_MARK, 2) == 2 else (task,)
+
+
 def is_rollout(obj: Any) -> bool:
-    return callable(obj) and getattr(obj, ROLLOUT_MARK, False) is True
+    return callable(obj) and getattr(obj, ROLLOUT_MARK, None) in (1, 2)
 
 
 def is_reward(obj: Any) -> bool:
     return callable(obj) and getattr(obj, REWARD_MARK, False) is True
+
+
+def output_json(output: Any) -> str:
+    """A rollout's output as JSON (the store's column, a remote worker's report); one JSON cannot hold (a list
+    that contains itself, a dict with tuple keys) is kept as its repr, so recording it never fails the rollout,
+    let alone the run."""
+    try:
+        return json.dumps(output, default=str)
+    except (TypeError, ValueError, RecursionError):
+        try:
+            return json.dumps(repr(output))
+        except Exception:  # noqa: BLE001 - a __repr__ that raises: the type is all that is left
+            return json.dumps(f"<{type(output).__name__} that neither JSON nor repr() can show>")
+
+
+# What a run puts in the agent process's environment. OPENAI_BASE_URL / OPENAI_API_KEY are what the openai client
+# (and LangChain's ChatOpenAI, AutoGen's and the Agents SDK's clients, all built on it) read when built without
+# arguments; OPENAI_API_BASE is LangChain's older name, which it prefers when set. The Agents SDK uploads its own
+# traces to OpenAI by default: offline that fails, online it sends the prompts out; a run turns it off.
+QUIET_ENV = {"OPENAI_AGENTS_DISABLE_TRACING": "1"}
+
+
+@contextlib.contextmanager
+def run_environment(base_url: str, api_key: str, *, redirect_openai: bool = True) -> Iterator[None]:
+    """The agent process's environment during a run: OpenAI clients built from the environment call the run's
+    server (unless `redirect_openai` is off), the Agents SDK's trace upload is off; restored on exit."""
+    values = dict(QUIET_ENV)
+    if redirect_openai:
+        values.update(dict.fromkeys(("OPENAI_BASE_URL", "OPENAI_API_BASE"), base_url), OPENAI_API_KEY=api_key)
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class RewardError(ValueError):

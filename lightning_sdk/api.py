@@ -21,6 +21,8 @@ from typing import Any
 
 from lightning_sdk import config as config_mod
 from lightning_sdk.config import Config
+from lightning_sdk.distribution import missing_train_extra
+from lightning_sdk.errors import SetupError
 from lightning_sdk.train.checkpoint import RunState, adapter_dir, latest_checkpoint
 
 __all__ = ["RunResult", "run"]
@@ -72,7 +74,14 @@ def run(config: str | Path | Config = "lightning.toml", *, resume: bool = False,
 
 def _run(cfg: Config, *, resume: bool, overwrite: bool) -> RunResult:
     from lightning_sdk.cli import configure_output, make_console
-    from lightning_sdk.runtime import Runtime
+
+    try:
+        from lightning_sdk.runtime import Runtime
+    except ImportError as e:
+        line = missing_train_extra(e, "lightning_sdk.run")
+        if line is None:
+            raise
+        raise SetupError(line) from None
 
     configure_output()
     runtime = Runtime(cfg, resume=resume, overwrite=overwrite, console=make_console())

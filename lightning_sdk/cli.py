@@ -1,5 +1,5 @@
 """`lightning`: the command line. `lightning run` trains, `lightning eval` scores a policy on held-out tasks,
-`lightning traces` shows what the store holds."""
+`lightning traces` shows what the store holds, `lightning worker` runs the agent for a remote run."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from lightning_sdk import config as config_mod
-from lightning_sdk.distribution import DISTRIBUTION, VERSION
+from lightning_sdk.distribution import DISTRIBUTION, VERSION, missing_train_extra
 
 EXIT_USAGE = 2  # click's convention for bad input
 LOG_WIDTH = 200  # columns when the output is not a terminal: the iteration table's 11 columns fit uncut
@@ -69,7 +69,7 @@ def make_console() -> Console:
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Override run.dir.")
 @click.option("--iterations", type=click.IntRange(min=1), help="Override run.iterations.")
 def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, iterations: int | None) -> None:
-    """Start the embedded runtime: serve the model, run the agent, train it with GRPO."""
+    """Train: serve the model, run the agent (here, on Ray or in `lightning worker`s: run.runtime), update it."""
     console = make_console()
     if resume and overwrite:
         _fail(console, "--resume and --overwrite exclude each other")
@@ -81,10 +81,8 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
             cfg.run.iterations = iterations
     except config_mod.ConfigError as e:
         _fail(console, str(e))
-    from lightning_sdk.data import DatasetError
+    DatasetError, ModelLoadError, Runtime = _training_side(console, "lightning run")
     from lightning_sdk.errors import CaptureError, RunError, SetupError
-    from lightning_sdk.models import ModelLoadError
-    from lightning_sdk.runtime import Runtime
 
     try:
         Runtime(cfg, resume=resume, overwrite=overwrite, console=console).run()
@@ -117,11 +115,9 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
         _fail(console, str(e))
     if run_dir is not None:
         cfg.run.dir = run_dir
+    DatasetError, ModelLoadError, Runtime = _training_side(console, "lightning eval")
     from lightning_sdk import data
-    from lightning_sdk.data import DatasetError
     from lightning_sdk.errors import RunError, SetupError
-    from lightning_sdk.models import ModelLoadError
-    from lightning_sdk.runtime import Runtime
     from lightning_sdk.train.checkpoint import adapter_dir, latest_checkpoint
 
     path = data_path or cfg.data.eval
@@ -204,9 +200,11 @@ def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str 
 @click.option("--port", default=8321, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
 def dashboard(run_dir: Path | None, config_path: Path | None, host: str, port: int) -> None:
     """Serve a read-only web page of runs: rewards, iterations, rollouts, each LLM call (needs the printed key)."""
-    from lightning_sdk.dashboard import CreditSettings, RunReader, bind, new_token, serve
-
     console = Console()
+    try:
+        from lightning_sdk.dashboard import CreditSettings, RunReader, bind, new_token, serve
+    except ImportError as e:
+        _fail(console, missing_train_extra(e, "lightning dashboard") or str(e))
     settings = CreditSettings()
     if config_path is not None:
         try:
@@ -234,6 +232,56 @@ def dashboard(run_dir: Path | None, config_path: Path | None, host: str, port: i
     console.print(f"dashboard of {reader.root} at {url}  (read-only; Ctrl-C stops it)", highlight=False,
                   soft_wrap=True)
     serve(reader, sock, token)
+
+
+def _training_side(console: Console, what: str) -> tuple[type, type, type]:
+    """DatasetError, ModelLoadError and Runtime: imported here, where a missing `train` extra is one line, exit 2."""
+    try:
+        from lightning_sdk.data import DatasetError
+        from lightning_sdk.models import ModelLoadError
+        from lightning_sdk.runtime import Runtime
+    except ImportError as e:
+        line = missing_train_extra(e, what)
+        if line is None:
+            raise
+        _fail(console, line)
+    return DatasetError, ModelLoadError, Runtime
+
+
+@main.command()
+@click.argument("module", required=False)
+@click.option("--server", help="The run's URL, as `lightning run` printed it (env LIGHTNING_SERVER).")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="The run directory's worker.token (or env LIGHTNING_TOKEN holding the token).")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="A run's directory on this machine: its server.json and worker.token.")
+@click.option("--concurrency", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Rollouts at once.")
+@click.option("--rollout", help="The @rollout function's name, if the module has several.")
+@click.option("--reward", help="The @reward function's name, if the module has several.")
+def worker(module: str | None, server: str | None, token_file: Path | None, run_dir: Path | None, concurrency: int,
+           rollout: str | None, reward: str | None) -> None:
+    """Run the agent for a remote run (run.runtime = "remote"), here in its own folder and environment.
+
+    MODULE is the agent's .py file or dotted module (default: [agent] module of ./lightning.toml).
+    """
+    from lightning_sdk import client
+    from lightning_sdk.errors import RunError, SetupError
+
+    console = make_console()
+    try:
+        worker = client.Worker(client.settings(module=module, server=server, token_file=token_file, run_dir=run_dir,
+                                               concurrency=concurrency, rollout=rollout, reward=reward), console)
+        console.print(worker.run(), highlight=False, soft_wrap=True)
+    except SetupError as e:
+        _fail(console, str(e), getattr(e, "traceback", None))
+    except RunError as e:
+        console.print(f"[bold red]worker stopped:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        console.print("worker stopped (Ctrl-C); the server re-runs its unfinished rollouts after their deadline",
+                      highlight=False, soft_wrap=True)
+        sys.exit(130)
 
 
 def describe(record: Any) -> str:

@@ -34,7 +34,9 @@ class RunConfig(_Section):
     dir: Path = Path("runs/run")
     iterations: int = Field(10, ge=1)
     seed: int = 0
-    runtime: Literal["embedded", "ray"] = "embedded"  # "ray": rollouts and inference on a Ray cluster ([ray])
+    # "ray": rollouts and inference on a Ray cluster ([ray]); "remote": rollouts by `lightning worker` processes,
+    # in the agent's own environment, on this machine or others ([remote], docs/remote.md)
+    runtime: Literal["embedded", "ray", "remote"] = "embedded"
     report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
         default_factory=lambda: ["tensorboard"], description="experiment trackers that get every iteration's "
         "metrics and the eval scores (metrics.jsonl always does); all but tensorboard need the [track] extra")
@@ -70,6 +72,9 @@ class AgentConfig(_Section):
     module: str = Field(description="a .py path or a dotted module that holds the @rollout and @reward functions")
     rollout: str | None = None  # name of the @rollout function; optional if the module has exactly one
     reward: str | None = None
+    redirect_openai: bool = Field(True, description="during a run, point the agent process's OpenAI clients at "
+                                  "the run's server (OPENAI_BASE_URL, OPENAI_API_KEY, set before the module is "
+                                  "imported); false for agents that also call other OpenAI-compatible services")
 
 
 class DataConfig(_Section):
@@ -90,7 +95,10 @@ class ModelConfig(_Section):
 
 class ServeConfig(_Section):
     backend: Literal["cpu", "vllm", "auto"] = "cpu"
-    host: str = "127.0.0.1"
+    # Where agents reach the run's server (the gateway, serving/gateway.py): every runtime's agents and remote
+    # workers call it; the inference backends behind it listen on 127.0.0.1 (Ray's actors: their node's IP).
+    host: str = Field("127.0.0.1", description="address the run's server listens on; a reachable one for "
+                                                "agents on other machines (Ray nodes, remote workers)")
 
     @field_validator("host")
     @classmethod
@@ -106,7 +114,17 @@ class ServeConfig(_Section):
             raise ValueError("expected an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1) or a host name")
         return v
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
-    api_key: str | None = Field(None, description="the servers' bearer key; none = a new one for each run")
+    api_key: str | None = Field(None, description="the key agents (and remote workers) present to the run's "
+                                "server; none = a new one for each run")
+    model_names: list[str] = Field(default_factory=list, description="model names the agent may ask for, each "
+                                   "served by the policy being trained; empty = any name")
+
+    @field_validator("model_names")
+    @classmethod
+    def _names(cls, v):
+        if any(not n or not n.isprintable() for n in v):
+            raise ValueError("expected non-empty printable model names")
+        return v
     max_batch_size: int = Field(64, ge=1)
     max_model_len: int = Field(2048, ge=16)
     startup_timeout: float = Field(120.0, gt=0)
@@ -220,9 +238,22 @@ class RayConfig(_Section):
                                                                    "none = rollout.concurrency / num_workers")
     servers: int = Field(1, ge=1, description="inference-server actors behind the router")
     cpus_per_server: float = Field(1.0, gt=0)
-    router_host: str = Field("127.0.0.1", description="where the router listens; a reachable IP on a multi-node "
-                                                      "cluster")
     max_retries: int = Field(1, ge=0, description="re-runs of a rollout whose worker died")
+
+
+class RemoteConfig(_Section):
+    """Used when run.runtime = "remote": `lightning worker` processes claim the rollouts (docs/remote.md)."""
+
+    worker_timeout: float = Field(300.0, gt=0, description="seconds without a request from any worker while "
+                                  "rollouts wait for one (none claimed) before the run stops, saying how to start one")
+    grace: float = Field(30.0, ge=0, description="seconds a claimed rollout's result may come after rollout.timeout "
+                         "(its reward, span delivery and report); later, the claim is abandoned (spans kept) and the "
+                         "rollout re-run once under a new id")
+
+
+# Runtimes whose agent runs elsewhere (remote workers): [agent] is optional for them, and the trainer never imports
+# it. Their collector says so too (`runs_agent = False`, read by the runtime); tests/test_layout.py checks both agree.
+AGENT_ELSEWHERE = ("remote",)
 
 
 # train.* defaults for the tiny models (builtin:, tiny:): the global ones (lr 1e-4, r 16, no lm_head, 1 epoch) suit
@@ -234,13 +265,15 @@ TINY_TRAIN_DEFAULTS: dict[str, Any] = {"lr": 2e-3, "lora_r": 8, "lora_alpha": 16
 
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
-    agent: AgentConfig
+    agent: AgentConfig | None = Field(None, description="required unless run.runtime runs the agent elsewhere "
+                                      "(AGENT_ELSEWHERE: 'remote', where workers name their module)")
     data: DataConfig
     model: ModelConfig = Field(default_factory=ModelConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    remote: RemoteConfig = Field(default_factory=RemoteConfig)
 
     @model_validator(mode="after")
     def _tiny_model_defaults(self):
@@ -249,6 +282,13 @@ class Config(_Section):
                 if key not in self.train.model_fields_set:
                     setattr(self.train, key, value)
                     self.train.model_fields_set.discard(key)  # still a default: see override()
+        return self
+
+    @model_validator(mode="after")
+    def _agent_here(self):
+        if self.agent is None and self.run.runtime not in AGENT_ELSEWHERE:
+            raise ValueError(f"agent: required key is missing (run.runtime = {self.run.runtime!r} runs the agent in "
+                             f"this run; [agent] module names it)")
         return self
 
     @model_validator(mode="after")
@@ -290,7 +330,7 @@ def parse(data: dict, *, base: Path | None = None) -> Config:
         cfg.data.eval = rel(cfg.data.eval)
         if cfg.model.name.startswith("tiny:") and not Path(cfg.model.name[5:]).is_absolute():
             cfg.model.name = f"tiny:{base / cfg.model.name[5:]}"
-        if cfg.agent.module.endswith(".py") and not Path(cfg.agent.module).is_absolute():
+        if cfg.agent is not None and cfg.agent.module.endswith(".py") and not Path(cfg.agent.module).is_absolute():
             cfg.agent.module = str(base / cfg.agent.module)
     return cfg
 

@@ -1,4 +1,4 @@
-"""Which distribution this is, and the one that must not share its environment.
+"""Which distribution this is, what its `train` extra adds, and the one that must not share its environment.
 
 The import package `lightning_sdk` and the `lightning` command are this project's, but the name `lightning-sdk` on
 the package index is Lightning AI's Studios SDK, whose wheel installs the same `lightning_sdk/` package and the
@@ -14,6 +14,20 @@ import importlib.metadata
 DISTRIBUTION = "lightning-agent-rl"
 VERSION = "0.1.0"  # the distribution's too (pyproject.toml reads it)
 OTHER = "lightning-sdk"
+
+
+# What the `train` extra installs, by import name: an environment without them (a worker's) has the agent side only.
+TRAIN_MODULES = frozenset({"torch", "transformers", "peft", "accelerate", "tokenizers", "safetensors", "fastapi",
+                           "starlette", "uvicorn", "tensorboard", "matplotlib", "numpy"})
+
+
+def missing_train_extra(error: ImportError, what: str) -> str | None:
+    """The one line for `what` (a command) failing to import a module of the `train` extra; None for other errors."""
+    name = (error.name or "").partition(".")[0]
+    if name not in TRAIN_MODULES:
+        return None
+    return (f"{what} needs the `train` extra ({name} is not installed; this environment has the agent side only, "
+            f"enough for `lightning worker`): pip install torch==2.13.0 && pip install '{DISTRIBUTION}[train]'")
 
 
 def other_distribution() -> str | None:

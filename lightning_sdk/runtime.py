@@ -13,7 +13,6 @@ import errno
 import os
 import random
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -28,14 +27,16 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_sdk import credit, data, models, tracing
-from lightning_sdk.agent import load_agent
+from lightning_sdk.agent import load_agent, run_environment
 from lightning_sdk.config import Config
 from lightning_sdk.errors import CaptureError, RunError, SetupError
 from lightning_sdk.files import DirBusyError, clean_atomic_leftovers, locked_dir
 from lightning_sdk.metrics import MetricsLog, check_trackers
-from lightning_sdk.rollouts.collector import Agent, Collector, make_collector
+from lightning_sdk.rollouts.collector import Agent, Collector, make_collector, runs_agent
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
 from lightning_sdk.serving import ServerError, SleepableServer
+from lightning_sdk.serving.gateway import Gateway
+from lightning_sdk.serving.process import new_api_key
 from lightning_sdk.store import Store
 from lightning_sdk.train.checkpoint import CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint, write_checkpoint
 from lightning_sdk.transitions import Transition, to_transitions
@@ -104,6 +105,7 @@ class Runtime:
 
     def _run(self, stack: ExitStack) -> RunState:
         cfg = self.cfg
+        gateway = self._agent_side(stack)
         agent = self._load_agent()
         train_tasks = data.load(cfg.data.train, cfg.data.required_fields)
         eval_tasks = data.load(cfg.data.eval, cfg.data.required_fields) if cfg.data.eval else []
@@ -125,7 +127,7 @@ class Runtime:
         from lightning_sdk.train.trainer import GRPOTrainer
 
         try:
-            with self._session(agent, model_path, store, self.run_dir) as collector:
+            with self._session(agent, gateway, model_path, store, self.run_dir) as collector:
                 trainer = GRPOTrainer(model_path, cfg.train, quantization=cfg.model.quantization,
                                       dtype=cfg.model.dtype, seed=cfg.run.seed,
                                       total_steps=cfg.run.iterations * cfg.train.epochs)
@@ -159,11 +161,14 @@ class Runtime:
 
         Its spans go to a throwaway store, so evaluating never touches a run's own store or checkpoints.
         """
-        agent = self._load_agent()
-        model_path = models.resolve(self.cfg.model.name)
-        with tempfile.TemporaryDirectory(prefix="lightning-eval-") as tmp, Store(Path(tmp) / "store.sqlite") as store:
+        with ExitStack() as stack:
+            gateway = self._agent_side(stack)
+            agent = self._load_agent()
+            model_path = models.resolve(self.cfg.model.name)
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="lightning-eval-"))
+            store = stack.enter_context(Store(Path(tmp) / "store.sqlite"))
             store.add_tasks((data.task_id(t), t) for t in tasks)
-            with self._session(agent, model_path, store, Path(tmp)) as collector:
+            with self._session(agent, gateway, model_path, store, Path(tmp)) as collector:
                 policy = collector.server.served_model_name
                 if adapter is not None:
                     policy = f"{self.cfg.run.name}-eval"
@@ -172,17 +177,41 @@ class Runtime:
 
     # ------------------------------------------------------------------------------------------ the session
 
-    def _load_agent(self) -> Agent:
+    def _agent_side(self, stack: ExitStack) -> Gateway:
+        """The run's gateway, bound (serve.host/serve.port: a SetupError naming the key if it cannot be), and the
+        agent process's environment pointing at it (agent.redirect_openai) until `stack` closes: set before the
+        agent module is imported, so OpenAI clients it builds at import time call the run's server too."""
+        cfg = self.cfg
+        try:
+            gateway = Gateway(host=cfg.serve.host, port=cfg.serve.port, api_key=cfg.serve.api_key or new_api_key(),
+                              model_names=cfg.serve.model_names)
+        except OSError as e:
+            key = ("serve.port", cfg.serve.port) if e.errno == errno.EADDRINUSE else ("serve.host", cfg.serve.host)
+            raise SetupError(f"{key[0]} = {key[1]!r}: cannot listen on {cfg.serve.host}:{cfg.serve.port} "
+                             f"({e.strerror}); " + ("another process holds the port: free it, or set serve.port = "
+                             "0 for any free one" if key[0] == "serve.port" else
+                             "expected an address of this machine, e.g. 127.0.0.1")) from None
+        stack.callback(gateway.stop)
+        stack.enter_context(run_environment(gateway.base_url, gateway.api_key,
+                                            redirect_openai=cfg.agent is None or cfg.agent.redirect_openai))
+        return gateway
+
+    def _load_agent(self) -> Agent | None:
+        """The agent's functions; None where the runtime's workers run it (they import it, this process never)."""
         a = self.cfg.agent
+        if not runs_agent(self.cfg.run.runtime):
+            return None
         rollout_fn, reward_fn = load_agent(a.module, a.rollout, a.reward)
         return Agent(a.module, rollout_fn, reward_fn)
 
     @contextmanager
-    def _session(self, agent: Agent, model_path: str, store: Store, log_dir: Path) -> Iterator[Collector]:
-        """Tracing into `store`, and the collector (with its inference server) started; all undone on exit."""
+    def _session(self, agent: Agent | None, gateway: Gateway, model_path: str, store: Store,
+                 log_dir: Path) -> Iterator[Collector]:
+        """Tracing into `store`, and the collector (its inference server, the gateway in front) started; all
+        undone on exit."""
         tracing.install(store, otlp_endpoint=self.cfg.run.otlp_endpoint)
-        collector = make_collector(self.cfg, agent=agent, model_path=model_path, store=store, log_dir=log_dir,
-                                   console=self.console)
+        collector = make_collector(self.cfg, agent=agent, gateway=gateway, model_path=model_path, store=store,
+                                   log_dir=log_dir, console=self.console)
         with self.console.status("starting the inference server"):
             try:
                 collector.start()
@@ -191,7 +220,7 @@ class Runtime:
                 raise RunError(f"the inference server did not start: {e}") from None
         self.collector = collector
         try:
-            tracing.request_token_ids_from(collector.server.base_url)
+            tracing.request_token_ids_from(gateway.base_url)
             yield collector
         finally:
             self.collector = None
@@ -199,8 +228,8 @@ class Runtime:
             tracing.flush()
 
     def _preflight(self) -> None:
-        """What would otherwise fail after the run directory is written: where it goes, the backend, the port,
-        the training device. Each is a SetupError naming the key."""
+        """What would otherwise fail after the run directory is written: where it goes, the backend, the training
+        device (the port is checked when the gateway binds it). Each is a SetupError naming the key."""
         cfg, d = self.cfg, self.run_dir
         if d.exists() and not d.is_dir():
             raise SetupError(f"run.dir = {str(d)!r}: is a file; expected a directory (or a path that does not exist "
@@ -218,20 +247,10 @@ class Runtime:
         if free < MIN_FREE_BYTES:
             raise SetupError(f"run.dir = {str(d)!r}: only {free / 2**20:.1f} MiB free on its disk; a run needs at "
                              f"least {MIN_FREE_BYTES / 2**20:.0f} MiB for its store and checkpoints")
-        if cfg.run.runtime == "embedded" and cfg.serve.backend == "vllm":
+        if cfg.serve.backend == "vllm":  # (the config refuses it for the Ray runtime)
             from lightning_sdk.serving.select import make_server
 
             make_server(cfg, "", d / "server.log")  # refuses vllm where it cannot run; builds, starts nothing
-        if cfg.run.runtime == "embedded":
-            with socket.socket(socket.AF_INET6 if ":" in cfg.serve.host else socket.AF_INET) as probe:
-                try:
-                    probe.bind((cfg.serve.host, cfg.serve.port))
-                except OSError as e:
-                    key = ("serve.port", cfg.serve.port) if e.errno == errno.EADDRINUSE else ("serve.host", cfg.serve.host)
-                    raise SetupError(f"{key[0]} = {key[1]!r}: cannot listen on {cfg.serve.host}:{cfg.serve.port} "
-                                     f"({e.strerror}); " + ("another process holds the port: free it, or set "
-                                     "serve.port = 0 for any free one" if key[0] == "serve.port" else
-                                     "expected an address of this machine, e.g. 127.0.0.1")) from None
         device = cfg.train.device
         if device.startswith("cuda"):
             import torch
@@ -348,6 +367,7 @@ class Runtime:
         return out
 
     def _collect(self, jobs: list[RolloutJob], policy: str, label: str) -> list[RolloutResult]:
+        self.collector.gateway.policy = policy  # whatever model name the agent asks for
         results = self.collector.collect(jobs, policy, label=label)
         bad = [r for r in results if r.failed_in == "reward"]
         if bad and self.cfg.rollout.on_reward_error == "stop":

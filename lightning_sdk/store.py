@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from lightning_sdk.agent import output_json
 from lightning_sdk.tracing.records import REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord
 
 log = logging.getLogger(__name__)
@@ -66,18 +67,6 @@ CREATE VIEW IF NOT EXISTS rewards (rollout_id, span_id, name, kind, value, creat
     UNION ALL
     SELECT rollout_id, NULL, 'reward', 'final', reward, ended_at FROM rollouts WHERE reward IS NOT NULL;
 """
-
-
-def _output_json(output: Any) -> str:
-    """A rollout's output as JSON; one JSON cannot hold (a list that contains itself, a dict with tuple keys) is
-    stored as its repr, so recording it never fails the rollout, let alone the run."""
-    try:
-        return json.dumps(output, default=str)
-    except (TypeError, ValueError, RecursionError):
-        try:
-            return json.dumps(repr(output))
-        except Exception:  # noqa: BLE001 - a __repr__ that raises: the type is all that is left
-            return json.dumps(f"<{type(output).__name__} that neither JSON nor repr() can show>")
 
 
 @dataclass(frozen=True)
@@ -166,7 +155,7 @@ class Store:
                        error: str | None = None, traceback: str | None = None) -> None:
         self._write(
             ("UPDATE rollouts SET status=?, output=?, reward=?, error=?, traceback=?, ended_at=? WHERE rollout_id=?",
-             [(status, _output_json(output), reward, error, traceback, time.time(), rollout_id)]),
+             [(status, output_json(output), reward, error, traceback, time.time(), rollout_id)]),
         )
 
     def abandon_running(self) -> int:

@@ -40,9 +40,13 @@ def test_decorated_functions_stay_plain():
 
 
 def test_wrong_signature_is_refused_at_decoration():
-    with pytest.raises(TypeError, match="rollout.*2 positional"):
+    with pytest.raises(TypeError, match=r"rollout.*expected fn\(task\) or fn\(task, llm\)"):
         @ls.rollout
-        def no_llm(task):  # pragma: no cover - never called
+        def three_args(task, llm, extra):  # pragma: no cover - never called
+            pass
+    with pytest.raises(TypeError, match="rollout"):
+        @ls.rollout
+        def no_args():  # pragma: no cover
             pass
     with pytest.raises(TypeError, match="reward"):
         @ls.reward
@@ -72,6 +76,26 @@ def test_worker_records_success_sync_and_async(tmp_path):
     rec = store.rollout("r2")
     assert rec.status == "succeeded" and rec.output == 6 and rec.reward == 1.0 and rec.ended_at >= rec.started_at
     assert [x["kind"] for x in store.rewards("r2")] == ["final"]
+
+
+def test_a_rollout_of_the_task_alone_gets_no_llm(tmp_path):
+    """`fn(task)`: an agent that builds its own OpenAI client from the environment takes no `llm` argument."""
+    seen = []
+
+    @ls.rollout
+    def task_only(task):
+        seen.append(task)
+        return "1@m"
+
+    @ls.rollout
+    def llm_optional(task, llm=None):  # takes both shapes: it gets the llm
+        seen.append(llm)
+        return "1@m"
+
+    store = Store(tmp_path / "s.sqlite")
+    assert _run(store, task_only).reward == 1.0 and seen == [{"x": 1, "want": "1@m"}]
+    assert _run(store, llm_optional, rid="r2").reward == 1.0 and seen[-1] == LLM
+    assert task_only({"x": 5}) == "1@m"  # still a plain function
 
 
 def test_agent_exception_is_a_failed_rollout_with_traceback(tmp_path):

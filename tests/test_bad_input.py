@@ -93,11 +93,11 @@ AGENT_CASES = {  # the user's own code fails: one line, then its traceback
     "exception at import": ("import lightning_sdk as ls\nraise RuntimeError('boom at import')\n",
                             "importing it raised RuntimeError: boom at import"),
     "sys.exit(0) at import": ("import sys\nsys.exit(0)\n", "importing it exited (SystemExit)"),
-    "rollout of 1 argument": ("import lightning_sdk as ls\n@ls.rollout\ndef solve(task):\n    return ''\n" + REWARD_OK,
-                              "@rollout solve(task): expected a function of 2 positional arguments"),
+    "rollout of 3 arguments": ("import lightning_sdk as ls\n@ls.rollout\ndef solve(task, llm, extra):\n    return ''\n"
+                               + REWARD_OK, "@rollout solve(task, llm, extra): expected fn(task) or fn(task, llm)"),
     "reward of 3 arguments": ("import lightning_sdk as ls\n" + ROLLOUT_OK +
                               "@ls.reward\ndef score(task, output, extra):\n    return 0.0\n",
-                              "@reward score(task, output, extra): expected a function of 2 positional arguments"),
+                              "@reward score(task, output, extra): expected fn(task, output)"),
 }
 
 

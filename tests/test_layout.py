@@ -18,7 +18,7 @@ HEIGHT = {
     "agent": 2, "tracing": 3,                      # the agent side: no store, trainer or server below them
     "store": 4, "credit": 5, "transitions": 6, "models": 5,
     "train": 7, "serving": 7, "metrics": 7,
-    "rollouts": 8, "runtime": 9, "cli": 10, "dashboard": 10, "api": 11,
+    "rollouts": 8, "runtime": 9, "client": 9, "cli": 10, "dashboard": 10, "api": 11,
 }
 AGENT_SIDE = {"agent", "tracing"}
 
@@ -98,3 +98,22 @@ def test_no_arrow_runs_back_up():
 def test_every_runtime_the_config_accepts_has_one_collector():
     accepted = set(typing.get_args(config.RunConfig.model_fields["runtime"].annotation))
     assert accepted == set(RUNTIMES)
+
+
+def test_the_runtimes_whose_agent_runs_elsewhere_agree_with_their_collectors():
+    """config.AGENT_ELSEWHERE makes [agent] optional; the collector's `runs_agent` keeps the runtime from importing
+    the agent module. One list, said twice: they must agree."""
+    from lightning_sdk.rollouts.collector import runs_agent
+
+    assert {rt for rt in RUNTIMES if not runs_agent(rt)} == set(config.AGENT_ELSEWHERE)
+    for rt in RUNTIMES:
+        data = {"run": {"runtime": rt}, "data": {"train": "t.jsonl"}}
+        if rt in config.AGENT_ELSEWHERE:
+            assert config.parse(data).agent is None
+        else:
+            try:
+                config.parse(data)
+            except config.ConfigError as e:
+                assert str(e).startswith("agent: required key is missing")
+            else:
+                raise AssertionError(f"run.runtime = {rt!r} without [agent] was accepted")

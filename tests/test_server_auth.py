@@ -1,5 +1,6 @@
-"""Nobody in without the key: the runtime's own server (serving/select.make_server) with no serve.api_key gets a
-key made for the run, kept out of argv, and every route but /health refuses a caller without it, the router's too.
+"""Nobody in without the key: the runtime's inference server (serving/select.make_server) gets a key made for the
+run, kept out of argv, and every route but /health refuses a caller without it; the gateway in front (what agents
+call, with serve.api_key or a key of its own) too, and the agents' key cannot reach the adapter routes.
 An empty serve.api_key is refused at the edge instead of turning authentication off.
 """
 
@@ -12,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from lightning_sdk import cli, config, models
-from lightning_sdk.serving.router import Router
+from lightning_sdk.serving.gateway import Gateway
 from lightning_sdk.serving.select import make_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,8 +65,9 @@ def test_the_runtime_s_server_has_a_key_per_run_out_of_argv(tmp_path, server):
     pid = server._proc.pid
     assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()  # what `ps` shows
     assert Path(f"/proc/{pid}/environ").read_bytes().count(key.encode()) == 1  # the environment carries it
+    # serve.api_key is the gateway's, the agents' key: the backend's (which can swap adapters) is never it
     configured = make_server(make_cfg(tmp_path, api_key="mine"), "unused", tmp_path / "mine.log")
-    assert configured.api_key == "mine"
+    assert configured.api_key and configured.api_key != "mine"
 
 
 def test_without_the_key_every_route_but_health_is_401(server):
@@ -80,24 +82,30 @@ def test_without_the_key_every_route_but_health_is_401(server):
     print(f"auth: {tried} requests without a valid key, {tried} refused with 401")
 
 
-def test_the_router_checks_the_key_too(server):
-    router = Router([server.url], api_key=server.api_key)
-    router.start()
+def test_the_gateway_checks_its_own_key_and_keeps_adapters_out_of_reach(server):
+    gateway = Gateway(api_key="agents-key")
+    gateway.start([server.url], backend_key=server.api_key)
+    gateway.policy = server.served_model_name
     try:
-        tried = assert_refused(router.url, [("POST", "/v1/chat/completions", CHAT),
-                                            ("POST", "/v1/load_lora_adapter", ADAPTER),
-                                            ("POST", "/v1/unload_lora_adapter", {"lora_name": "swap"}),
-                                            ("GET", "/v1/models", None), ("GET", "/router/stats", None)],
-                               server.served_model_name)
-        assert httpx.get(f"{router.url}/health", timeout=30).status_code == 200
-        auth = {"Authorization": f"Bearer {server.api_key}"}
-        r = httpx.post(f"{router.base_url}/chat/completions", json={**CHAT, "model": server.served_model_name},
-                       headers=auth, timeout=60)
-        assert r.status_code == 200
-        assert httpx.get(f"{router.url}/router/stats", headers=auth).json()["served"] == [1]
-        print(f"router auth: {tried} requests without a valid key, {tried} refused with 401")
+        routes = [("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/responses", {"model": "m", "input": "x"}),
+                  ("POST", "/v1/load_lora_adapter", ADAPTER), ("GET", "/v1/models", None),
+                  ("GET", "/gateway/stats", None), ("GET", "/docs", None)]
+        tried = assert_refused(gateway.url, routes, server.served_model_name)
+        backend_key = {"Authorization": f"Bearer {server.api_key}"}  # the backend's key is not the gateway's
+        assert httpx.post(f"{gateway.base_url}/chat/completions", json={**CHAT, "model": "m"},
+                          headers=backend_key, timeout=30).status_code == 401
+        assert httpx.get(f"{gateway.url}/health", timeout=30).status_code == 200
+        auth = {"Authorization": "Bearer agents-key"}
+        r = httpx.post(f"{gateway.base_url}/chat/completions", json={**CHAT, "model": "any-name"}, headers=auth,
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"]
+        for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):  # with the agents' key: no such route
+            assert httpx.post(f"{gateway.url}{route}", json=ADAPTER, headers=auth, timeout=30).status_code == 404
+        stats = httpx.get(f"{server.url}/stats", headers=backend_key).json()
+        assert stats["adapters"] == []  # nothing was swapped in
+        print(f"gateway auth: {tried} requests without a valid key, {tried} refused with 401")
     finally:
-        router.stop()
+        gateway.stop()
 
 
 def test_ray_servers_get_a_key_per_run(tmp_path):
@@ -106,7 +114,7 @@ def test_ray_servers_get_a_key_per_run(tmp_path):
 
     cfg = make_cfg(tmp_path)
     a, b = RayServers(cfg, "unused", tmp_path), RayServers(cfg, "unused", tmp_path)
-    assert a.api_key and b.api_key and a.api_key != b.api_key  # the router and the server actors get it
+    assert a.api_key and b.api_key and a.api_key != b.api_key  # the server actors check it
 
 
 @pytest.mark.parametrize("value", ['""', '" "', '"k\\u00e9y"', '"two words"'])

@@ -68,12 +68,13 @@ def test_config_maps_onto_the_server(tmp_path):
     cmd = server.command()
     flags = dict(zip(cmd, cmd[1:]))  # each flag -> the word after it
     assert cmd[4] == "/models/qwen" and KEY not in cmd
-    assert flags["--served-model-name"] == "my-model" and flags["--port"] == "9001"
+    # serve.host/port/api_key are the gateway's (what agents call): vLLM listens on loopback with a key of its own
+    assert flags["--served-model-name"] == "my-model" and flags["--host"] == "127.0.0.1" and flags["--port"] != "9001"
     assert flags["--max-lora-rank"] == "32" and flags["--max-loras"] == "4"  # lora_r 20 -> 32
     assert flags["--dtype"] == "bfloat16" and flags["--max-model-len"] == "1024"
     assert flags["--gpu-memory-utilization"] == "0.3"
     assert "--enable-sleep-mode" not in cmd and cmd[-1] == "--enforce-eager"
-    assert server.environment()["VLLM_API_KEY"] == KEY
+    assert server.environment()["VLLM_API_KEY"] == server.api_key and server.api_key != KEY
 
 
 @pytest.mark.parametrize("serve, key", [

@@ -1,7 +1,8 @@
 """`lightning dashboard`: a local, read-only web page over run directories (runs.py reads, app.py serves,
 static/ is the page: one HTML file, plain JavaScript, an SVG chart; no build step)."""
 
-from lightning_sdk.dashboard.app import bind, create_app, new_token, serve
+from lightning_sdk.dashboard.app import create_app, new_token, serve
 from lightning_sdk.dashboard.runs import CreditSettings, RunReader
+from lightning_sdk.serving.listen import bind
 
 __all__ = ["CreditSettings", "RunReader", "bind", "create_app", "new_token", "serve"]

@@ -118,17 +118,6 @@ def create_app(reader: RunReader, token: str, cookie: str) -> FastAPI:
     return app
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the server starts, so that port 0 yields the real port to print."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
-
-
 def serve(reader: RunReader, sock: socket.socket, token: str) -> None:
     import uvicorn
 

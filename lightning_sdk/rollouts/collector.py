@@ -1,8 +1,9 @@
 """How rollouts run is a strategy: one `Collector` protocol, one implementation per runtime (`run.runtime`).
 
-A collector owns the inference server its rollouts call, runs a phase's jobs and returns one result per job,
-in order; the runtime loop calls only this interface. Each implementation is imported only when chosen, so Ray
-is imported only by the Ray runtime.
+A collector owns the inference server(s) its rollouts call and starts the run's gateway in front of them (the
+one address agents get: serving/gateway.py), runs a phase's jobs and returns one result per job, in order; the
+runtime loop calls only this interface. Each implementation is imported only when chosen, so Ray is imported
+only by the Ray runtime.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lightning_sdk.config import Config
 from lightning_sdk.errors import SetupError
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
 from lightning_sdk.serving import InferenceServer
+from lightning_sdk.serving.gateway import Gateway
 from lightning_sdk.store import Store
 
 
@@ -35,6 +37,7 @@ class Agent:
 
 class Collector(Protocol):
     server: InferenceServer  # where the policy is served; started by start(), stopped by stop()
+    gateway: Gateway  # what agents call; start() starts it in front of the server (the runtime made and stops it)
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
@@ -51,18 +54,30 @@ class Collector(Protocol):
 RUNTIMES = {
     "embedded": "lightning_sdk.rollouts.embedded:EmbeddedCollector",
     "ray": "lightning_sdk.rollouts.ray:RayCollector",
+    "remote": "lightning_sdk.rollouts.remote:RemoteCollector",
 }
 
 
-def make_collector(cfg: Config, *, agent: Agent, model_path: str, store: Store, log_dir: Path,
-                   console: Console) -> Collector:
-    module, _, name = RUNTIMES[cfg.run.runtime].partition(":")
+def collector_class(runtime: str) -> type:
+    module, _, name = RUNTIMES[runtime].partition(":")
     try:
-        cls = getattr(importlib.import_module(module), name)
+        return getattr(importlib.import_module(module), name)
     except ImportError as e:
-        raise SetupError(f"run.runtime = {cfg.run.runtime!r} needs {e.name or e}: pip install "
-                         f"'lightning-agent-rl[{cfg.run.runtime}]' ({e})") from None
-    return cls(cfg, agent=agent, model_path=model_path, store=store, log_dir=log_dir, console=console)
+        raise SetupError(f"run.runtime = {runtime!r} needs {e.name or e}: pip install "
+                         f"'lightning-agent-rl[{runtime}]' ({e})") from None
+
+
+def runs_agent(runtime: str) -> bool:
+    """Whether this runtime runs the agent in this run's processes, so the runtime imports its module: a collector
+    class whose agent runs elsewhere (remote workers, in their own environment) says `runs_agent = False`."""
+    return getattr(collector_class(runtime), "runs_agent", True)
+
+
+def make_collector(cfg: Config, *, agent: Agent | None, gateway: Gateway, model_path: str, store: Store, log_dir: Path,
+                   console: Console) -> Collector:
+    cls = collector_class(cfg.run.runtime)
+    return cls(cfg, agent=agent, gateway=gateway, model_path=model_path, store=store, log_dir=log_dir,
+               console=console)
 
 
 @contextmanager

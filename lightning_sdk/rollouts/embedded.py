@@ -9,6 +9,7 @@ served, and the rollout is re-run once as a new attempt.
 from __future__ import annotations
 
 import asyncio
+import atexit
 from pathlib import Path
 
 import httpx
@@ -20,34 +21,41 @@ from lightning_sdk.errors import RunError
 from lightning_sdk.rollouts.collector import Agent, progress_bar
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult, run_rollout
 from lightning_sdk.serving import ServerError
+from lightning_sdk.serving.gateway import Gateway
 from lightning_sdk.serving.select import make_server
 from lightning_sdk.store import Store
 
 MAX_SERVER_RESTARTS = 3  # per run: a server that keeps dying is a bug to fix, not to retry forever
+_loop: asyncio.Runner | None = None
+
+
+def _event_loop() -> asyncio.Runner:
+    """One event loop for every phase of every run in this process. Async clients bind their connection pools to
+    the loop that first used them: a client an agent keeps across phases, and clients libraries cache for the
+    whole process (the Agents SDK's shared httpx client, used by its default model), stay usable only on that
+    loop; a second run in a notebook would find them bound to a closed one."""
+    global _loop
+    if _loop is None:
+        _loop = asyncio.Runner()
+        atexit.register(_loop.close)
+    return _loop
 
 
 class EmbeddedCollector:
-    def __init__(self, cfg: Config, *, agent: Agent, model_path: str, store: Store, log_dir: Path,
+    def __init__(self, cfg: Config, *, agent: Agent, gateway: Gateway, model_path: str, store: Store, log_dir: Path,
                  console: Console):
-        self.cfg, self.agent, self.store, self.console = cfg, agent, store, console
+        self.cfg, self.agent, self.gateway, self.store, self.console = cfg, agent, gateway, store, console
         self.log_path = Path(log_dir) / "server.log"
         self.server = make_server(cfg, model_path, self.log_path)
         self._adapters: dict[str, Path] = {}  # policies hot-loaded and still served: reloaded after a restart
         self._generation, self._restarts, self._gone = 0, 0, None  # see _restart
-        # One event loop for all phases: clients an agent leaves open still close on the loop that made them.
-        self._loop: asyncio.Runner | None = None
 
     def start(self) -> None:
-        self._loop = asyncio.Runner()
         self.server.start()
+        self.gateway.start([self.server.url], backend_key=self.server.api_key)  # a restart keeps the server's port
 
     def stop(self) -> None:
-        try:
-            self.server.stop()
-        finally:
-            if self._loop is not None:
-                self._loop.close()
-                self._loop = None
+        self.server.stop()
 
     def hot_load(self, name: str, adapter: Path, *, previous: str | None = None) -> None:
         self._adapters[name] = Path(adapter)
@@ -64,7 +72,7 @@ class EmbeddedCollector:
             self._adapters.pop(previous, None)
 
     def collect(self, jobs: list[RolloutJob], policy: str, *, label: str) -> list[RolloutResult]:
-        llm = LLM(base_url=self.server.base_url, api_key=self.server.api_key or "EMPTY", model=policy)
+        llm = LLM(base_url=self.gateway.base_url, api_key=self.gateway.api_key, model=policy)
         timeout = self.cfg.rollout.timeout
 
         async def go() -> list[RolloutResult]:
@@ -100,7 +108,7 @@ class EmbeddedCollector:
 
                 return await asyncio.gather(*(one(j) for j in jobs))
 
-        return self._loop.run(go())
+        return _event_loop().run(go())
 
     def _server_up(self) -> bool:
         if not self.server.is_alive():

@@ -1,9 +1,10 @@
 """The Ray runtime (`run.runtime = "ray"`): rollout workers and inference servers as Ray actors, one store.
 
 What runs where (docs/scaling.md has the picture):
-- driver (head node): the `Runtime` loop, the trainer, the SQLite store it reads, the router (serving/router.py)
-  and a `_StoreWriter` actor pinned to the head that is the only writer of rollout rows and spans;
-- `_ServerActor`s (spread over nodes): each runs one built-in inference server and registers it with the router;
+- driver (head node): the `Runtime` loop, the trainer, the SQLite store it reads, the gateway (serving/gateway.py:
+  least-loaded over the server actors, on serve.host) and a `_StoreWriter` actor pinned to the head that is the
+  only writer of rollout rows and spans;
+- `_ServerActor`s (spread over nodes): each runs one built-in inference server behind the gateway;
 - `_RolloutWorker`s (spread over nodes): run the user's `@rollout`/`@reward` with tracing installed. Each span is
   shipped to the writer as soon as it ends, so what a worker wrote before it died is kept.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +27,14 @@ import ray
 from rich.console import Console
 
 from lightning_sdk import tracing
-from lightning_sdk.agent import LLM, load_agent
+from lightning_sdk.agent import LLM, load_agent, run_environment
 from lightning_sdk.config import Config
 from lightning_sdk.errors import RunError, SetupError
 from lightning_sdk.rollouts.collector import Agent, progress_bar
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult, run_rollout
 from lightning_sdk.serving import ServerError
 from lightning_sdk.serving.process import control_request, new_api_key
-from lightning_sdk.serving.router import Router
+from lightning_sdk.serving.gateway import Gateway
 from lightning_sdk.store import Store
 
 
@@ -83,7 +85,10 @@ class _ShippedStore:
 
 
 class _RolloutWorker:
-    def __init__(self, module: str, rollout: str | None, reward: str | None, writer: Any, timeout: float):
+    def __init__(self, module: str, rollout: str | None, reward: str | None, writer: Any, timeout: float,
+                 endpoint: tuple[str, str], redirect_openai: bool):
+        # This actor's process is the agent's for the run: its environment stays pointed at the gateway.
+        run_environment(*endpoint, redirect_openai=redirect_openai).__enter__()
         self.rollout_fn, self.reward_fn = load_agent(module, rollout, reward)
         self.sink = _ShippedStore(writer)
         self.timeout = timeout
@@ -123,20 +128,16 @@ class _ServerActor:
 # ------------------------------------------------------------------------------------------------ the servers
 
 class RayServers:
-    """Inference-server actors behind one router: an `InferenceServer` to the runtime (adapters fan out)."""
+    """Inference-server actors: an `InferenceServer` to the runtime (adapter loads go to each of them)."""
 
     def __init__(self, cfg: Config, model_path: str, log_dir: Path):
         self.cfg, self.rc = cfg, cfg.ray
         self.model_path, self.log_dir = model_path, Path(log_dir)
         self.served_model_name = cfg.model.name
-        self.api_key = cfg.serve.api_key or new_api_key()  # the router and every server actor check it
-        self.router: Router | None = None
+        self.api_key = new_api_key()  # every server actor checks it; agents reach them only through the gateway
+        self.urls: list[str] = []
         self.actors: list = []
         self._started_ray = False
-
-    @property
-    def base_url(self) -> str:
-        return self.router.base_url
 
     def start(self) -> None:
         rc = self.rc
@@ -161,12 +162,10 @@ class RayServers:
         self.actors = [actor.remote(self.model_path, kw, str(self.log_dir / f"server-{i}.log"), rc.address is None)
                        for i in range(rc.servers)]
         try:
-            urls = ray.get([a.start.remote() for a in self.actors])
+            self.urls = ray.get([a.start.remote() for a in self.actors])
         except ray.exceptions.RayError as e:
             self.stop()
             raise ServerError(f"an inference server actor failed to start: {e}") from e
-        self.router = Router(urls, host=rc.router_host, api_key=self.api_key)
-        self.router.start()
 
     def stop(self) -> None:
         if self.actors:  # stop the server subprocesses before their actors go
@@ -176,15 +175,13 @@ class RayServers:
                 pass
             for a in self.actors:
                 ray.kill(a)
-            self.actors = []
-        if self.router is not None:
-            self.router.stop()
+            self.actors, self.urls = [], []
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
 
     def is_alive(self) -> bool:
-        return self.router is not None and self.router._thread is not None and self.router._thread.is_alive()
+        return bool(self.urls)
 
     def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
         # Every server reads `path` itself: on several nodes, run.dir must be on storage they all see.
@@ -200,7 +197,12 @@ class RayServers:
             return f"(server logs unavailable: {e})"
 
     def _post(self, route: str, body: dict) -> None:
-        control_request("POST", f"{self.router.url}{route}", api_key=self.api_key, who="router", json=body)
+        """`route` on every server at once; the first failure raises (ServerError), once all have answered."""
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            done = [pool.submit(control_request, "POST", f"{u}{route}", api_key=self.api_key,
+                                who=f"inference server {u}", json=body) for u in self.urls]
+        for f in done:
+            f.result()
 
 
 # ------------------------------------------------------------------------------------------------ the collector
@@ -208,9 +210,9 @@ class RayServers:
 class RayCollector:
     """Rollout-worker actors and the head's store writer, calling `RayServers`; see the module docstring."""
 
-    def __init__(self, cfg: Config, *, agent: Agent, model_path: str, store: Store, log_dir: Path,
+    def __init__(self, cfg: Config, *, agent: Agent, gateway: Gateway, model_path: str, store: Store, log_dir: Path,
                  console: Console):
-        self.cfg, self.rc, self.store, self.console = cfg, cfg.ray, store, console
+        self.cfg, self.rc, self.gateway, self.store, self.console = cfg, cfg.ray, gateway, store, console
         if cfg.serve.backend == "auto":  # (config refuses "vllm" with this runtime)
             console.print("serve.backend = 'auto' with run.runtime = 'ray': the server actors are built-in CPU servers")
         self.server = RayServers(cfg, model_path, log_dir)
@@ -222,6 +224,7 @@ class RayCollector:
 
     def start(self) -> None:
         self.server.start()
+        self.gateway.start(self.server.urls, backend_key=self.server.api_key)
 
     def stop(self) -> None:
         for w in self.workers:
@@ -254,8 +257,9 @@ class RayCollector:
         a = self.cfg.agent
         while len(self.workers) < rc.num_workers:  # tops up workers that died in an earlier phase
             name = f"lightning-rollout-{self.token}-{next(self._names)}"
-            self.workers.append(actor.options(name=name).remote(a.module, a.rollout, a.reward, self.writer,
-                                                                self.cfg.rollout.timeout))
+            self.workers.append(actor.options(name=name).remote(
+                a.module, a.rollout, a.reward, self.writer, self.cfg.rollout.timeout,
+                (self.gateway.base_url, self.gateway.api_key), a.redirect_openai))
             self._worker_names.append(name)
         ray.get([w.ready.remote() for w in self.workers])
 
@@ -265,7 +269,7 @@ class RayCollector:
         results: dict[int, RolloutResult] = {}
         pending: dict[Any, tuple[int, RolloutJob, Any]] = {}
         turn = itertools.count()
-        base_url, api_key = self.server.base_url, self.server.api_key or "EMPTY"
+        base_url, api_key = self.gateway.base_url, self.gateway.api_key
 
         def submit(i: int, job: RolloutJob, avoid: Any = None) -> None:
             choices = [w for w, _ in live if w is not avoid] or [w for w, _ in live]

@@ -19,7 +19,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from lightning_sdk.agent import LLM, RewardError, reward_value
+from lightning_sdk.agent import LLM, RewardError, reward_value, rollout_args
 from lightning_sdk.tracing.context import rollout_context
 
 
@@ -134,8 +134,10 @@ async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Calla
     output, stage = None, "rollout"
     try:
         with rollout_context(job.rollout_id, job.attempt):
-            try:  # its own copy: an agent that edits its task must not change it for the rest of its group
-                output = await asyncio.wait_for(_call(rollout_fn, copy.deepcopy(job.task), llm), timeout)
+            # its own copy of the task: an agent that edits it must not change it for the rest of its group
+            args = rollout_args(rollout_fn, copy.deepcopy(job.task), llm)
+            try:
+                output = await asyncio.wait_for(_call(rollout_fn, *args), timeout)
             except asyncio.TimeoutError:
                 raise TimeoutError(f"rollout {job.rollout_id} took longer than rollout.timeout={timeout}s") from None
         stage = "reward"

@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import math
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,7 +22,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from lightning_sdk.serving import toolcalls
 from lightning_sdk.serving.engine import (
@@ -35,38 +34,15 @@ from lightning_sdk.serving.engine import (
     ModelNotFound,
     RequestError,
 )
-from lightning_sdk.serving.guard import KeyCheck, error_body
+from lightning_sdk.serving.guard import INT64 as _INT64
+from lightning_sdk.serving.guard import BodyLimit, KeyCheck, error_body
+from lightning_sdk.serving.guard import Lenient as _Lenient
+from lightning_sdk.serving.guard import text_size as _text_size
 
 log = logging.getLogger("lightning_sdk.serving")
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any chat request that fits max_model_len
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_INT64 = 2**63  # vLLM's seed range is int64's, and torch.Generator takes no more
-
-
-def _surrogate_at(value: Any) -> str | None:
-    """Where in a decoded JSON value a lone surrogate is (JSON allows "\\ud800", UTF-8 cannot hold it)."""
-    if isinstance(value, str):
-        return "" if _SURROGATE.search(value) else None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        if isinstance(k, str) and _SURROGATE.search(k):
-            return f".{k.encode('utf-8', 'backslashreplace').decode()}"
-        if (at := _surrogate_at(v)) is not None:
-            return f".{k}{at}"
-    return None
-
-
-def _text_size(value: Any) -> int:
-    """Characters in all the strings (keys included) of a decoded JSON value."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(len(k) + _text_size(v) for k, v in value.items())
-    if isinstance(value, list):
-        return sum(_text_size(v) for v in value)
-    return 0
 
 
 def _longest_token(tokenizer: Any) -> int:
@@ -74,19 +50,6 @@ def _longest_token(tokenizer: Any) -> int:
     their length is at least the characters they decode to: a prompt of more than max_model_len x this many
     characters cannot fit in max_model_len tokens, and need not be tokenised to know it."""
     return max(map(len, tokenizer.get_vocab()), default=1)
-
-
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI and vLLM do
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _valid_unicode(cls, v: Any, info: ValidationInfo) -> Any:
-        # A lone surrogate would fail later, wherever the text is encoded (tokenizer, file path, log, response).
-        if (at := _surrogate_at(v)) is not None:
-            raise ValueError(f"{info.field_name}{at} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
-                             f"valid Unicode text")
-        return v
 
 
 class StreamOptions(_Lenient):
@@ -145,45 +108,6 @@ class APIError(Exception):
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status)
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes gets an OpenAI-shaped 413 before anything parses it.
-
-    A declared Content-Length is refused at once; a chunked body is read here up to the limit and replayed.
-    """
-
-    def __init__(self, app: Any, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            return await self._refuse(scope, receive, send)
-        messages, size = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.limit:
-                return await self._refuse(scope, receive, send)
-            if not message.get("more_body"):
-                break
-        pending = iter(messages)
-
-        async def replay() -> dict:
-            return next(pending, None) or await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
-        log.warning("%s %s -> 413: body over %d bytes", scope.get("method"), scope.get("path"), self.limit)
-        await error_response(413, f"the request body is larger than the server's limit of {self.limit} bytes",
-                             None)(scope, receive, send)
 
 
 def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,

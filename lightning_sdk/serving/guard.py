@@ -1,7 +1,9 @@
-"""What stands between the network and a server's routes: the API-key check and uvicorn's connection limits.
+"""What stands between the network and a server's routes: the API-key check, the body limit, uvicorn's
+connection limits, and what every request body's model checks (`Lenient`: no lone surrogates, unknown fields
+ignored).
 
-Shared by the inference server (`serving/app.py`, in its own process) and the router (`serving/router.py`, in the
-runtime's process); it imports neither torch nor the engine.
+Shared by the inference server (`serving/app.py`, in its own process) and the routes the runtime's process serves
+(`serving/gateway.py`, `serving/responses.py`); it imports neither torch nor the engine.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import resource
 import time
 from typing import Any
 
 import h11
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("lightning_sdk.serving")
@@ -23,6 +27,8 @@ OPEN_PATHS = frozenset({"/health"})  # liveness probes, as vLLM leaves it open; 
 DEFAULT_HEADER_TIMEOUT = 15.0  # seconds a client has to send a request's complete headers
 DEFAULT_MAX_CONNECTIONS = 1000  # open connections at once; beyond them, 503 and close
 _FD_RESERVE = 128  # descriptors kept for the model files, the log, torch's threads
+INT64 = 2**63  # vLLM's seed range is int64's, and torch.Generator takes no more
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -34,6 +40,45 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     types = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
              413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
     return {"error": {"message": message, "type": types.get(status, "APIError"), "param": param, "code": status}}
+
+
+def surrogate_at(value: Any) -> str | None:
+    """Where in a decoded JSON value a lone surrogate is (JSON allows "\\ud800", UTF-8 cannot hold it)."""
+    if isinstance(value, str):
+        return "" if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and _SURROGATE.search(k):
+            return f".{k.encode('utf-8', 'backslashreplace').decode()}"
+        if (at := surrogate_at(v)) is not None:
+            return f".{k}{at}"
+    return None
+
+
+def text_size(value: Any) -> int:
+    """Characters in all the strings (keys included) of a decoded JSON value."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(k) + text_size(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(text_size(v) for v in value)
+    return 0
+
+
+class Lenient(BaseModel):
+    """A request body's model: unknown fields are ignored, as OpenAI and vLLM do; lone surrogates are refused."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, v: Any, info: ValidationInfo) -> Any:
+        # A lone surrogate would fail later, wherever the text is encoded (tokenizer, file path, log, response).
+        if (at := surrogate_at(v)) is not None:
+            raise ValueError(f"{info.field_name}{at} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
+                             f"valid Unicode text")
+        return v
 
 
 class GatewayError(Exception):
@@ -164,3 +209,42 @@ def guarded_protocol(*, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
                 self.transport.close()
 
     return GuardedH11Protocol
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets an OpenAI-shaped 413 before anything parses it.
+
+    A declared Content-Length is refused at once; a chunked body is read here up to the limit and replayed.
+    """
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._refuse(scope, receive, send)
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        pending = iter(messages)
+
+        async def replay() -> dict:
+            return next(pending, None) or await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        log.warning("%s %s -> 413: body over %d bytes", scope.get("method"), scope.get("path"), self.limit)
+        await _send_json(send, 413, error_body(413, f"the request body is larger than the server's limit of "
+                                                    f"{self.limit} bytes"))

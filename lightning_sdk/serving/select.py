@@ -11,20 +11,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_sdk.errors import SetupError
+from lightning_sdk.serving.process import new_api_key
 
 if TYPE_CHECKING:
     from lightning_sdk.config import Config
 
 log = logging.getLogger("lightning_sdk")  # the runtime's logger: these lines are part of a run's log
+BACKEND_HOST = "127.0.0.1"  # agents call the gateway (serve.host); the backend behind it stays on this machine
 
 
 def make_server(cfg: Config, model_path: str, log_path: Path):
-    """The run's server, always behind an API key: serve.api_key, or one made for this run (the collector hands
-    it to the agent as `LLM.api_key`)."""
+    """The run's inference backend on 127.0.0.1 (a free port), behind a key of its own made for this run: agents
+    reach it only through the gateway (serving/gateway.py), which holds the key."""
     from lightning_sdk.serving.cpu import CPUServer
-    from lightning_sdk.serving.process import new_api_key
 
-    api_key = cfg.serve.api_key or new_api_key()
+    api_key = new_api_key()
 
     backend = cfg.serve.backend
     if backend != "cpu":
@@ -42,20 +43,21 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
     if backend == "vllm":
         return vllm_server(cfg, model_path, log_path, api_key=api_key)
     return CPUServer(
-        model_path, served_model_name=cfg.model.name, host=cfg.serve.host, port=cfg.serve.port,
+        model_path, served_model_name=cfg.model.name, host=BACKEND_HOST, port=0,
         api_key=api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
         dtype=cfg.model.dtype, startup_timeout=cfg.serve.startup_timeout, log_path=log_path,
     )
 
 
 def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
-    """vLLM serving the bf16 base (also for QLoRA: the nf4 copy is the trainer's) with room for rank lora_r."""
+    """vLLM on 127.0.0.1 (a free port) serving the bf16 base (also for QLoRA: the nf4 copy is the trainer's) with
+    room for rank lora_r."""
     from lightning_sdk.serving.vllm import VLLMServer
 
     s = cfg.serve
-    kw.setdefault("api_key", s.api_key)
-    return VLLMServer(model_path, served_model_name=cfg.model.name, lora_r=cfg.train.lora_r, host=s.host,
-                      port=s.port, max_loras=s.max_loras, dtype=cfg.model.dtype,
+    kw.setdefault("api_key", new_api_key())
+    return VLLMServer(model_path, served_model_name=cfg.model.name, lora_r=cfg.train.lora_r, host=BACKEND_HOST,
+                      port=0, max_loras=s.max_loras, dtype=cfg.model.dtype,
                       max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
                       sleep_level=s.sleep_level, extra_args=s.extra_args, startup_timeout=s.startup_timeout,
                       log_path=log_path, **kw)

@@ -5,6 +5,7 @@ One idea per module:
 - `records`: the span record the store keeps, our attribute names, the sink protocol;
 - `writer`: the span processor and its writer thread;
 - `token_ids`: exact token ids and log-probs from the server's response onto the span;
+- `responses`: spans for OpenAI Responses API calls, with their token ids (instead of the instrumentor's);
 - `instrument`: `install`, instrumenting the OpenAI client once per process and routing spans to a sink;
 - `deferred`: attribute work the agent's thread leaves to the writer thread;
 - `calls`: a call made on the agent's thread and traced through the instrumentor on the writer thread;

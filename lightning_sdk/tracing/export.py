@@ -77,34 +77,42 @@ class AppProvider:
 
 
 class Exporters:
-    """The span writer's outlets besides the store (run on the writer thread)."""
+    """The span writer's outlets besides the store (run on the writer thread). `processors` (a collector, the
+    application's provider) get the gen_ai view of each span; `outlets` (a remote worker's shipper to the run's
+    server, which stores them) get spans exactly as a local store would keep them."""
 
-    def __init__(self, processors: Sequence[Any]):
-        self.processors = list(processors)
+    def __init__(self, processors: Sequence[Any], outlets: Sequence[Any] = ()):
+        self.processors, self.outlets = list(processors), list(outlets)
         self.errors: list[str] = []
 
     def __bool__(self) -> bool:
-        return bool(self.processors)
+        return bool(self.processors or self.outlets)
 
     def export(self, spans: Sequence[ReadableSpan]) -> None:
         for span in spans:
-            out = gen_ai_view(span)
+            out = gen_ai_view(span) if self.processors else span
+            for p in self.outlets:
+                self._hand(p, span)
             for p in self.processors:
-                try:
-                    p.on_end(out)
-                except Exception as e:  # an outlet must not stop the store's writer
-                    if len(self.errors) < 10:
-                        self.errors.append(f"{type(p).__name__}: {type(e).__name__}: {e}")
+                self._hand(p, out)
+
+    def _hand(self, p: Any, span: ReadableSpan) -> None:
+        try:
+            p.on_end(span)
+        except Exception as e:  # an outlet must not stop the store's writer
+            if len(self.errors) < 10:
+                self.errors.append(f"{type(p).__name__}: {type(e).__name__}: {e}")
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return all([p.force_flush(timeout_millis) for p in self.processors])
+        return all([p.force_flush(timeout_millis) for p in self.outlets + self.processors])
 
     def shutdown(self) -> None:
-        for p in self.processors:
+        for p in self.outlets + self.processors:
             p.shutdown()
 
 
-def exporters(own: TracerProvider, app: TracerProvider | None, endpoint: str | None) -> Exporters:
+def exporters(own: TracerProvider, app: TracerProvider | None, endpoint: str | None,
+              outlets: Sequence[SpanProcessor] = ()) -> Exporters:
     out: list[SpanProcessor | AppProvider] = []
     otlp = otlp_processor(endpoint)
     if otlp is not None:
@@ -112,4 +120,4 @@ def exporters(own: TracerProvider, app: TracerProvider | None, endpoint: str | N
         _log.info("exporting rollout spans over OTLP/HTTP to %s", endpoint or "the OTEL_EXPORTER_OTLP_* endpoint")
     if app is not None:
         out.append(AppProvider(app, own))
-    return Exporters(out)
+    return Exporters(out, outlets)

@@ -16,19 +16,20 @@ import os
 import random
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-from lightning_sdk.tracing import context, deferred, export, recorded, token_ids
+from lightning_sdk.tracing import context, deferred, export, recorded, responses, token_ids
 from lightning_sdk.tracing.records import SpanSink
 from lightning_sdk.tracing.writer import StoreSpanProcessor
 
 
-def install(sink: SpanSink, *, otlp_endpoint: str | None = None) -> StoreSpanProcessor:
+def install(sink: SpanSink, *, otlp_endpoint: str | None = None,
+            outlets: Sequence[SpanProcessor] = ()) -> StoreSpanProcessor:
     """Instrument the OpenAI client (once per process) and send rollout spans to `sink`.
 
     The OpenAI instrumentor gets a private TracerProvider, so a user's own OpenTelemetry setup is neither
@@ -37,7 +38,8 @@ def install(sink: SpanSink, *, otlp_endpoint: str | None = None) -> StoreSpanPro
     `_adopt_global`. Calling it again swaps the sink (a new run in the same process).
 
     Rollout spans also go to an OTLP/HTTP collector at `otlp_endpoint` (a base URL; default: the
-    OTEL_EXPORTER_OTLP_ENDPOINT environment variable, if set) and to the application's own global provider.
+    OTEL_EXPORTER_OTLP_ENDPOINT environment variable, if set), to the application's own global provider, and to
+    `outlets` (a remote worker's `ship.RolloutShipper`).
     """
     with _install_lock:
         if _state.processor is not None:
@@ -52,7 +54,7 @@ def install(sink: SpanSink, *, otlp_endpoint: str | None = None) -> StoreSpanPro
             _state.app_provider = _adopt_global(_state.provider)
             atexit.register(_shutdown)  # the exporters' last batch goes out before the process ends
         processor = StoreSpanProcessor(sink, exporters=export.exporters(_state.provider, _state.app_provider,
-                                                                         otlp_endpoint))
+                                                                         otlp_endpoint, outlets))
         _state.forward.target = processor
         _state.processor = processor
         return processor
@@ -255,6 +257,7 @@ def _instrument(provider: TracerProvider) -> None:
     # built on the writer thread (`recorded`).
     OpenAIInstrumentor(enable_trace_context_propagation=False).instrument(
         tracer_provider=recorded.RecordingTracerProvider(provider, _state.forward))
+    responses.instrument(provider)  # the Responses API: our spans instead of the instrumentor's
     # Outermost: calls inside a rollout are made beneath the instrumentor and replayed through it on the span
     # writer thread (`calls`), whose clock it then reads.
     chat_wrappers.time = calls.ReplayClock()

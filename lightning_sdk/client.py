@@ -1,0 +1,272 @@
+"""The Lightning Client: `lightning worker` runs the agent in its own folder and environment for a run whose
+`run.runtime = "remote"` (the Lightning Server, rollouts/remote.py), on this machine or another one.
+
+It points the process's OpenAI clients at the server (OPENAI_BASE_URL / OPENAI_API_KEY, unless the run turned
+`agent.redirect_openai` off) before it imports the agent module, then runs `concurrency` claim loops: claim a
+rollout, run it with `rollouts.worker.run_rollout` (tracing installed, the claim's timeout), deliver its spans
+over OTLP/HTTP (`tracing.ship`: acknowledged by the server), then report its result. Every request is retried
+with backoff while the server is unreachable or restarting; a finished rollout's result is retried until its
+deadline, after which the server has re-run it elsewhere anyway. The protocol: docs/remote.md.
+
+This module imports no torch, transformers, peft, fastapi, uvicorn, store or serving code: a worker's
+environment needs only the agent's own dependencies and the light ones of lightning_sdk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from rich.console import Console
+
+from lightning_sdk import tracing
+from lightning_sdk.agent import LLM, load_agent, output_json, run_environment
+from lightning_sdk.errors import RunError, SetupError
+from lightning_sdk.rollouts import protocol
+from lightning_sdk.rollouts.protocol import SERVER_FILE, TOKEN_FILE, Claim, Result, RunInfo
+from lightning_sdk.rollouts.worker import run_rollout
+from lightning_sdk.tracing.ship import RolloutShipper
+
+SERVER_ENV, TOKEN_ENV = "LIGHTNING_SERVER", "LIGHTNING_TOKEN"
+MAX_BACKOFF_S = 10.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    server: str  # the server's root URL, e.g. http://10.0.0.5:8000
+    token: str
+    module: str
+    rollout: str | None = None
+    reward: str | None = None
+    concurrency: int = 8
+    name: str = f"{socket.gethostname()}-{os.getpid()}"
+
+
+def settings(*, module: str | None, server: str | None, token_file: Path | None, run_dir: Path | None,
+             concurrency: int, rollout: str | None = None, reward: str | None = None,
+             config: Path = Path("lightning.toml")) -> Settings:
+    """The worker's settings from its flags, the environment (LIGHTNING_SERVER, LIGHTNING_TOKEN), a run directory
+    on this machine and ./lightning.toml ([agent]); SetupError, one line, for what is missing or wrong."""
+    server = server or os.environ.get(SERVER_ENV)
+    if server is None and run_dir is not None:
+        try:
+            server = json.loads((run_dir / SERVER_FILE).read_text())["url"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SetupError(f"--run-dir {run_dir}: no readable {SERVER_FILE} with the server's url ({e}); is a "
+                             f"`lightning run` with run.runtime = 'remote' using it?") from None
+    if not server:
+        raise SetupError(f"no server: pass --server URL (printed by `lightning run`), set {SERVER_ENV}, or give the "
+                         f"run's directory on this machine with --run-dir")
+    if not server.startswith(("http://", "https://")):
+        raise SetupError(f"--server {server!r}: expected an http:// or https:// URL")
+    token = None
+    if token_file is not None:
+        token = _read_token(token_file, "--token-file")
+    elif os.environ.get(TOKEN_ENV):
+        token = os.environ[TOKEN_ENV].strip()
+    elif run_dir is not None:
+        token = _read_token(run_dir / TOKEN_FILE, "--run-dir")
+    if not token:
+        raise SetupError(f"no token: pass --token-file (the run directory's {TOKEN_FILE}), set {TOKEN_ENV}, or give "
+                         f"the run's directory on this machine with --run-dir")
+    if module is None:
+        module, rollout, reward = _from_config(config, rollout, reward)
+    if module.endswith(".py") and not Path(module).is_file():
+        raise SetupError(f"agent module {module!r}: file not found (run the worker in the agent's folder, or give "
+                         f"the module's path)")
+    return Settings(server=server.rstrip("/"), token=token, module=module, rollout=rollout, reward=reward,
+                    concurrency=concurrency)
+
+
+def _read_token(path: Path, flag: str) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as e:
+        raise SetupError(f"{flag}: cannot read the token file {path} ({e.strerror})") from None
+    if not token:
+        raise SetupError(f"{flag}: the token file {path} is empty")
+    return token
+
+
+def _from_config(path: Path, rollout: str | None, reward: str | None) -> tuple[str, str | None, str | None]:
+    """[agent] of lightning.toml: module (a .py path relative to the file), rollout, reward; flags win."""
+    if not path.is_file():
+        raise SetupError(f"no agent module: name it (`lightning worker agent.py`), or run in a folder whose "
+                         f"{path} has [agent] module")
+    try:
+        agent = tomllib.loads(path.read_text()).get("agent") or {}
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise SetupError(f"{path}: cannot read it ({e})") from None
+    module = agent.get("module")
+    if not isinstance(module, str) or not module:
+        raise SetupError(f"{path}: no [agent] module; name the agent module on the command line")
+    if module.endswith(".py") and not Path(module).is_absolute():
+        module = str(path.resolve().parent / module)
+    return module, rollout or agent.get("rollout"), reward or agent.get("reward")
+
+
+class Unauthorized(SetupError):
+    pass
+
+
+class _Rows:
+    """`run_rollout`'s rollout sink: the server writes the rows; what the store would get is kept for the report."""
+
+    def __init__(self) -> None:
+        self.finished: dict[str, dict[str, Any]] = {}
+
+    def start_rollout(self, rollout_id: str, **kw: Any) -> None:
+        pass
+
+    def finish_rollout(self, rollout_id: str, **kw: Any) -> None:
+        self.finished[rollout_id] = kw
+
+    def write_spans(self, records: Any) -> None:  # tracing's sink: spans go out through the shipper instead
+        pass
+
+
+class Worker:
+    def __init__(self, s: Settings, console: Console):
+        self.s, self.console = s, console
+        self.rows = _Rows()
+        self.done = {"succeeded": 0, "failed": 0, "not reported": 0, "refused": 0}
+        self._outage = False
+        self._phase: tuple[str, int] | None = None
+
+    def run(self) -> str:
+        """Work until the run is over; returns the closing line. SetupError for bad input, RunError else."""
+        return asyncio.run(self._main())
+
+    async def _main(self) -> str:
+        s = self.s
+        headers = {"Authorization": f"Bearer {s.token}"}
+        timeout = httpx.Timeout(30.0, read=protocol.LONG_POLL_S + 15)
+        async with httpx.AsyncClient(base_url=s.server, headers=headers, timeout=timeout) as self.http:
+            r = await self._request("GET", protocol.RUN, what="connect")
+            if r.status_code != 200:
+                raise SetupError(f"--server {s.server}: GET {protocol.RUN} answered {r.status_code}; is this the URL "
+                                 f"a `lightning run` with run.runtime = 'remote' printed?")
+            info = RunInfo.model_validate(r.json())
+            if info.over:
+                return f"run {info.name!r} at {s.server} is over; nothing to do"
+            with run_environment(f"{s.server}/v1", s.token, redirect_openai=info.redirect_openai):
+                self.rollout_fn, self.reward_fn = load_agent(s.module, s.rollout, s.reward)
+                self._install_tracing(headers)
+                self.console.print(f"worker {s.name}: run {info.name!r} at {s.server}, agent {s.module}, "
+                                   f"{s.concurrency} rollout(s) at a time", highlight=False, soft_wrap=True)
+                loops = [asyncio.create_task(self._loop()) for _ in range(s.concurrency)]
+                try:
+                    done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for t in loops:
+                        t.cancel()
+                    await asyncio.gather(*loops, return_exceptions=True)
+                for t in done:
+                    t.result()  # a loop ends only when the run is over, or raises
+        return f"run {info.name!r} is over: worker {s.name} exits ({self._tally()})"
+
+    def _install_tracing(self, headers: dict[str, str]) -> None:
+        from opentelemetry.exporter.otlp.proto.http import Compression
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        self.shipper = RolloutShipper(OTLPSpanExporter(endpoint=f"{self.s.server}{protocol.TRACES}", headers=headers,
+                                                       compression=Compression.Gzip, timeout=10))
+        tracing.install(self.rows, outlets=[self.shipper])
+        tracing.request_token_ids_from(f"{self.s.server}/v1")
+
+    def _tally(self) -> str:
+        return ", ".join(f"{n} {k}" for k, n in self.done.items() if n) or "no rollouts"
+
+    async def _loop(self) -> None:
+        name = self.s.name  # the server knows workers by process: one name for all its loops
+        while True:
+            r = await self._request("POST", protocol.CLAIM, json={"worker": name}, what="claim")
+            if r.status_code == 204:
+                continue
+            if r.status_code == 410:
+                return
+            if r.status_code != 200:
+                raise RunError(f"the server answered a claim with {r.status_code}: {r.text[:300]}")
+            await self._rollout(Claim.model_validate(r.json()), name)
+
+    async def _rollout(self, claim: Claim, name: str) -> None:
+        deadline = time.monotonic() + claim.deadline_s
+        job = claim.job()
+        if self._phase != (job.phase, job.iteration):
+            self._phase = (job.phase, job.iteration)
+            self.console.print(f"{job.phase} rollouts of iteration {job.iteration} ({claim.llm.model})",
+                               highlight=False)
+        tracing.request_token_ids_from(claim.llm.base_url)
+        llm = LLM(base_url=claim.llm.base_url, api_key=claim.llm.api_key, model=claim.llm.model)
+        result = await run_rollout(job, rollout_fn=self.rollout_fn, reward_fn=self.reward_fn, llm=llm,
+                                   store=self.rows, timeout=claim.timeout)
+        row = self.rows.finished.pop(job.rollout_id, {})
+        left = deadline - time.monotonic()
+        try:  # the writer hands the rollout's spans to the shipper
+            await asyncio.to_thread(tracing.flush, max(1.0, left))
+        except TimeoutError:
+            self._drop(job.rollout_id, "its spans were not all traced before its deadline")
+            return
+        left = deadline - time.monotonic()
+        if not await asyncio.to_thread(self.shipper.deliver, job.rollout_id, max(0.0, left)):
+            self._drop(job.rollout_id, "its spans could not be delivered before its deadline")
+            return
+        body = Result(worker=name, status=result.status, output=json.loads(output_json(result.output)),
+                      reward=result.reward, error=result.error, traceback=row.get("traceback"),
+                      failed_in=result.failed_in)
+        r = await self._request("POST", protocol.RESULT.format(rollout_id=quote(job.rollout_id, safe="")),
+                                content=body.model_dump_json(), until=deadline, what="report")
+        if r is None:
+            self._drop(job.rollout_id, "its result could not be reported before its deadline")
+        elif r.status_code == 409:
+            self.done["refused"] += 1
+            self.console.print(f"[yellow]{job.rollout_id}: the server no longer expected this result (its "
+                               f"deadline passed; it re-runs the rollout): ignored", highlight=False)
+        elif r.status_code != 200:
+            raise RunError(f"the server refused the result of {job.rollout_id} ({r.status_code}): {r.text[:300]}")
+        else:
+            self.done[result.status] += 1
+
+    def _drop(self, rollout_id: str, why: str) -> None:
+        self.done["not reported"] += 1
+        self.console.print(f"[yellow]{rollout_id}: {why}; not reported (the server re-runs it)", highlight=False)
+
+    async def _request(self, method: str, path: str, *, what: str, until: float | None = None,
+                       **kw: Any) -> httpx.Response | None:
+        """Send; while the server is unreachable or answers 5xx, again with backoff (until `until`, a monotonic
+        time: then None). A 401 raises Unauthorized."""
+        if "content" in kw:
+            kw.setdefault("headers", {})["Content-Type"] = "application/json"
+        delay = 0.25
+        while True:
+            try:
+                r = await self.http.request(method, path, **kw)
+                problem = None if r.status_code < 500 else f"HTTP {r.status_code}"
+            except httpx.TransportError as e:
+                r, problem = None, type(e).__name__
+            if problem is None:
+                if r.status_code == 401:
+                    raise Unauthorized(f"the server at {self.s.server} refused the token (401): use the run's "
+                                       f"{TOKEN_FILE} (--token-file) or {TOKEN_ENV}")
+                if self._outage:
+                    self._outage = False
+                    self.console.print(f"server {self.s.server} reachable again", highlight=False)
+                return r
+            if until is not None and time.monotonic() + delay > until:
+                return None
+            if not self._outage:
+                self._outage = True
+                self.console.print(f"[yellow]{what}: server {self.s.server} unreachable ({problem}); retrying with "
+                                   f"backoff", highlight=False)
+            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+            delay = min(delay * 2, MAX_BACKOFF_S)

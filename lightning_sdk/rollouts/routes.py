@@ -1,0 +1,134 @@
+"""The remote runtime's HTTP routes, added to the run's gateway (same address, same bearer key): workers claim
+rollouts, send their spans over OTLP/HTTP and report results. The table of routes and bodies: docs/remote.md.
+
+Untrusted bodies are read up to a limit, and decoded (OTLP protobuf/JSON, pydantic) and stored in threads: the
+gateway's event loop, which also relays the agents' LLM calls, never waits on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from lightning_sdk.rollouts import protocol
+from lightning_sdk.rollouts.dispatch import Dispatch
+from lightning_sdk.rollouts.protocol import Claim, ClaimRequest, Endpoint, Result, RunInfo
+from lightning_sdk.serving.guard import error_body
+from lightning_sdk.tracing import otlp
+
+log = logging.getLogger("lightning_sdk")
+
+MAX_BODY_BYTES = 16 * 2**20  # a result's output, or one OTLP export (before and after decompression)
+_PARSE_INLINE = 64 * 2**10  # bodies above this are parsed in a thread
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, redirect_openai: bool,
+                long_poll_s: float = protocol.LONG_POLL_S, max_body_bytes: int = MAX_BODY_BYTES) -> APIRouter:
+    """The routes; `api_key` is the key agents use for LLM calls (the gateway's)."""
+    router = APIRouter()
+
+    @router.get(protocol.RUN)
+    async def run() -> dict:
+        dispatch.touch(None)
+        return RunInfo(name=run_name, phase=dispatch.label, over=dispatch.over,
+                       redirect_openai=redirect_openai).model_dump()
+
+    @router.post(protocol.CLAIM)
+    async def claim(request: Request) -> Response:
+        body = await _parse(request, ClaimRequest, max_body_bytes)
+        if isinstance(body, Response):
+            return body
+        claimed = await dispatch.claim(body.worker, long_poll_s, request.is_disconnected)
+        if claimed is None:
+            if dispatch.over:
+                dispatch.mark_told(body.worker)
+                return JSONResponse(error_body(410, f"run {run_name!r} is over"), status_code=410)
+            return Response(status_code=204)
+        job = claimed.job
+        log.debug("%s claimed %s", body.worker, job.rollout_id)
+        return JSONResponse(Claim(
+            rollout_id=job.rollout_id, task_id=job.task_id, group_id=job.group_id, task=job.task,
+            iteration=job.iteration, phase=job.phase, attempt=job.attempt, timeout=dispatch.timeout,
+            deadline_s=max(0.0, claimed.deadline - dispatch.clock()),
+            # the address this worker reached us at: right for workers on other machines too
+            llm=Endpoint(base_url=f"{str(request.base_url).rstrip('/')}/v1", api_key=api_key,
+                         model=dispatch.policy or ""),
+        ).model_dump(mode="json"))
+
+    @router.post(protocol.RESULT)
+    async def result(rollout_id: str, request: Request) -> Response:
+        body = await _parse(request, Result, max_body_bytes)
+        if isinstance(body, Response):
+            return body
+        if await asyncio.to_thread(dispatch.finish, rollout_id, body) is None:
+            log.info("result for %s from %s ignored: not claimed now", rollout_id[:200], body.worker)
+            return JSONResponse(error_body(409, f"rollout {rollout_id[:200]!r} is not claimed now (unknown, already "
+                                                f"finished, or abandoned at its deadline and re-run under another "
+                                                f"id): this result is ignored"), status_code=409)
+        return JSONResponse({"accepted": True})
+
+    @router.post(protocol.TRACES)
+    async def traces(request: Request) -> Response:
+        dispatch.touch(None)
+        kind = otlp.JSON
+        try:
+            kind = otlp.media_type(request.headers.get("content-type"))
+            raw = await _read(request, max_body_bytes)
+            decoded = await asyncio.to_thread(otlp.decode, raw, content_type=kind, limit=max_body_bytes,
+                                              content_encoding=request.headers.get("content-encoding"))
+        except _TooLarge:
+            return _otlp_error(413, f"the body is larger than the limit of {max_body_bytes} bytes", kind)
+        except otlp.OtlpError as e:
+            return _otlp_error(e.status, str(e), kind)
+        spans = await asyncio.to_thread(dispatch.take_spans, decoded)
+        if spans.rejected:
+            log.info("OTLP export: %d span(s) stored, refused %s", spans.stored, spans.message())
+        return Response(otlp.response(spans.rejected, spans.message(), kind=kind), media_type=kind)
+
+    return router
+
+
+def _otlp_error(status: int, message: str, kind: str) -> Response:
+    log.warning("POST %s -> %d: %s", protocol.TRACES, status, message[:300])
+    return Response(otlp.error(message, kind=kind), status_code=status, media_type=kind)
+
+
+async def _read(request: Request, limit: int) -> bytes:
+    """The body, refused (_TooLarge) as soon as it passes `limit` bytes, whatever Content-Length claims."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _TooLarge
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, model: type[BaseModel], limit: int) -> BaseModel | Response:
+    """The JSON body as `model`, or the 4xx answer: 413 over the limit, 400 naming the first bad field."""
+    try:
+        raw = await _read(request, limit)
+    except _TooLarge:
+        return JSONResponse(error_body(413, f"the request body is larger than the limit of {limit} bytes"),
+                            status_code=413)
+    try:
+        if len(raw) <= _PARSE_INLINE:
+            return model.model_validate_json(raw)
+        return await asyncio.to_thread(model.model_validate_json, raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        return JSONResponse(error_body(400, f"{field}: {message}" if field else message, field or None),
+                            status_code=400)

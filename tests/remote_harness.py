@@ -1,0 +1,56 @@
+"""A Lightning server's API without a trainer, for the remote-runtime tests: a real gateway on 127.0.0.1 in front
+of the real CPU server, with the work and OTLP routes on a real store; `restart` stops it and serves it again on
+the same port (what a worker sees when the server restarts)."""
+
+from __future__ import annotations
+
+import time
+
+from lightning_sdk.rollouts.dispatch import Dispatch
+from lightning_sdk.rollouts.routes import work_router
+from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
+from lightning_sdk.serving.gateway import Gateway
+from lightning_sdk.store import Store
+
+KEY = "worker-token"
+
+
+class Api:
+    def __init__(self, server, store: Store, *, timeout: float = 60.0, max_body_bytes: int = 256 * 1024):
+        self.server, self.store, self.timeout, self.max_body_bytes = server, store, timeout, max_body_bytes
+        self.dispatch = Dispatch(store)
+        self.gateway = self._serve(port=0)
+        self.url = self.gateway.url
+
+    def _serve(self, port: int) -> Gateway:
+        g = Gateway(api_key=KEY, port=port)
+        g.add_routes(work_router(self.dispatch, run_name="test", api_key=KEY, redirect_openai=True,
+                                 max_body_bytes=self.max_body_bytes))
+        g.start([self.server.url], backend_key=self.server.api_key)
+        g.policy = self.server.served_model_name
+        return g
+
+    def restart(self, down_s: float) -> None:
+        port = int(self.url.rsplit(":", 1)[1])
+        self.gateway.stop()
+        time.sleep(down_s)
+        self.gateway = self._serve(port)
+
+    def stop(self) -> None:
+        self.gateway.stop()
+
+    def queue(self, jobs: list[RolloutJob], *, deadline_s: float = 60.0) -> None:
+        self.dispatch.open(list(enumerate(jobs)), policy=self.server.served_model_name, label="test",
+                           timeout=self.timeout, deadline_s=deadline_s)
+
+    def results(self, n: int, timeout: float = 60.0) -> list[RolloutResult]:
+        """The next `n` results, in the order they came (bounded wait)."""
+        out, until = [], time.monotonic() + timeout
+        while len(out) < n and time.monotonic() < until:
+            out += [f.result for f in self.dispatch.wait(0.2)]
+        assert len(out) == n, f"{len(out)} of {n} results within {timeout}s"
+        return out
+
+
+def job(k: int, task: dict, *, prefix: str = "r") -> RolloutJob:
+    return RolloutJob(rollout_id=f"{prefix}-{k}", task_id=f"t{k}", group_id=f"g{k // 2}", task=task, iteration=1)

@@ -1,0 +1,74 @@
+"""The Responses router under test, mounted on the real Gateway (serving/gateway.py) in front of a real built-in
+server on 127.0.0.1; it records the chat requests the router sent."""
+
+from __future__ import annotations
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from lightning_sdk.serving.gateway import Gateway
+from lightning_sdk.serving.process import auth_headers
+from lightning_sdk.serving.responses import responses_router
+
+BREAK_MIDSTREAM = "break-midstream"  # a request with this `user` goes to a backend that fails mid-stream
+
+
+class ResponsesApp:
+    """`base_url` / `api_key` are the gateway's; `chat_bodies` lists the chat requests /v1/responses made."""
+
+    def __init__(self, server, **router_kwargs):
+        self.server, self.router_kwargs = server, router_kwargs
+        self.gateway = Gateway(api_key="agents-key")
+        self.base_url, self.api_key = self.gateway.base_url, self.gateway.api_key
+        self.auth = auth_headers(self.api_key)
+        self.chat_bodies: list[dict] = []
+
+    async def _send(self, body: dict) -> httpx.Response:
+        self.chat_bodies.append(body)
+        if body.get("user") != BREAK_MIDSTREAM:
+            return await self.gateway.send_chat(body)
+        request = self._client.build_request("POST", f"{self.gateway.url}/broken/v1/chat/completions", json=body,
+                                             headers=self.auth)
+        return await self._client.send(request, stream=True)
+
+    @property
+    def chat_calls(self) -> int:
+        """Chat requests the gateway sent its backend (from /v1/responses or /v1/chat/completions)."""
+        return sum(self.gateway.backends.served)
+
+    def start(self) -> "ResponsesApp":
+        self._client = httpx.AsyncClient(timeout=60)
+        broken = APIRouter()
+
+        @broken.post("/broken/v1/chat/completions")
+        async def fail_midstream(request: Request) -> StreamingResponse:
+            """A backend that fails after its first token, reporting it in the stream as vLLM does: the server's
+            own chunks up to the first piece of text, then an error chunk."""
+            body = {**await request.json(), "model": self.server.served_model_name}
+            upstream = await self._client.send(self._client.build_request(
+                "POST", f"{self.server.base_url}/chat/completions", json=body,
+                headers=auth_headers(self.server.api_key)), stream=True)
+
+            async def relay():
+                try:
+                    async for line in upstream.aiter_lines():
+                        if line.startswith("data: "):
+                            yield f"{line}\n\n"
+                            if '"content": ""' not in line:
+                                break
+                    yield 'data: {"error": {"message": "the engine died", "type": "InternalServerError", ' \
+                          '"param": null, "code": 500}}\n\n'
+                finally:
+                    await upstream.aclose()
+
+            return StreamingResponse(relay(), media_type="text/event-stream")
+
+        self.gateway.add_routes(broken)
+        self.gateway.add_routes(responses_router(self._send, **self.router_kwargs))
+        self.gateway.start([self.server.url], backend_key=self.server.api_key)
+        self.gateway.policy = self.server.served_model_name
+        return self
+
+    def stop(self) -> None:
+        self.gateway.stop()

@@ -1,0 +1,190 @@
+"""The gateway (serving/gateway.py): the one address agents call. Any model name is served by the policy being
+trained, every response carries token ids, the least-loaded backend takes each request; real CPU servers on
+127.0.0.1 and the real openai client."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from lightning_sdk.serving.gateway import Gateway
+
+ASK = [{"role": "user", "content": "2+2="}]
+
+
+@pytest.fixture()
+def gateway(server):
+    g = Gateway(api_key="agents", model_names=())
+    g.start([server.url], backend_key=server.api_key)
+    g.policy = server.served_model_name
+    yield g
+    g.stop()
+
+
+def test_any_model_name_is_served_by_the_policy_and_logged_once(gateway, server, caplog):
+    client = OpenAI(base_url=gateway.base_url, api_key="agents", max_retries=0)
+    with caplog.at_level(logging.INFO, logger="lightning_sdk"):
+        for _ in range(2):
+            out = client.chat.completions.create(model="gpt-4o-mini", messages=ASK, max_tokens=3)
+            assert out.model == server.served_model_name  # the backend answered as the policy
+        client.chat.completions.create(model=server.served_model_name, messages=ASK, max_tokens=3)
+    asked = [r.getMessage() for r in caplog.records if "asked for model" in r.getMessage()]
+    assert asked == ["the agent asked for model 'gpt-4o-mini': served by the policy being trained (any name is; "
+                     "serve.model_names restricts them)"]
+    stats = httpx.get(f"{gateway.url}/gateway/stats", headers={"Authorization": "Bearer agents"}).json()
+    assert stats["asked"] == {"gpt-4o-mini": 2, server.served_model_name: 1}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.served_model_name]
+
+
+def test_every_response_carries_token_ids_and_logprobs_streamed_or_not(gateway):
+    auth = {"Authorization": "Bearer agents"}
+    body = {"model": "whatever", "messages": ASK, "max_tokens": 4}  # a client that asks for neither
+    r = httpx.post(f"{gateway.base_url}/chat/completions", json=body, headers=auth, timeout=60).json()
+    choice = r["choices"][0]
+    assert r["prompt_token_ids"] and choice["token_ids"]
+    assert [t["logprob"] for t in choice["logprobs"]["content"]] and len(choice["logprobs"]["content"]) == len(
+        choice["token_ids"])
+    with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json={**body, "stream": True}, headers=auth,
+                      timeout=60) as s:
+        lines = [line for line in s.iter_lines() if line.startswith("data: {")]
+    assert '"prompt_token_ids"' in lines[0] and any('"token_ids": [' in line and '"logprob"' in line
+                                                    for line in lines[1:])
+
+
+def test_model_names_restricts_what_is_served(server):
+    g = Gateway(api_key="agents", model_names=["gpt-4o-mini"])
+    g.start([server.url], backend_key=server.api_key)
+    g.policy = "tiny"
+    try:
+        client = OpenAI(base_url=g.base_url, api_key="agents", max_retries=0)
+        assert client.chat.completions.create(model="gpt-4o-mini", messages=ASK, max_tokens=2).choices
+        assert client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2).choices  # the policy's name
+        with pytest.raises(openai.NotFoundError, match=r"claude-3.*\['gpt-4o-mini'\] \(serve.model_names\)"):
+            client.chat.completions.create(model="claude-3", messages=ASK, max_tokens=2)
+        assert [m.id for m in client.models.list().data] == ["tiny", "gpt-4o-mini"]
+    finally:
+        g.stop()
+
+
+def test_bad_requests_get_openai_shaped_errors(server):
+    g = Gateway(api_key="agents")
+    auth = {"Authorization": "Bearer agents", "Content-Type": "application/json"}
+    g.start([server.url, "http://127.0.0.1:9"], backend_key=server.api_key)  # backend 1: nothing listens there
+    try:
+        url = f"{g.base_url}/chat/completions"
+        r = httpx.post(url, json={"model": "m", "messages": ASK}, headers=auth, timeout=30)
+        assert r.status_code == 503 and "no policy" in r.json()["error"]["message"]  # before the run serves one
+        g.policy = "tiny"
+        for body, status, words in ((b"{not json", 400, "not valid JSON"), (b"[1, 2]", 400, "JSON object"),
+                                    (b'{"messages": []}', 400, "model: expected"), (b'{"model": 7}', 400, "model")):
+            r = httpx.post(url, content=body, headers=auth, timeout=30)
+            assert r.status_code == status and words in r.json()["error"]["message"], r.text
+        codes = sorted(httpx.post(url, json={"model": "m", "messages": ASK, "max_tokens": 2}, headers=auth,
+                                  timeout=30).status_code for _ in range(2))
+        assert codes == [200, 502]  # one each: the least-loaded choice alternates; the dead one answers 502
+        stats = httpx.get(f"{g.url}/gateway/stats", headers=auth).json()
+        assert stats["in_flight"] == [0, 0]  # the failed request released its slot
+    finally:
+        g.stop()
+
+
+def test_least_loaded_backend_takes_each_request(tiny_model_path, tmp_path):
+    from lightning_sdk.serving.cpu import CPUServer
+
+    servers = [CPUServer(tiny_model_path, served_model_name="tiny", threads=1, log_path=tmp_path / f"s{i}.log")
+               for i in range(2)]
+    for s in servers:
+        s.start()
+    assert servers[0].api_key is None
+    # Backend 0 accepts a request and holds it open: deterministic load, no timing.
+    held, release = socket.create_server(("127.0.0.1", 0)), threading.Event()
+    conns = []
+
+    def hold():
+        while not release.is_set():
+            try:
+                c, _ = held.accept()
+            except OSError:
+                return
+            conns.append(c)
+
+    threading.Thread(target=hold, daemon=True).start()
+    g = Gateway(api_key="agents")
+    g.start([f"http://127.0.0.1:{held.getsockname()[1]}", servers[0].url, servers[1].url], backend_key=None)
+    g.policy = "tiny"
+    auth = {"Authorization": "Bearer agents"}
+    try:
+        client = OpenAI(base_url=g.base_url, api_key="agents", max_retries=0)
+        stats = lambda: httpx.get(f"{g.url}/gateway/stats", headers=auth).json()  # noqa: E731
+        stuck = threading.Thread(target=lambda: httpx.post(f"{g.base_url}/chat/completions", timeout=60, headers=auth,
+                                                           json={"model": "tiny", "messages": ASK}), daemon=True)
+        stuck.start()
+        deadline = time.monotonic() + 30
+        while stats()["in_flight"] != [1, 0, 0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats()["in_flight"] == [1, 0, 0]
+        for stream in (False, True, False):  # the free servers take them, streamed or not, in turn
+            r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, stream=stream)
+            assert (list(r)[0].choices is not None) if stream else r.choices[0].message.content is not None
+        assert stats()["served"] == [1, 2, 1]
+        release.set()
+        for c in conns:
+            c.close()
+        held.close()
+        stuck.join(timeout=30)
+        deadline = time.monotonic() + 30
+        while stats()["in_flight"] != [0, 0, 0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats()["in_flight"] == [0, 0, 0]  # a failed upstream releases its slot
+    finally:
+        g.stop()
+        for s in servers:
+            s.stop()
+
+
+def test_ray_servers_load_adapters_on_every_server(tiny_model_path, tmp_path):
+    """RayServers sends adapter loads to each server itself (the gateway has no adapter routes)."""
+    pytest.importorskip("ray")
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_sdk import config, models
+    from lightning_sdk.rollouts.ray import RayServers
+    from lightning_sdk.serving import ServerError
+    from lightning_sdk.serving.cpu import CPUServer
+
+    cfg = config.parse({"agent": {"module": "a.py"}, "data": {"train": "t.jsonl"}, "run": {"runtime": "ray"}})
+    ray_servers = RayServers(cfg, tiny_model_path, tmp_path)
+    servers = [CPUServer(tiny_model_path, served_model_name="tiny", threads=1, api_key=ray_servers.api_key,
+                         log_path=tmp_path / f"s{i}.log") for i in range(2)]
+    for s in servers:
+        s.start()
+    ray_servers.urls = [s.url for s in servers]  # what start() gets from the server actors
+    auth = {"Authorization": f"Bearer {ray_servers.api_key}"}
+    try:
+        base = models.load_causal_lm(tiny_model_path)
+        peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.01)
+        peft_model.save_pretrained(tmp_path / "adapter")
+        ray_servers.load_adapter("tuned", str(tmp_path / "adapter"))
+        for s in servers:
+            assert {m["id"] for m in httpx.get(f"{s.base_url}/models", headers=auth).json()["data"]} == {"tiny", "tuned"}
+        with pytest.raises(ServerError, match="load_lora_adapter failed"):
+            ray_servers.load_adapter("x", "/nope")
+        ray_servers.unload_adapter("tuned")
+        for s in servers:
+            assert {m["id"] for m in httpx.get(f"{s.base_url}/models", headers=auth).json()["data"]} == {"tiny"}
+    finally:
+        for s in servers:
+            s.stop()
