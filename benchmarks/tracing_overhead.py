@@ -93,6 +93,7 @@ class Results:
         self.threads = {"lightning-span-writer": 0.0, "OtelBatchSpanRecordProcessor": 0.0}
         self.spans = 0
         self.flush_cpu = 0.0  # the calling thread's CPU in the flush after each phase
+        self.writer_in_phase = 0.0  # the span writer's CPU during the phases (the rest: in the flush after each)
 
 
 def run(client: openai.OpenAI, store: Store, variants: dict[str, tuple[str, bool]], rounds: int, phases: int,
@@ -127,6 +128,8 @@ def run(client: openai.OpenAI, store: Store, variants: dict[str, tuple[str, bool
                 n += 1
                 for k in kinds[n % 3:] + kinds[:n % 3]:
                     call(k, n, res)
+            if res is not None:
+                res.writer_in_phase += sum(thread_cpu(t) - cpu0[t] for t in threads if "writer" in t.name)
             c0 = time.thread_time()
             tracing.flush(exporters=True)  # with export on, the batch processor encodes and posts here
             if res is not None:
@@ -196,10 +199,13 @@ for mode in MODES:
              for k, res in (("running", replayed[mode]), ("held", replayed[f"{mode} held"]))}
     print(f"  replayed reply (no server: the agent's thread never waits for I/O): calling-thread CPU untraced "
           f"{mean_us(iso['plain']):.0f} us, traced {mean_us(iso['traced']):.0f} us -> "
-          f"+{mean_us(iso['traced']) - mean_us(iso['plain']):.0f} us per call; its wall time beyond its CPU per "
+          f"{mean_us(iso['traced']) - mean_us(iso['plain']):+.0f} us per call (medians: "
+          f"{(statistics.median(iso['traced']) - statistics.median(iso['plain'])) * US:+.0f} us; a full garbage "
+          f"collection, ~0.1 s here, moves a mean by hundreds of us); its wall time beyond its CPU per "
           f"traced call: {waits['running']:.0f} us with the writer working alongside, {waits['held']:.0f} us with "
           f"it held until the phase ends -> the GIL time tracing's threads took from it: "
-          f"{waits['running'] - waits['held']:+.0f} us per span")
+          f"{waits['running'] - waits['held']:+.0f} us per span, while the writer spent "
+          f"{replayed[mode].writer_in_phase / replayed[mode].spans * US:.0f} us of CPU per span alongside it")
 print(f"calling thread per traced call: +{figures['off']:.0f} us export off, +{figures['on']:.0f} us export on")
 ratio = {m: statistics.mean(live[m].wall["traced"]) / statistics.mean(live[m].wall["plain"]) for m in MODES}
 print(f"ratio={ratio['off']:.4f} ratio_otlp={ratio['on']:.4f}")
