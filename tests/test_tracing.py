@@ -2,6 +2,8 @@
 
 import asyncio
 import threading
+import time
+import traceback
 
 import openai
 import pytest
@@ -141,3 +143,77 @@ def test_concurrent_rollouts_keep_their_own_spans(server, store):
     for i in range(4):
         assert len(llm_spans(store, f"t{i}")) == 1
     assert store.count("spans") == 12 * 3 + 4
+
+
+def _traced_both_ways(server, store, monkeypatch, rid, **request):
+    """The same call traced twice: made beneath the instrumentor and replayed through it on the span writer thread
+    (what a plain call inside a rollout gets), and traced by the instrumentor live."""
+    from lightning_sdk.tracing import calls
+
+    tracing.request_token_ids_from(server.base_url)  # as the runtime does
+    spans = {}
+    for way in ("replayed", "live"):
+        if way == "live":
+            monkeypatch.setattr(calls, "_recordable", lambda args, kwargs: False)
+        with tracing.rollout_context(f"{rid}-{way}"), ls.component("solver"):
+            t0 = time.time_ns()
+            try:
+                client(server).chat.completions.create(**request)
+            except openai.APIError:
+                pass
+            t1 = time.time_ns()
+        (spans[way],) = llm_spans(store, f"{rid}-{way}")
+        assert t0 <= spans[way].start_ns <= spans[way].end_ns <= t1  # the call's own times
+    assert tracing.writer_errors() == []
+    return spans["replayed"], spans["live"]
+
+
+def test_a_call_replayed_on_the_writer_thread_is_the_span_the_instrumentor_makes_live(server, store, monkeypatch):
+    request = dict(model=SERVED, messages=MESSAGES, max_tokens=4, temperature=0.0, seed=7,
+                   tools=[{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}])
+    replayed, live = _traced_both_ways(server, store, monkeypatch, "r-same", **request)
+    per_call = {tracing.ROLLOUT_ID, "gen_ai.response.id"}
+    assert {k: v for k, v in replayed.attributes.items() if k not in per_call} == \
+        {k: v for k, v in live.attributes.items() if k not in per_call}
+    assert replayed.attributes[COMPLETION_IDS] and replayed.attributes["gen_ai.request.temperature"] == 0.0
+    assert (replayed.name, replayed.status, replayed.events) == (live.name, live.status, live.events)
+
+
+def test_a_failed_call_replayed_is_the_error_span_the_instrumentor_makes_live(server, store, monkeypatch):
+    replayed, live = _traced_both_ways(server, store, monkeypatch, "r-fail", model="no-such-model", messages=MESSAGES)
+    assert replayed.status == live.status == "ERROR" and replayed.status_message == live.status_message
+    assert {k: v for k, v in replayed.attributes.items() if k != tracing.ROLLOUT_ID} == \
+        {k: v for k, v in live.attributes.items() if k != tracing.ROLLOUT_ID}
+    (event,), (live_event,) = replayed.events, live.events
+    for key in ("exception.type", "exception.message", "exception.escaped"):
+        assert event["attributes"][key] == live_event["attributes"][key]
+    assert "NotFoundError" in event["attributes"]["exception.stacktrace"]
+
+
+def test_the_agent_gets_the_reply_and_the_exception_it_would_get_untraced(server, store):
+    tracing.request_token_ids_from(server.base_url)  # as the runtime does: tracing asks for log-probs
+    with tracing.rollout_context("r-reply"):
+        out = client(server).chat.completions.create(model=SERVED, messages=MESSAGES, max_tokens=3)
+        with pytest.raises(openai.NotFoundError) as failed:
+            client(server).chat.completions.create(model="no-such-model", messages=MESSAGES)
+    # Tracing asked the server for log-probs; the agent did not, and gets none. The span has them.
+    assert out.choices[0].logprobs is None
+    (span, _) = sorted(llm_spans(store, "r-reply"), key=lambda s: s.start_ns)
+    assert len(span.attributes[COMPLETION_LOGPROBS]) == len(span.attributes[COMPLETION_IDS]) >= 1
+    # The error was traced by re-raising it through the instrumentor: its traceback is the call's own.
+    frames = [f.name for f in traceback.extract_tb(failed.value.__traceback__)]
+    assert "create" in frames and not {"_replay", "_replayed", "_fail"} & set(frames)
+
+
+def test_a_call_under_a_span_the_application_does_not_sample_is_stored(server, store):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    app = TracerProvider(sampler=ALWAYS_OFF).get_tracer("an-agent-framework")
+    with tracing.rollout_context("r-unsampled"), app.start_as_current_span("agent step") as step:
+        assert not step.get_span_context().trace_flags.sampled
+        client(server).chat.completions.create(model=SERVED, messages=MESSAGES, max_tokens=2)
+        ls.emit_reward(0.5)
+    (span,) = llm_spans(store, "r-unsampled")
+    assert span.trace_id == format(step.get_span_context().trace_id, "032x")  # still a child of the app's span
+    assert [r["value"] for r in store.rewards("r-unsampled")] == [0.5]

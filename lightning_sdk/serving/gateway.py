@@ -5,7 +5,8 @@
   `serve.model_names` only those names are served (others get 404). Each new name is logged once.
 - Chat completions are forwarded asking for token ids and log-probs (`return_token_ids`, `logprobs`: vLLM's
   fields, which the built-in server honours too), so every client's response carries them, whatever language it
-  is written in. The Responses API is served over chat completions (`serving/responses.py`).
+  is written in (a Python agent traced by lightning_sdk gets log-probs only if it asked: tracing reads them and
+  takes them off the reply). The Responses API is served over chat completions (`serving/responses.py`).
 - Several backends (the Ray runtime's server actors): each request goes to the one with the fewest in flight.
 - Agents hold the gateway's key only. The backends' key, which can swap adapters, stays in the runtime, and
   adapter control goes to the backends directly, never through here.

@@ -8,6 +8,8 @@ One idea per module:
 - `responses`: spans for OpenAI Responses API calls, with their token ids (instead of the instrumentor's);
 - `instrument`: `install`, instrumenting the OpenAI client once per process and routing spans to a sink;
 - `deferred`: attribute work the agent's thread leaves to the writer thread;
+- `calls`: a call made on the agent's thread and traced through the instrumentor on the writer thread;
+- `recorded`: spans recorded on the agent's thread and built on the writer thread;
 - `export`: spans to an OTLP/HTTP collector and to the application's own TracerProvider.
 """
 

@@ -9,6 +9,8 @@ a rollout defer anything: others go nowhere, so their attributes are never built
 
 from __future__ import annotations
 
+import contextvars
+import json
 from typing import Any, Callable
 
 from opentelemetry.attributes import BoundedAttributes
@@ -23,6 +25,9 @@ Work = Callable[["AttributeTarget"], None]
 # dict/list operations are atomic under the GIL: no lock on the agent's path.
 _pending: dict[int, list[Work]] = {}
 
+# The call the span writer thread is replaying through the instrumentor (`calls.RecordedCall`), else None.
+replaying: contextvars.ContextVar[Any] = contextvars.ContextVar("lightning_replaying", default=None)
+
 
 def in_rollout(span: Any) -> bool:
     attrs = getattr(span, "attributes", None)  # a NonRecordingSpan has none
@@ -35,6 +40,43 @@ def defer(span: Any, work: Work) -> bool:
         return False
     _pending.setdefault(span.get_span_context().span_id, []).append(work)
     return True
+
+
+class Frozen:
+    """A response kept as JSON text (what `model_dump()` gives, once loaded), or as it is if it is no model;
+    `data()` on the writer thread.
+
+    Deferred work that keeps a response keeps all its objects alive until the writer runs; the garbage collector
+    traverses them meanwhile and promotes them to its oldest generation, whose full collections then come more
+    often. Serialising costs less than that when the response holds objects per token (log-probs).
+    """
+
+    __slots__ = ("_text", "_data")
+
+    def __init__(self, response: Any):
+        if not hasattr(response, "model_dump_json") and hasattr(response, "parse"):
+            response = response.parse()  # a `with_raw_response` call's APIResponse; parse() caches
+        self._text: str | None = None
+        self._data: Any = response
+        if hasattr(response, "model_dump_json"):
+            try:
+                self._text, self._data = response.model_dump_json(warnings=False), None
+            except Exception:  # not serialisable as JSON: keep the object
+                pass
+
+    def data(self) -> Any:
+        if self._text is not None:
+            self._data, self._text = json.loads(self._text), None
+        return self._data
+
+
+def snapshot(kwargs: dict) -> dict:
+    """A request as the call saw it: agents append to their `messages` list right after a call returns."""
+    kept = dict(kwargs)
+    messages = kept.get("messages")
+    if isinstance(messages, list):
+        kept["messages"] = [dict(m) if isinstance(m, dict) else m for m in messages]
+    return kept
 
 
 def discard(span_id: int) -> None:

@@ -2,13 +2,18 @@
 
 The OpenAI instrumentor gets a private TracerProvider, so a user's own OpenTelemetry setup is neither replaced
 nor flooded; spans that frameworks send to the global provider reach the store too (`_adopt_global`).
+
+What the agent's thread pays per call inside a rollout is kept small: plain calls are made beneath the
+instrumentor and traced through it on the span writer thread (`calls`); streams and other calls it traces live,
+with its spans recorded (`recorded`) and its attribute work deferred (`deferred`) to that thread.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import secrets
+import os
+import random
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -16,8 +21,9 @@ from typing import Any, Sequence
 from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-from lightning_sdk.tracing import context, deferred, export, responses, token_ids
+from lightning_sdk.tracing import context, deferred, export, recorded, responses, token_ids
 from lightning_sdk.tracing.records import SpanSink
 from lightning_sdk.tracing.writer import StoreSpanProcessor
 
@@ -39,7 +45,8 @@ def install(sink: SpanSink, *, otlp_endpoint: str | None = None,
         if _state.processor is not None:
             _state.processor.shutdown()
         if _state.provider is None:
-            _state.provider = TracerProvider(id_generator=OsRandomIds())
+            # Always sampled: the store needs every call, whatever an application samples for its own spans.
+            _state.provider = TracerProvider(sampler=ALWAYS_ON, id_generator=PrivateRandomIds())
             context.use_provider(_state.provider)
             # A provider keeps its processors for life: route through one whose target can be swapped.
             _state.provider.add_span_processor(_state.forward)
@@ -53,18 +60,24 @@ def install(sink: SpanSink, *, otlp_endpoint: str | None = None,
         return processor
 
 
-class OsRandomIds(IdGenerator):
-    """Span and trace ids from the OS's randomness (`secrets`), not Python's `random`.
+class PrivateRandomIds(IdGenerator):
+    """Span and trace ids from a random generator of our own, seeded from the OS (again in a forked child).
 
-    OpenTelemetry's default generator draws from `random`, whose state training code seeds and restores: a
-    resumed run would draw the very ids it drew before the kill, and the store would see old ids for new spans.
+    OpenTelemetry's default generator draws from the `random` module, whose state training code seeds and
+    restores: a resumed run would draw the very ids it drew before the kill, and the store would see old ids for
+    new spans. Drawing each id from the OS (`secrets`) avoids that too, but is a system call that releases the
+    GIL twice per span: a writer thread waiting for the GIL takes it there, in the middle of the agent's call.
     """
 
+    def __init__(self) -> None:
+        self._random = random.Random()  # seeded from os.urandom
+        os.register_at_fork(after_in_child=self._random.seed)
+
     def generate_span_id(self) -> int:
-        return secrets.randbits(64) or 1  # 0 is the invalid span id
+        return self._random.getrandbits(64) or 1  # 0 is the invalid span id
 
     def generate_trace_id(self) -> int:
-        return secrets.randbits(128) or 1
+        return self._random.getrandbits(128) or 1
 
     def is_trace_id_random(self) -> bool:
         return True
@@ -121,6 +134,10 @@ class _Forward(SpanProcessor):
         # An ExportedSpan is one of ours handed to the application's provider: the store has it already.
         if self.target is not None and not isinstance(span, export.ExportedSpan):
             self.target.on_end(span)
+
+    def record(self, call) -> None:
+        if self.target is not None:
+            self.target.record(call)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.target.force_flush(timeout_millis) if self.target is not None else True
@@ -179,34 +196,32 @@ def _fix_version_checks() -> None:
             module.is_openai_v1 = lambda: v1
 
 
-def _snapshot(kwargs: dict) -> dict:
-    """The request as the call saw it: agents append to their `messages` list right after a call returns."""
-    kept = dict(kwargs)
-    messages = kept.get("messages")
-    if isinstance(messages, list):
-        kept["messages"] = [dict(m) if isinstance(m, dict) else m for m in messages]
-    return kept
-
-
 def _defer_attributes(chat_wrappers: Any) -> None:
     """Run the instrumentor's request and response attribute work on the span writer thread (see `deferred`).
 
     Its chat wrapper looks these two module functions up on every call, so replacing them moves the work (prompt
     and completion serialisation, `model_as_dict`, ~25 validated `set_attribute` calls, its metrics) off the
     agent's thread, while the span, its timing, its status and its attribute names stay the instrumentor's.
-    Calls outside a rollout keep the work inline: their spans reach no store.
+    Calls outside a rollout keep the work inline: their spans reach no store. (A call replayed on the writer
+    thread, see `calls`, defers it too: the attributes then go into the stored span unbounded, as live ones.)
     """
     handle_request, handle_response = chat_wrappers._handle_request, chat_wrappers._handle_response
 
     async def deferred_request(span, kwargs, instance):
         if not deferred.in_rollout(span):
             return await handle_request(span, kwargs, instance)
-        kept = _snapshot(kwargs)
+        kept = deferred.snapshot(kwargs)
         deferred.defer(span, lambda target: _run_inline(handle_request(target, kept, instance)))
 
     def deferred_response(response, span, *args, **kwargs):
-        if not deferred.defer(span, lambda target: handle_response(response, target, *args, **kwargs)):
+        if not deferred.in_rollout(span):
             handle_response(response, span, *args, **kwargs)
+        elif token_ids.holds_logprobs(response) and not chat_wrappers.should_emit_events():
+            # It reads `model_dump()` of the response: the JSON data is the same (see `deferred.Frozen`).
+            frozen = deferred.Frozen(response)
+            deferred.defer(span, lambda target: handle_response(frozen.data(), target, *args, **kwargs))
+        else:
+            deferred.defer(span, lambda target: handle_response(response, target, *args, **kwargs))
         return response
 
     chat_wrappers._handle_request = deferred_request
@@ -214,9 +229,12 @@ def _defer_attributes(chat_wrappers: Any) -> None:
 
 
 def _instrument(provider: TracerProvider) -> None:
+    import openai.resources.chat.completions as chat
     from opentelemetry.instrumentation.openai import OpenAIInstrumentor
     from opentelemetry.instrumentation.openai.shared import chat_wrappers
     from wrapt import wrap_function_wrapper
+
+    from lightning_sdk.tracing import calls
 
     if hasattr(chat_wrappers, "run_async"):
         chat_wrappers.run_async = _run_inline
@@ -224,13 +242,26 @@ def _instrument(provider: TracerProvider) -> None:
     _fix_version_checks()
     logging.getLogger("opentelemetry.attributes").addFilter(_DropSentinelWarnings())
 
-    # Ours first, so the instrumentor's wrapper ends up outside it and its span is current when ours runs.
     mod = "openai.resources.chat.completions"
-    for name in ("Completions.create", "Completions.parse"):
+    sync_names, async_names = ("Completions.create", "Completions.parse"), ("AsyncCompletions.create",
+                                                                          "AsyncCompletions.parse")
+    originals = {name: getattr(getattr(chat, name.split(".")[0]), name.split(".")[1])
+                 for name in sync_names + async_names}
+    # Ours first, so the instrumentor's wrapper ends up outside it and its span is current when ours runs.
+    for name in sync_names:
         wrap_function_wrapper(mod, name, token_ids.sync_wrapper)
-    for name in ("AsyncCompletions.create", "AsyncCompletions.parse"):
+    for name in async_names:
         wrap_function_wrapper(mod, name, token_ids.async_wrapper)
     # No W3C traceparent header on the agent's requests: the spans stay in our store, no server continues the
-    # trace, and injecting it costs every call.
-    OpenAIInstrumentor(enable_trace_context_propagation=False).instrument(tracer_provider=provider)
+    # trace, and injecting it costs every call. Its spans inside a rollout are recorded on the agent's thread and
+    # built on the writer thread (`recorded`).
+    OpenAIInstrumentor(enable_trace_context_propagation=False).instrument(
+        tracer_provider=recorded.RecordingTracerProvider(provider, _state.forward))
     responses.instrument(provider)  # the Responses API: our spans instead of the instrumentor's
+    # Outermost: calls inside a rollout are made beneath the instrumentor and replayed through it on the span
+    # writer thread (`calls`), whose clock it then reads.
+    chat_wrappers.time = calls.ReplayClock()
+    for name in sync_names:
+        wrap_function_wrapper(mod, name, calls.sync_recorder(originals[name], _state.forward.record))
+    for name in async_names:
+        wrap_function_wrapper(mod, name, calls.async_recorder(originals[name], _state.forward.record))

@@ -6,8 +6,9 @@ when they run), ask registered endpoints for token ids (`return_token_ids`, vLLM
 server honours too) and copy vLLM's `prompt_token_ids` / `choices[].token_ids` fields and the sampled tokens'
 log-probs onto the span, for plain, streamed and raw-response calls.
 
-The calling thread only keeps a reference to the response (or the stream's chunks); reading the ids out of it
-and building the lists happens on the span writer thread (`deferred`), before the span is stored or exported.
+The calling thread only keeps references to the response's id lists and the sampled log-probs as floats (or the
+stream's chunks); copying them into the span's lists happens on the span writer thread (`deferred`), before the
+span is stored or exported.
 """
 
 from __future__ import annotations
@@ -16,16 +17,33 @@ from typing import Any
 
 from opentelemetry import trace
 
-from lightning_sdk.tracing.deferred import AttributeTarget, defer
+from lightning_sdk.tracing.deferred import AttributeTarget, Frozen, defer, in_rollout, replaying
 from lightning_sdk.tracing.records import COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS
 
 # Base URLs whose calls ask for token ids; other providers' calls are left untouched.
 _endpoints: set[str] = set()
+# id(client) -> (its base URL object, whether it asks): turning the URL into a string costs every call.
+_asks: dict[int, tuple[Any, bool]] = {}
 
 
 def request_token_ids_from(base_url: str) -> None:
     """Make OpenAI-client calls to this server ask for token ids (`return_token_ids`, vLLM's flag)."""
     _endpoints.add(base_url.rstrip("/"))
+    _asks.clear()
+
+
+def _asks_for_ids(instance: Any) -> bool:
+    client = getattr(instance, "_client", None)
+    url = getattr(client, "base_url", None)
+    known = _asks.get(id(client))
+    if known is not None and known[0] is url:  # the URL object is kept: a new client at the same id differs
+        return known[1]
+    base = str(url or "").rstrip("/")
+    asks = any(base.startswith(u) for u in _endpoints)
+    if len(_asks) >= 256:
+        _asks.clear()
+    _asks[id(client)] = (url, asks)
+    return asks
 
 
 def _extra(obj: Any, name: str) -> Any:
@@ -59,10 +77,28 @@ def _set_ids(target: AttributeTarget, prompt_ids: Any, completion_ids: Any, logp
         target.trusted[COMPLETION_LOGPROBS] = logprobs
 
 
-def _response_ids(target: AttributeTarget, response: Any) -> None:
+def response_ids(response: Any, strip_logprobs: bool) -> tuple[Any, Any, list[float] | None]:
+    """The prompt's ids and choice 0's ids and sampled log-probs (the id lists as the response holds them).
+
+    With `strip_logprobs` (tracing asked for log-probs, the agent did not) the response's log-prob objects are
+    dropped, so the agent gets the reply it asked for, and those objects (a few per token) do not outlive the call.
+    """
     choices = _extra(response, "choices") or []
     first = next((c for c in choices if (_extra(c, "index") or 0) == 0), choices[0] if choices else None)
-    _set_ids(target, _extra(response, "prompt_token_ids"), _extra(first, "token_ids"), _choice_logprobs(first))
+    ids = _extra(response, "prompt_token_ids"), _extra(first, "token_ids"), _choice_logprobs(first)
+    if strip_logprobs:
+        for choice in choices:
+            if hasattr(choice, "logprobs"):
+                choice.logprobs = None
+    return ids
+
+
+def holds_logprobs(response: Any) -> bool:
+    """Whether a reply carries log-prob objects (a few per token): the agent asked for them."""
+    choices = getattr(response, "choices", None)
+    if choices is None and hasattr(response, "parse"):  # a `with_raw_response` call's APIResponse
+        choices = getattr(response.parse(), "choices", None)
+    return any(getattr(c, "logprobs", None) is not None for c in choices or ())
 
 
 def _stream_ids(target: AttributeTarget, chunks: list[Any]) -> None:
@@ -161,48 +197,77 @@ def _wrap_stream(stream: Any, span: Any) -> Any:
     return IdStream(stream)
 
 
+_stream_types: tuple[type, ...] = ()
+
+
 def _is_stream(obj: Any) -> bool:
-    import openai
+    global _stream_types
+    if not _stream_types:
+        import openai  # not at import time: `import lightning_sdk` stays light
 
-    return isinstance(obj, (openai.Stream, openai.AsyncStream))
+        _stream_types = (openai.Stream, openai.AsyncStream)
+    return isinstance(obj, _stream_types)
 
 
-def _prepare_request(instance: Any, kwargs: dict) -> dict:
-    """Ask registered endpoints (vLLM) for token ids and log-probs; leaves other providers' calls untouched."""
-    base = str(getattr(getattr(instance, "_client", None), "base_url", "") or "").rstrip("/")
-    if not any(base.startswith(u) for u in _endpoints):
-        return kwargs
+def prepare_request(instance: Any, kwargs: dict) -> tuple[dict, bool]:
+    """Ask registered endpoints (vLLM) for token ids and log-probs; leaves other providers' calls untouched.
+    Returns the request and whether log-probs were added to it."""
+    if not _asks_for_ids(instance):
+        return kwargs, False
     kwargs = dict(kwargs)
     extra_body = dict(kwargs.get("extra_body") or {})
     extra_body.setdefault("return_token_ids", True)
     kwargs["extra_body"] = extra_body
-    if kwargs.get("logprobs") in (None, False) and not kwargs.get("top_logprobs"):
+    add_logprobs = kwargs.get("logprobs") in (None, False) and not kwargs.get("top_logprobs")
+    if add_logprobs:
         kwargs["logprobs"] = True
-    return kwargs
+    return kwargs, add_logprobs
 
 
 def _parsed(response: Any) -> Any:
     # `with_raw_response` calls hand back an APIResponse; parse() caches, so the caller's own parse() is free.
-    from openai._legacy_response import LegacyAPIResponse
-
-    return response.parse() if isinstance(response, LegacyAPIResponse) else response
+    return response.parse() if not hasattr(response, "choices") and hasattr(response, "parse") else response
 
 
+def _keep_ids(span: Any, response: Any, added_logprobs: bool) -> None:
+    ids = response_ids(_parsed(response), strip_logprobs=added_logprobs)
+    defer(span, lambda target: _set_ids(target, *ids))
+
+
+def _replayed(span: Any, call: Any) -> Any:
+    """A recorded call's outcome, handed to the instrumentor replaying it (`calls`), its ids to its span."""
+    if call.error is not None:
+        raise call.error
+    if call.ids is not None:
+        ids = call.ids
+        defer(span, lambda target: _set_ids(target, *ids))
+    return call.response.data() if isinstance(call.response, Frozen) else call.response
+
+
+# Calls outside a rollout are left as they are: their spans reach no store.
 def sync_wrapper(wrapped, instance, args, kwargs):
     span = trace.get_current_span()  # the instrumentor's span: it wraps us and makes its span current
-    response = wrapped(*args, **_prepare_request(instance, kwargs))
+    if (call := replaying.get()) is not None:
+        return _replayed(span, call)
+    if not in_rollout(span):
+        return wrapped(*args, **kwargs)
+    request, added_logprobs = prepare_request(instance, kwargs)
+    response = wrapped(*args, **request)
     if _is_stream(response):
         return _wrap_stream(response, span)
-    parsed = _parsed(response)
-    defer(span, lambda target: _response_ids(target, parsed))
+    _keep_ids(span, response, added_logprobs)
     return response
 
 
 async def async_wrapper(wrapped, instance, args, kwargs):
     span = trace.get_current_span()
-    response = await wrapped(*args, **_prepare_request(instance, kwargs))
+    if (call := replaying.get()) is not None:
+        return _replayed(span, call)
+    if not in_rollout(span):
+        return await wrapped(*args, **kwargs)
+    request, added_logprobs = prepare_request(instance, kwargs)
+    response = await wrapped(*args, **request)
     if _is_stream(response):
         return _wrap_stream(response, span)
-    parsed = _parsed(response)
-    defer(span, lambda target: _response_ids(target, parsed))
+    _keep_ids(span, response, added_logprobs)
     return response

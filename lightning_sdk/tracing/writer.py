@@ -12,7 +12,8 @@ import time
 
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
-from lightning_sdk.tracing import deferred
+from lightning_sdk.tracing import deferred, recorded
+from lightning_sdk.tracing.calls import RecordedCall
 from lightning_sdk.tracing.context import current_component, current_rollout
 from lightning_sdk.tracing.export import Exporters
 from lightning_sdk.tracing.records import ATTEMPT, COMPONENT, ROLLOUT_ID, SpanSink, to_record
@@ -29,8 +30,9 @@ class StoreSpanProcessor(SpanProcessor):
     The writer instead wakes every `interval` seconds, or at once on a flush, and writes what has gathered in one
     transaction.
 
-    The writer also finishes each span (`deferred.complete`: the attributes the calling thread left for it) and
-    hands it to `exporters` (an OTLP collector, the application's provider) after the store has it.
+    The writer also finishes each span (`recorded.finished`: the SDK span of a recorded one; `deferred.complete`:
+    the attributes the calling thread left for it) and hands it to `exporters` (an OTLP collector, the
+    application's provider) after the store has it.
     """
 
     def __init__(self, sink: SpanSink, *, exporters: Exporters | None = None, max_batch: int = 512,
@@ -39,7 +41,7 @@ class StoreSpanProcessor(SpanProcessor):
         self.exporters = exporters or Exporters([])
         self._max_batch = max_batch
         self._interval = interval
-        self._spans: collections.deque[ReadableSpan] = collections.deque()
+        self._spans: collections.deque[ReadableSpan | RecordedCall] = collections.deque()
         self._wake = threading.Event()
         self._cond = threading.Condition()  # guards _busy; notified after every batch
         self._busy = False  # the writer holds spans taken off the deque but not yet written
@@ -63,6 +65,10 @@ class StoreSpanProcessor(SpanProcessor):
         if span.attributes is not None and ROLLOUT_ID in span.attributes:
             self._spans.append(span)  # deque.append is atomic: safe from any thread
 
+    def record(self, call: RecordedCall) -> None:
+        """A call made inside a rollout, to trace on the writer thread (`calls`): its span comes back to `on_end`."""
+        self._spans.append(call)
+
     def _take(self) -> list[ReadableSpan]:
         batch = []
         with self._cond:
@@ -77,7 +83,7 @@ class StoreSpanProcessor(SpanProcessor):
             self._wake.clear()
             while batch := self._take():
                 try:
-                    batch = [deferred.complete(s) for s in batch]
+                    batch = [deferred.complete(recorded.finished(s)) for s in self._replay(batch)]
                     self._sink.write_spans([r for r in map(to_record, batch) if r is not None])
                 except Exception as e:  # keep the writer alive; the runtime reports these loudly
                     self.errors.append(f"{type(e).__name__}: {e}")
@@ -90,6 +96,19 @@ class StoreSpanProcessor(SpanProcessor):
                 self._cond.notify_all()
                 if self._stopping:
                     return
+
+    def _replay(self, batch: list) -> list[ReadableSpan]:
+        """The spans of a batch; its recorded calls are replayed, and their spans queued (through `on_end`)."""
+        spans = []
+        for item in batch:
+            if not isinstance(item, RecordedCall):
+                spans.append(item)
+                continue
+            try:
+                item.replay()
+            except Exception as e:
+                self.errors.append(f"replaying a call: {type(e).__name__}: {e}")
+        return spans
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         deadline = time.monotonic() + timeout_millis / 1000
