@@ -16,6 +16,7 @@ import json
 import math
 import numbers
 import os
+import sys
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -118,6 +119,7 @@ def run_environment(base_url: str, api_key: str, *, redirect_openai: bool = True
         values.update(dict.fromkeys(("OPENAI_BASE_URL", "OPENAI_API_BASE"), base_url), OPENAI_API_KEY=api_key)
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
+    _drop_cached_clients()
     try:
         yield
     finally:
@@ -126,6 +128,16 @@ def run_environment(base_url: str, api_key: str, *, redirect_openai: bool = True
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _drop_cached_clients()
+
+
+def _drop_cached_clients() -> None:
+    """The Agents SDK's default model shares one httpx client across the process, bound to the event loop that
+    first used it: after the agent was run on another loop (a notebook's earlier `Runner.run_sync`, a test) every
+    call of the run would fail with "Event loop is closed". Dropped, the next call makes one on the run's loop."""
+    provider = sys.modules.get("agents.models.openai_provider")
+    if provider is not None and hasattr(provider, "_http_client"):
+        provider._http_client = None
 
 
 class RewardError(ValueError):
