@@ -4,10 +4,13 @@
 
 The default agent (cookbook/arith/agent.py: one async OpenAI chat call per rollout, max_tokens 8) runs the way
 `lightning run` runs it: run_rollout inside a rollout context, spans traced into a SQLite store, rewards scored,
-at most `concurrency` rollouts at once. One server for all settings; each setting runs once to warm up, then
-is timed `--repeats` times (best kept). Generated tokens come from the server's own counter.
+at most `concurrency` rollouts at once, its calls through the run's gateway (serving/gateway.py). One server for
+all settings; each setting runs once to warm up, then is timed `--repeats` times (best kept). Generated tokens
+come from the server's own counter. At the highest concurrency the same jobs also go straight to the server, to
+show what the gateway's hop costs.
 
-Prints rollouts/s and generated tokens/s per concurrency, and `ratio=<rollouts/s at 16 / at 1>` last.
+Prints rollouts/s and generated tokens/s per concurrency, `gateway_ratio=<through the gateway / straight to the
+server>` and `ratio=<rollouts/s at 16 / at 1>` last.
 """
 
 import argparse
@@ -23,6 +26,7 @@ from lightning_sdk import data, tracing
 from lightning_sdk.agent import LLM
 from lightning_sdk.agent import load_agent
 from lightning_sdk.serving.cpu import CPUServer
+from lightning_sdk.serving.gateway import Gateway
 from lightning_sdk.store import Store
 from lightning_sdk.rollouts.worker import RolloutJob, run_rollout
 
@@ -55,28 +59,40 @@ async def collect(llm: LLM, concurrency: int, n: int) -> int:
     return sum(r.status == "succeeded" for r in results)
 
 
+def timed(llm: LLM, c: int, stats) -> tuple[float, float, dict]:
+    best = (0.0, 0.0)
+    for rep in range(args.repeats + 1):  # the first pass warms up
+        s0, t0 = stats(), time.perf_counter()
+        ok = asyncio.run(collect(llm, c, args.rollouts))
+        dt, s1 = time.perf_counter() - t0, stats()
+        tokens = s1["generated_tokens"] - s0["generated_tokens"]
+        if ok != args.rollouts:
+            raise SystemExit(f"{args.rollouts - ok} rollouts failed; see {tmp / 'server.log'}")
+        if rep and ok / dt > best[0]:
+            best = (ok / dt, tokens / dt)
+    return best[0], best[1], {k: s1[k] - s0[k] for k in ("requests", "batches", "prefills", "joined")}
+
+
 with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_path=tmp / "server.log") as server:
+    gateway = Gateway(api_key="bench")
+    gateway.start([server.url], backend_key=server.api_key)
+    gateway.policy = "policy"
+    tracing.request_token_ids_from(gateway.base_url)
     tracing.request_token_ids_from(server.base_url)
-    llm = LLM(base_url=server.base_url, api_key="EMPTY", model="policy")
+    llm = LLM(base_url=gateway.base_url, api_key="bench", model="gpt-4o-mini")  # as an unchanged agent names it
     stats = lambda: httpx.get(f"{server.url}/stats").json()  # noqa: E731
     rate: dict[int, tuple[float, float]] = {}
     for c in args.concurrency:
-        best = (0.0, 0.0)
-        for rep in range(args.repeats + 1):  # the first pass warms up
-            s0, t0 = stats(), time.perf_counter()
-            ok = asyncio.run(collect(llm, c, args.rollouts))
-            dt, s1 = time.perf_counter() - t0, stats()
-            tokens = s1["generated_tokens"] - s0["generated_tokens"]
-            if ok != args.rollouts:
-                raise SystemExit(f"{args.rollouts - ok} rollouts failed; see {tmp / 'server.log'}")
-            if rep and ok / dt > best[0]:
-                best = (ok / dt, tokens / dt)
-        rate[c] = best
-        d = {k: s1[k] - s0[k] for k in ("requests", "batches", "prefills", "joined")}
-        print(f"concurrency {c:>3}: {best[0]:6.1f} rollouts/s  {best[1]:7.1f} generated tokens/s "
+        *rate[c], d = timed(llm, c, stats)
+        print(f"concurrency {c:>3}: {rate[c][0]:6.1f} rollouts/s  {rate[c][1]:7.1f} generated tokens/s "
               f"(best of {args.repeats}, {args.rollouts} rollouts; last pass: {d['requests']} requests in "
               f"{d['batches']} batches, {d['prefills']} prefills, {d['joined']} joined a running batch)")
+    hi = max(args.concurrency)
+    direct, _, _ = timed(LLM(base_url=server.base_url, api_key="EMPTY", model="policy"), hi, stats)
+    print(f"concurrency {hi:>3}, straight to the server (no gateway): {direct:6.1f} rollouts/s")
+    gateway.stop()
 tracing.flush()
 store.close()
-lo, hi = min(args.concurrency), max(args.concurrency)
+lo = min(args.concurrency)
+print(f"gateway_ratio={rate[hi][0] / direct:.2f}  (rollouts/s through the gateway / straight to the server, at {hi})")
 print(f"ratio={rate[hi][0] / rate[lo][0]:.2f}  (rollouts/s at concurrency {hi} / at {lo})")
