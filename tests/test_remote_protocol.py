@@ -69,6 +69,27 @@ def test_a_rollout_with_only_raw_http_and_otlp_json(api, tmp_path):
     assert (t.component, t.shaping, t.episode_reward) == ("solver", 0.25, sent["reward"])
 
 
+def test_spans_from_workers_also_reach_the_run_s_otlp_collector(api, tmp_path):
+    """run.otlp_endpoint (or OTEL_EXPORTER_OTLP_ENDPOINT) gets a remote worker's spans as it gets local ones."""
+    from .test_export import Receiver
+
+    receiver = Receiver()
+    tracing.install(Store(tmp_path / "trainer-side.sqlite"), otlp_endpoint=receiver.url)  # the trainer's tracing
+    api.queue([job(0, {"question": "What is 2 + 3?", "answer": "5"})])
+    out = subprocess.run([sys.executable, str(HERE / "remote_raw_worker.py"), api.url, KEY], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    api.results(1)
+    tracing.flush(exporters=True)
+    stored = api.store.spans("r-0")
+    got = receiver.by_rollout()["r-0"]
+    assert sorted(s["span_id"] for s in got) == sorted(s.span_id for s in stored) and len(stored) == 2
+    call = next(s for s in got if "lightning.llm.completion_token_ids" in s["attributes"])
+    assert call["name"].startswith("chat ")  # the gen_ai name, as the run's own LLM spans are exported
+    assert call["attributes"]["lightning.llm.completion_token_ids"] == next(
+        s for s in stored if s.span_id == call["span_id"]).attributes["lightning.llm.completion_token_ids"]
+
+
 def _agent():
     tool = trace.get_tracer("tools")
 

@@ -18,6 +18,7 @@ from typing import Awaitable, Callable
 
 from lightning_sdk.rollouts.protocol import Result
 from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
+from lightning_sdk import tracing
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.otlp import Decoded
 
@@ -213,6 +214,8 @@ class Dispatch:
         if conflicts:
             out.refused["whose span id another stored span holds"] += len(conflicts)
         out.stored = len(keep) - len(conflicts)
+        taken = set(conflicts)
+        tracing.export_received([r for r in keep if r.span_id not in taken])  # run.otlp_endpoint, the app's provider
         with self._lock:
             self.spans_refused.update(out.refused)
         return out

@@ -15,7 +15,7 @@ One idea per module:
 
 from lightning_sdk.tracing.context import (RolloutContext, component, current_component, current_rollout,
                                            emit_reward, rollout_context)
-from lightning_sdk.tracing.instrument import export_errors, flush, install, writer_errors
+from lightning_sdk.tracing.instrument import export_errors, export_received, flush, install, writer_errors
 from lightning_sdk.tracing.records import (ATTEMPT, COMPLETION_IDS, COMPLETION_LOGPROBS, COMPONENT, PROMPT_IDS,
                                            REWARD_NAME, REWARD_SPAN, REWARD_VALUE, ROLLOUT_ID, TRACER_NAME,
                                            SpanRecord, SpanSink, to_record)
@@ -25,6 +25,6 @@ from lightning_sdk.tracing.writer import StoreSpanProcessor
 __all__ = [
     "ATTEMPT", "COMPLETION_IDS", "COMPLETION_LOGPROBS", "COMPONENT", "PROMPT_IDS", "REWARD_NAME", "REWARD_SPAN",
     "REWARD_VALUE", "ROLLOUT_ID", "TRACER_NAME", "RolloutContext", "SpanRecord", "SpanSink", "StoreSpanProcessor",
-    "component", "current_component", "current_rollout", "emit_reward", "export_errors", "flush", "install", "request_token_ids_from",
-    "rollout_context", "to_record", "writer_errors",
+    "component", "current_component", "current_rollout", "emit_reward", "export_errors", "export_received", "flush",
+    "install", "request_token_ids_from", "rollout_context", "to_record", "writer_errors",
 ]

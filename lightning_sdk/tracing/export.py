@@ -88,10 +88,10 @@ class Exporters:
     def __bool__(self) -> bool:
         return bool(self.processors or self.outlets)
 
-    def export(self, spans: Sequence[ReadableSpan]) -> None:
+    def export(self, spans: Sequence[ReadableSpan], *, outlets: bool = True) -> None:
         for span in spans:
             out = gen_ai_view(span) if self.processors else span
-            for p in self.outlets:
+            for p in self.outlets if outlets else ():
                 self._hand(p, span)
             for p in self.processors:
                 self._hand(p, out)

@@ -22,9 +22,10 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from lightning_sdk.tracing import context, deferred, export, recorded, responses, token_ids
-from lightning_sdk.tracing.records import SpanSink
+from lightning_sdk.tracing.records import SpanRecord, SpanSink, to_span
 from lightning_sdk.tracing.writer import StoreSpanProcessor
 
 
@@ -112,6 +113,17 @@ def flush(timeout_s: float = 30.0, *, exporters: bool = False) -> None:
 def _shutdown() -> None:
     if _state.processor is not None:
         _state.processor.shutdown()
+
+
+def export_received(records: Sequence[SpanRecord]) -> None:
+    """Spans a remote worker sent (the run's store has them) to this run's collector and the application's
+    provider, as spans recorded here go (not to outlets: they are a worker's, and these came from one)."""
+    processor = _state.processor
+    if processor is None or not processor.exporters.processors or not records:
+        return
+    scope = InstrumentationScope("lightning_sdk.remote")
+    processor.exporters.export([to_span(r, resource=_state.provider.resource, scope=scope) for r in records],
+                               outlets=False)
 
 
 def writer_errors() -> list[str]:

@@ -80,6 +80,31 @@ def to_record(span: Any) -> SpanRecord | None:
     )
 
 
+def to_span(record: SpanRecord, *, resource: Any, scope: Any) -> Any:
+    """A record back as an OpenTelemetry `ReadableSpan` (what exporters take): a span a remote worker sent, to be
+    exported as if it was recorded here. A kvlist attribute (no OpenTelemetry attribute type) becomes JSON text."""
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+    from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+    def value(v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else json.dumps(v) if isinstance(v, dict) else v
+
+    trace_id, flags = int(record.trace_id, 16), TraceFlags(TraceFlags.SAMPLED)
+    code = StatusCode[record.status] if record.status in StatusCode.__members__ else StatusCode.UNSET
+    return ReadableSpan(
+        name=record.name,
+        context=SpanContext(trace_id, int(record.span_id, 16), is_remote=False, trace_flags=flags),
+        parent=(SpanContext(trace_id, int(record.parent_id, 16), is_remote=True, trace_flags=flags)
+                if record.parent_id else None),
+        resource=resource, kind=SpanKind.INTERNAL, instrumentation_scope=scope,
+        attributes={k: value(v) for k, v in record.attributes.items()},
+        events=[Event(e["name"], {k: value(v) for k, v in (e.get("attributes") or {}).items()}, e["time_ns"])
+                for e in record.events],
+        status=Status(code, record.status_message if code is StatusCode.ERROR else None),
+        start_time=record.start_ns, end_time=record.end_ns,
+    )
+
+
 def messages(attrs: dict[str, Any], direction: str) -> list[dict[str, Any]]:
     """The call's messages as [{role, parts: [{type, content, ...}]}]: `gen_ai.{input,output}.messages` JSON
     (current conventions), or the legacy numbered `gen_ai.prompt.N.*` / `gen_ai.completion.N.*` attributes."""
