@@ -44,8 +44,29 @@ def make_cfg(tmp_path: Path, *, module: str, tasks: list[dict], iterations: int,
     }, base=tmp_path)
 
 
+UNCHANGED_AGENT = '''
+from openai import AsyncOpenAI
+import lightning_sdk as ls
+
+client = AsyncOpenAI()  # at import, in the worker actor: from the environment the run set there
+
+@ls.rollout
+async def solve(task):
+    out = await client.chat.completions.create(model="gpt-4o-mini", temperature=1.0, max_tokens=8,
+                                               messages=[{"role": "user", "content": task["question"]}])
+    return out.choices[0].message.content or ""
+
+@ls.reward
+def score(task, output):
+    return float(output.strip() == task["answer"])
+'''
+
+
 def test_demo_runs_two_iterations_on_ray(ray_local, tmp_path):
-    cfg = make_cfg(tmp_path, module=str(ROOT / "cookbook/arith/agent.py"), tasks=ROWS[:4], iterations=2, group=4)
+    """The default task, with the agent as one writes it for OpenAI: its client from the environment, its own
+    model name, no `llm` argument."""
+    (tmp_path / "agent.py").write_text(UNCHANGED_AGENT)
+    cfg = make_cfg(tmp_path, module=str(tmp_path / "agent.py"), tasks=ROWS[:4], iterations=2, group=4)
     state = Runtime(cfg).run()
     assert state.completed == 2 and len(state.history) == 2
     with Store(cfg.run.dir / "store.sqlite") as store:
@@ -57,7 +78,9 @@ def test_demo_runs_two_iterations_on_ray(ray_local, tmp_path):
         assert all(counts.get(r.rollout_id) == 1 for r in rollouts)
         assert all(store.spans(r.rollout_id)[0].attributes.get("lightning.llm.completion_token_ids")
                    for r in rollouts)
-        assert {r.model for r in rollouts if r.iteration == 2} == {"ray-iter1"}  # hot-loaded through the router
+        assert {r.model for r in rollouts if r.iteration == 2} == {"ray-iter1"}  # hot-loaded into the server actor
+        assert {s.attributes["gen_ai.request.model"] for r in rollouts for s in store.spans(r.rollout_id)} == {
+            "gpt-4o-mini"}
     rows = [json.loads(x) for x in (cfg.run.dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2]
     assert all(r["failed"] == 0 and r["rollouts"] == 16 and r["transitions"] == 16 for r in rows)

@@ -87,8 +87,10 @@ class _ShippedStore:
 class _RolloutWorker:
     def __init__(self, module: str, rollout: str | None, reward: str | None, writer: Any, timeout: float,
                  endpoint: tuple[str, str], redirect_openai: bool):
-        # This actor's process is the agent's for the run: its environment stays pointed at the gateway.
-        run_environment(*endpoint, redirect_openai=redirect_openai).__enter__()
+        # This actor's process is the agent's for the run: its environment stays pointed at the gateway (held here:
+        # a context manager left to the garbage collector would restore it at once).
+        self._environment = run_environment(*endpoint, redirect_openai=redirect_openai)
+        self._environment.__enter__()
         self.rollout_fn, self.reward_fn = load_agent(module, rollout, reward)
         self.sink = _ShippedStore(writer)
         self.timeout = timeout
