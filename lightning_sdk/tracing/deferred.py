@@ -70,12 +70,13 @@ class Frozen:
         return self._data
 
 
-def snapshot(kwargs: dict) -> dict:
-    """A request as the call saw it: agents append to their `messages` list right after a call returns."""
+def snapshot(kwargs: dict, key: str = "messages") -> dict:
+    """A request as the call saw it: agents append to their `messages` (Responses API: `input`) list right after a
+    call returns."""
     kept = dict(kwargs)
-    messages = kept.get("messages")
-    if isinstance(messages, list):
-        kept["messages"] = [dict(m) if isinstance(m, dict) else m for m in messages]
+    items = kept.get(key)
+    if isinstance(items, list):
+        kept[key] = [dict(m) if isinstance(m, dict) else m for m in items]
     return kept
 
 

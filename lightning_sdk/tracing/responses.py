@@ -26,7 +26,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from wrapt import ObjectProxy
 
 from lightning_sdk.tracing import token_ids
-from lightning_sdk.tracing.deferred import AttributeTarget, defer, in_rollout
+from lightning_sdk.tracing.deferred import AttributeTarget, defer, in_rollout, snapshot
 
 _log = logging.getLogger("lightning_sdk")
 SPAN_NAME = "openai.response"  # the instrumentor's name for these spans
@@ -188,11 +188,7 @@ def _request(kwargs: dict) -> dict:
     """The request as the call saw it, without openai's omit/NOT_GIVEN sentinels: agents reuse their input list."""
     from opentelemetry.instrumentation.openai.v1.responses_wrappers import _sanitize_sentinel_values
 
-    kept = _sanitize_sentinel_values(kwargs)
-    items = kept.get("input")
-    if isinstance(items, list):
-        kept["input"] = [dict(i) if isinstance(i, dict) else i for i in items]
-    return kept
+    return snapshot(_sanitize_sentinel_values(kwargs), "input")
 
 
 def _attributes(target: AttributeTarget, request: dict, instance: Any, response: Any) -> None:
