@@ -3,8 +3,8 @@
 The decorators only mark a function so `lightning run` can find it; calling it yourself just runs your agent.
 `load_agent` finds the two in the agent's module, `run_environment` is what a run sets in the agent's process,
 and `reward_value` is the one check every reward passes (`@reward`'s return value and `emit_reward`'s argument
-alike). This module (like `tracing.context`) imports no
-torch and no server code, so the agent's environment stays light.
+alike). This module (like `tracing.context`) imports no torch and no server code, so the agent's environment stays
+light.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from lightning_sdk.config import ServeConfig
 from lightning_sdk.serving.cpu import CPUServer
-from lightning_sdk.serving.app import DEFAULT_MAX_BODY_BYTES
+from lightning_sdk.serving.guard import MAX_BODY_BYTES
 
 KEY = "hardening-key"
 NAME = "policy"
@@ -67,7 +67,7 @@ def test_binds_loopback_by_default(server):
 def test_bad_requests_get_openai_shaped_4xx(http):
     assert_openai_error(http.post("/v1/chat/completions", json=VALID), 401)
     assert_openai_error(http.post("/v1/chat/completions", content=b"{oops"), 401)  # auth before parsing
-    assert_openai_error(http.post("/v1/chat/completions", content=b"x" * (DEFAULT_MAX_BODY_BYTES + 1)), 401)
+    assert_openai_error(http.post("/v1/chat/completions", content=b"x" * (MAX_BODY_BYTES + 1)), 401)
     assert_openai_error(http.post("/v1/chat/completions", content=b'{"model": "policy", "messages": [',
                                   headers={**AUTH, "Content-Type": "application/json"}), 400)
     for huge in (10**6, 2**63, 10**30):
@@ -82,9 +82,9 @@ def test_bad_requests_get_openai_shaped_4xx(http):
 
 
 def test_oversized_bodies_get_413(http):
-    big = json.dumps({**VALID, "pad": "x" * DEFAULT_MAX_BODY_BYTES}).encode()
+    big = json.dumps({**VALID, "pad": "x" * MAX_BODY_BYTES}).encode()
     err = assert_openai_error(http.post("/v1/chat/completions", content=big, headers=AUTH), 413)
-    assert str(DEFAULT_MAX_BODY_BYTES) in err["message"]
+    assert str(MAX_BODY_BYTES) in err["message"]
 
     def chunks():  # no Content-Length: the limit must hold while the body streams in
         for i in range(0, len(big), 1 << 20):

@@ -121,10 +121,6 @@ class Dispatch:
                 del self._claims[c.job.rollout_id]
             return late
 
-    def next_deadline(self) -> float | None:
-        with self._lock:
-            return min((c.deadline for c in self._claims.values()), default=None)
-
     def counts(self) -> tuple[int, int]:
         """(rollouts waiting for a worker, rollouts claimed)."""
         with self._lock:

@@ -17,13 +17,11 @@ from pydantic import BaseModel, ValidationError
 from lightning_sdk.rollouts import protocol
 from lightning_sdk.rollouts.dispatch import Dispatch
 from lightning_sdk.rollouts.protocol import Claim, ClaimRequest, Endpoint, Result, RunInfo
-from lightning_sdk.serving.guard import error_body
+from lightning_sdk.serving.guard import MAX_BODY_BYTES, error_body, parse_off_loop
 from lightning_sdk.tracing import otlp
 
 log = logging.getLogger("lightning_sdk")
 
-MAX_BODY_BYTES = 16 * 2**20  # a result's output, or one OTLP export (before and after decompression)
-_PARSE_INLINE = 64 * 2**10  # bodies above this are parsed in a thread
 
 
 class _TooLarge(Exception):
@@ -123,9 +121,7 @@ async def _parse(request: Request, model: type[BaseModel], limit: int) -> BaseMo
         return JSONResponse(error_body(413, f"the request body is larger than the limit of {limit} bytes"),
                             status_code=413)
     try:
-        if len(raw) <= _PARSE_INLINE:
-            return model.model_validate_json(raw)
-        return await asyncio.to_thread(model.model_validate_json, raw)
+        return await parse_off_loop(raw, model.model_validate_json)
     except ValidationError as e:
         first = e.errors()[0]
         field = ".".join(str(p) for p in first["loc"])

@@ -34,15 +34,11 @@ from lightning_sdk.serving.engine import (
     ModelNotFound,
     RequestError,
 )
-from lightning_sdk.serving.guard import INT64 as _INT64
-from lightning_sdk.serving.guard import BodyLimit, KeyCheck, error_body
-from lightning_sdk.serving.guard import Lenient as _Lenient
-from lightning_sdk.serving.guard import text_size as _text_size
+from lightning_sdk.serving.guard import INT64, MAX_BODY_BYTES, BodyLimit, KeyCheck, Lenient, error_body, text_size
 
 log = logging.getLogger("lightning_sdk.serving")
 
 DEFAULT_MAX_TOKENS = 256
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any chat request that fits max_model_len
 
 
 def _longest_token(tokenizer: Any) -> int:
@@ -52,11 +48,11 @@ def _longest_token(tokenizer: Any) -> int:
     return max(map(len, tokenizer.get_vocab()), default=1)
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Lenient):
+class ChatCompletionRequest(Lenient):
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
     temperature: float | None = Field(None, ge=0)
@@ -70,7 +66,7 @@ class ChatCompletionRequest(_Lenient):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None  # checked, not enforced (no constrained decoding): see serving/toolcalls.py
     return_token_ids: bool | None = None  # accepted; ids are always returned
@@ -90,13 +86,13 @@ class ChatCompletionRequest(_Lenient):
         return v
 
 
-class LoadLoraRequest(_Lenient):
+class LoadLoraRequest(Lenient):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
     load_inplace: bool = False  # vLLM: replace an adapter already loaded under this name
 
 
-class UnloadLoraRequest(_Lenient):
+class UnloadLoraRequest(Lenient):
     lora_name: str = Field(min_length=1)
 
 
@@ -111,7 +107,7 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 
 def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     max_prompt_chars = engine.max_model_len * _longest_token(engine.tokenizer)
 
     @contextlib.asynccontextmanager
@@ -238,7 +234,7 @@ async def _to_generation_request(engine: Engine, body: ChatCompletionRequest, se
         raise APIError(404, f"The model `{body.model}` does not exist.", "model")
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-    size = _text_size(body.messages) + _text_size(body.tools)
+    size = text_size(body.messages) + text_size(body.tools)
     if size > max_prompt_chars:  # before tokenising: a 15 MB message must not cost seconds and gigabytes first
         raise APIError(400, f"messages and tools hold {size} characters, more than this server's limit of "
                             f"{max_prompt_chars} (max_model_len {engine.max_model_len} x the longest token's "

@@ -28,14 +28,12 @@ import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightning_sdk.serving.guard import BodyLimit, GatewayError, KeyCheck, error_body
+from lightning_sdk.serving.guard import MAX_BODY_BYTES, BodyLimit, GatewayError, KeyCheck, error_body, parse_off_loop
 from lightning_sdk.serving.listen import ThreadedServer, bind, url_of
 from lightning_sdk.serving.responses import responses_router
 
 log = logging.getLogger("lightning_sdk")  # the runtime's logger: which names the agent asked for is part of a run
 
-MAX_BODY_BYTES = 16 * 2**20  # as the built-in server's: far above any request that fits a context window
-_PARSE_INLINE = 64 * 2**10  # bodies above this are parsed in a thread, so a big one never stalls the loop
 _MAX_NAMES = 1000  # distinct model names remembered: a caller cycling through names cannot grow this forever
 _HOP = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
@@ -226,6 +224,6 @@ class Gateway:
 async def _json_body(request: Request) -> Any:
     raw = await request.body()
     try:
-        return json.loads(raw) if len(raw) <= _PARSE_INLINE else await asyncio.to_thread(json.loads, raw)
+        return await parse_off_loop(raw, json.loads)
     except (ValueError, UnicodeDecodeError):
         raise GatewayError(400, "the request body is not valid JSON") from None

@@ -15,7 +15,7 @@ import logging
 import re
 import resource
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import h11
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
@@ -28,6 +28,8 @@ DEFAULT_HEADER_TIMEOUT = 15.0  # seconds a client has to send a request's comple
 DEFAULT_MAX_CONNECTIONS = 1000  # open connections at once; beyond them, 503 and close
 _FD_RESERVE = 128  # descriptors kept for the model files, the log, torch's threads
 INT64 = 2**63  # vLLM's seed range is int64's, and torch.Generator takes no more
+MAX_BODY_BYTES = 16 * 2**20  # far above any request that fits a context window (or one OTLP export)
+PARSE_INLINE_BYTES = 64 * 2**10  # a body above this is parsed in a thread, so a big one never stalls the loop
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -40,6 +42,14 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     types = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
              413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
     return {"error": {"message": message, "type": types.get(status, "APIError"), "param": param, "code": status}}
+
+
+T = TypeVar("T")
+
+
+async def parse_off_loop(raw: bytes, parse: Callable[[bytes], T]) -> T:
+    """`parse(raw)`: on the event loop for a small body, in a thread for a big one (megabytes of JSON)."""
+    return parse(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(parse, raw)
 
 
 def surrogate_at(value: Any) -> str | None:

@@ -18,7 +18,6 @@ hosted tools, image/file/audio parts, structured output (`text.format` other tha
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import logging
@@ -33,7 +32,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError
 
-from lightning_sdk.serving.guard import INT64, GatewayError, Lenient, error_body, text_size
+from lightning_sdk.serving.guard import INT64, GatewayError, Lenient, error_body, parse_off_loop, text_size
 
 log = logging.getLogger("lightning_sdk.serving")
 
@@ -43,7 +42,6 @@ reads it and calls `aclose()`). May raise `GatewayError`."""
 
 MAX_KEPT = 1024  # responses kept for previous_response_id and GET /v1/responses/{id}
 MAX_KEPT_CHARS = 64_000_000  # characters of conversation they may hold together
-_INLINE_BODY_BYTES = 64 * 1024  # a larger body is parsed and translated in a thread, off the event loop
 # A backend's error names a chat field; the caller sent the Responses one.
 _RESPONSES_PARAM = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -524,8 +522,7 @@ def responses_router(chat: ChatSender, *, max_kept: int = MAX_KEPT,
     async def create(request: Request) -> Response:
         raw = await request.body()
         try:
-            call = (_translate(raw, kept) if len(raw) <= _INLINE_BODY_BYTES
-                    else await asyncio.to_thread(_translate, raw, kept))
+            call = await parse_off_loop(raw, lambda body: _translate(body, kept))
             upstream = await chat(call.chat)
         except GatewayError as e:
             log.warning("POST /v1/responses -> %d: %s", e.status, e.message[:300])
