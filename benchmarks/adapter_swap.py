@@ -22,7 +22,7 @@ import torch
 
 from lightning_sdk import config, models
 from lightning_sdk.transitions import Transition
-from lightning_sdk.serving.cpu import CPUServer
+from lightning_sdk.servers.cpu import CPUServer
 from lightning_sdk.train.trainer import GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@
 
 The default agent (cookbook/arith/agent.py: one async OpenAI chat call per rollout, max_tokens 8) runs the way
 `lightning run` runs it: run_rollout inside a rollout context, spans traced into a SQLite store, rewards scored,
-at most `concurrency` rollouts at once, its calls through the run's gateway (serving/gateway.py). One server for
+at most `concurrency` rollouts at once, its calls through the run's gateway (gateway/proxy.py). One server for
 all settings; each setting runs once to warm up, then is timed `--repeats` times (best kept). Generated tokens
 come from the server's own counter. At the highest concurrency the same jobs also go straight to the server, to
 show what the gateway's hop costs.
@@ -25,10 +25,11 @@ import httpx
 from lightning_sdk import data, tracing
 from lightning_sdk.agent import LLM
 from lightning_sdk.agent import load_agent
-from lightning_sdk.serving.cpu import CPUServer
-from lightning_sdk.serving.gateway import Gateway
+from lightning_sdk.servers.cpu import CPUServer
+from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.store import Store
-from lightning_sdk.rollouts.worker import RolloutJob, run_rollout
+from lightning_sdk.rollouts.episode import run_rollout
+from lightning_sdk.rollouts.job import RolloutJob
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_sdk import config  # noqa: E402
 from lightning_sdk.runtime import Runtime  # noqa: E402
-from lightning_sdk.serving.vllm import vllm_unavailable_reason  # noqa: E402
+from lightning_sdk.servers.vllm import vllm_unavailable_reason  # noqa: E402
 
 
 class GPUMemoryPeak:

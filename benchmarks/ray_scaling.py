@@ -18,10 +18,10 @@ from lightning_sdk import config, data, models
 from lightning_sdk.agent import load_agent
 from lightning_sdk.rollouts.collector import Agent
 from lightning_sdk.rollouts.ray import RayCollector
-from lightning_sdk.serving.gateway import Gateway
-from lightning_sdk.serving.process import new_api_key
+from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.servers.process import new_api_key
 from lightning_sdk.store import Store
-from lightning_sdk.rollouts.worker import RolloutJob
+from lightning_sdk.rollouts.job import RolloutJob
 
 ROOT = Path(__file__).resolve().parents[1]
 

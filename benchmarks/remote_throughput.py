@@ -2,7 +2,7 @@
 
     python benchmarks/remote_throughput.py --rollouts 128 --repeats 2
 
-Both sides are the real collectors (rollouts/embedded.py, rollouts/remote.py) with the default config
+Both sides are the real collectors (rollouts/embedded.py, rollouts/remote/collect.py) with the default config
 (lightning.toml: the builtin tiny model on the built-in CPU server, behind the gateway) and the default agent
 (cookbook/arith/agent.py), on the same jobs: embedded runs `rollout.concurrency` = 16 rollouts at once in this
 process; remote serves 2 worker processes on this machine with `--concurrency 8` each, whose spans come back over
@@ -25,10 +25,10 @@ from lightning_sdk import config, data, models, tracing
 from lightning_sdk.agent import load_agent
 from lightning_sdk.rollouts.collector import Agent
 from lightning_sdk.rollouts.embedded import EmbeddedCollector
-from lightning_sdk.rollouts.remote import RemoteCollector
-from lightning_sdk.rollouts.worker import RolloutJob
-from lightning_sdk.serving.gateway import Gateway
-from lightning_sdk.serving.process import new_api_key
+from lightning_sdk.rollouts.remote.collect import RemoteCollector
+from lightning_sdk.rollouts.job import RolloutJob
+from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.servers.process import new_api_key
 from lightning_sdk.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 
     python benchmarks/responses_tracing_overhead.py --calls 2000
 
-No server: each client replays a canned reply (a Response with token ids from serving/responses.py's shape, a
+No server: each client replays a canned reply (a Response with token ids from gateway/responses.py's shape, a
 chat completion with vLLM's token-id fields) through an in-process transport, so the numbers are the client-side
 cost only. For each API, untraced calls (the original method, saved before instrumentation) and traced calls
 (inside a rollout context: span, token-id request, deferred attributes) alternate; the calling thread's CPU time

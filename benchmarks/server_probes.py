@@ -1,7 +1,7 @@
 """Probes of issue 18 against a running server: how long /health stalls while a 15 MB message and caller chat
 templates are handled, and how many of 300 half-open connections the server closes within 20 s.
 
-    python -m lightning_sdk.serving --model builtin:tiny-arith --served-model-name policy --port 18777 \
+    python -m lightning_sdk.engine --model builtin:tiny-arith --served-model-name policy --port 18777 \
         --threads 1 --max-model-len 128   # with LIGHTNING_SDK_SERVE_API_KEY=k in the environment
     python benchmarks/server_probes.py --port 18777 --key k
 """

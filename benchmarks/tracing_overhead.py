@@ -45,7 +45,7 @@ import openai
 from openai.resources.chat.completions import Completions
 
 from lightning_sdk import tracing
-from lightning_sdk.serving.cpu import CPUServer
+from lightning_sdk.servers.cpu import CPUServer
 from lightning_sdk.store import Store
 
 p = argparse.ArgumentParser()

@@ -24,7 +24,7 @@ from openai import OpenAI
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import lightning_sdk.serving.vllm as vllm_backend  # noqa: E402
+import lightning_sdk.servers.vllm as vllm_backend  # noqa: E402
 from lightning_sdk import models  # noqa: E402
 from lightning_sdk.config import TrainConfig  # noqa: E402
 from lightning_sdk.runtime import Runtime  # noqa: E402

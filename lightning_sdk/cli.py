@@ -265,7 +265,7 @@ def worker(module: str | None, server: str | None, token_file: Path | None, run_
 
     MODULE is the agent's .py file or dotted module (default: [agent] module of ./lightning.toml).
     """
-    from lightning_sdk import client
+    from lightning_sdk.rollouts.remote import worker as client
     from lightning_sdk.errors import RunError, SetupError
 
     console = make_console()

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# The `vllm serve` flags that serve.*, model.* and train.lora_r set (serving/vllm.py builds them); extra_args must
+# The `vllm serve` flags that serve.*, model.* and train.lora_r set (servers/vllm.py builds them); extra_args must
 # not repeat them.
 VLLM_MANAGED_FLAGS = ("--host", "--port", "--served-model-name", "--api-key", "--enable-lora", "--max-lora-rank",
                       "--max-loras", "--dtype", "--max-model-len", "--gpu-memory-utilization", "--enable-sleep-mode",
@@ -95,7 +95,7 @@ class ModelConfig(_Section):
 
 class ServeConfig(_Section):
     backend: Literal["cpu", "vllm", "auto"] = "cpu"
-    # Where agents reach the run's server (the gateway, serving/gateway.py): every runtime's agents and remote
+    # Where agents reach the run's server (the gateway, gateway/proxy.py): every runtime's agents and remote
     # workers call it; the inference backends behind it listen on 127.0.0.1 (Ray's actors: their node's IP).
     host: str = Field("127.0.0.1", description="address the run's server listens on; a reachable one for "
                                                 "agents on other machines (Ray nodes, remote workers)")

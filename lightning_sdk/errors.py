@@ -17,3 +17,7 @@ class SetupError(RunError):
 
 class CaptureError(RunError):
     """A rollout that finished but left nothing to train on: loud, never an empty update."""
+
+
+class ServerError(RuntimeError):
+    """An inference server (or the gateway) failed to start, died, or refused an adapter operation."""

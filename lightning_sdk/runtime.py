@@ -33,10 +33,10 @@ from lightning_sdk.errors import CaptureError, RunError, SetupError
 from lightning_sdk.files import DirBusyError, clean_atomic_leftovers, locked_dir
 from lightning_sdk.metrics import MetricsLog, check_trackers
 from lightning_sdk.rollouts.collector import Agent, Collector, make_collector, runs_agent
-from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
-from lightning_sdk.serving import ServerError, SleepableServer
-from lightning_sdk.serving.gateway import Gateway
-from lightning_sdk.serving.process import new_api_key
+from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
+from lightning_sdk.servers import ServerError, SleepableServer
+from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.servers.process import new_api_key
 from lightning_sdk.store import Store
 from lightning_sdk.train.checkpoint import CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint, write_checkpoint
 from lightning_sdk.transitions import Transition, to_transitions
@@ -248,7 +248,7 @@ class Runtime:
             raise SetupError(f"run.dir = {str(d)!r}: only {free / 2**20:.1f} MiB free on its disk; a run needs at "
                              f"least {MIN_FREE_BYTES / 2**20:.0f} MiB for its store and checkpoints")
         if cfg.serve.backend == "vllm":  # (the config refuses it for the Ray runtime)
-            from lightning_sdk.serving.select import make_server
+            from lightning_sdk.servers.select import make_server
 
             make_server(cfg, "", d / "server.log")  # refuses vllm where it cannot run; builds, starts nothing
         device = cfg.train.device

@@ -15,7 +15,7 @@ def tiny_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def server(tiny_model_path, tmp_path_factory):
-    from lightning_sdk.serving.cpu import CPUServer
+    from lightning_sdk.servers.cpu import CPUServer
 
     srv = CPUServer(tiny_model_path, served_model_name=SERVED, threads=1,
                     log_path=tmp_path_factory.mktemp("server") / "server.log")

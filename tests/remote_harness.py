@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
-from lightning_sdk.rollouts.dispatch import Dispatch
-from lightning_sdk.rollouts.routes import work_router
-from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
-from lightning_sdk.serving.gateway import Gateway
+from lightning_sdk.rollouts.remote.dispatch import Dispatch
+from lightning_sdk.rollouts.remote.routes import work_router
+from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
+from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.store import Store
 
 KEY = "worker-token"

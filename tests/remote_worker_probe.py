@@ -7,7 +7,7 @@ import sys
 from lightning_sdk.cli import main
 
 HEAVY = ("torch", "transformers", "peft", "fastapi", "uvicorn", "starlette", "lightning_sdk.store",
-         "lightning_sdk.serving", "lightning_sdk.train", "lightning_sdk.runtime")
+         "lightning_sdk.servers", "lightning_sdk.train", "lightning_sdk.runtime")
 
 code = 0
 try:

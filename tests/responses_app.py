@@ -1,4 +1,4 @@
-"""The Responses router under test, mounted on the real Gateway (serving/gateway.py) in front of a real built-in
+"""The Responses router under test, mounted on the real Gateway (gateway/proxy.py) in front of a real built-in
 server on 127.0.0.1; it records the chat requests the router sent."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from lightning_sdk.serving.gateway import Gateway
-from lightning_sdk.serving.process import auth_headers
-from lightning_sdk.serving.responses import responses_router
+from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.servers.process import auth_headers
+from lightning_sdk.gateway.responses import responses_router
 
 BREAK_MIDSTREAM = "break-midstream"  # a request with this `user` goes to a backend that fails mid-stream
 

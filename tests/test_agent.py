@@ -8,7 +8,8 @@ import pytest
 import lightning_sdk as ls
 from lightning_sdk.agent import is_reward, is_rollout
 from lightning_sdk.store import Store
-from lightning_sdk.rollouts.worker import RolloutJob, run_rollout
+from lightning_sdk.rollouts.episode import run_rollout
+from lightning_sdk.rollouts.job import RolloutJob
 
 LLM = ls.LLM(base_url="http://127.0.0.1:9/v1", api_key="k", model="m")
 
@@ -198,7 +199,8 @@ def test_hung_sync_agent_does_not_keep_the_process_alive(tmp_path):
 import asyncio, threading
 import lightning_sdk as ls
 from lightning_sdk.store import Store
-from lightning_sdk.rollouts.worker import RolloutJob, run_rollout
+from lightning_sdk.rollouts.episode import run_rollout
+from lightning_sdk.rollouts.job import RolloutJob
 
 @ls.rollout
 def hangs(task, llm):

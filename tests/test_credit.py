@@ -114,7 +114,7 @@ def test_a_reward_is_credited_once_to_a_call_that_ended_before_it():
 
 
 def test_failed_reward_penalises_only_the_policys_failures():
-    from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
+    from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
     from lightning_sdk.runtime import _policy_failure
 
     job = RolloutJob(rollout_id="r", task_id="t", group_id="g", task={}, iteration=0)

@@ -52,4 +52,4 @@ def test_install_hints_name_this_distribution():
     old = "pip install 'lightning" + "-sdk"  # split, so this file is not a hit itself
     hints = subprocess.run(["git", "grep", "-n", old], cwd=ROOT, capture_output=True, text=True)
     assert hints.returncode == 1 and hints.stdout == ""  # 1: no match
-    assert f"pip install '{DISTRIBUTION}[gpu]'" in (ROOT / "lightning_sdk/serving/select.py").read_text()
+    assert f"pip install '{DISTRIBUTION}[gpu]'" in (ROOT / "lightning_sdk/servers/select.py").read_text()

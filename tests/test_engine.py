@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.serving.engine import Engine, GenerationRequest
+from lightning_sdk.engine.engine import Engine, GenerationRequest
 
 torch.set_num_threads(1)  # the machine is shared
 

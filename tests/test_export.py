@@ -21,7 +21,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTrac
 
 import lightning_sdk as ls
 from lightning_sdk import tracing
-from lightning_sdk.rollouts.worker import RolloutJob, run_rollout
+from lightning_sdk.rollouts.episode import run_rollout
+from lightning_sdk.rollouts.job import RolloutJob
 from lightning_sdk.store import Store
 from lightning_sdk.tracing import COMPLETION_IDS, REWARD_SPAN, REWARD_VALUE, ROLLOUT_ID
 

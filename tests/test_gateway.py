@@ -1,4 +1,4 @@
-"""The gateway (serving/gateway.py): the one address agents call. Any model name is served by the policy being
+"""The gateway (gateway/proxy.py): the one address agents call. Any model name is served by the policy being
 trained, every response carries token ids, the least-loaded backend takes each request; real CPU servers on
 127.0.0.1 and the real openai client."""
 
@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from lightning_sdk.serving.gateway import Gateway
+from lightning_sdk.gateway.proxy import Gateway
 
 ASK = [{"role": "user", "content": "2+2="}]
 
@@ -97,7 +97,7 @@ def test_bad_requests_get_openai_shaped_errors(server):
 
 
 def test_least_loaded_backend_takes_each_request(tiny_model_path, tmp_path):
-    from lightning_sdk.serving.cpu import CPUServer
+    from lightning_sdk.servers.cpu import CPUServer
 
     servers = [CPUServer(tiny_model_path, served_model_name="tiny", threads=1, log_path=tmp_path / f"s{i}.log")
                for i in range(2)]
@@ -158,8 +158,8 @@ def test_ray_servers_load_adapters_on_every_server(tiny_model_path, tmp_path):
 
     from lightning_sdk import config, models
     from lightning_sdk.rollouts.ray import RayServers
-    from lightning_sdk.serving import ServerError
-    from lightning_sdk.serving.cpu import CPUServer
+    from lightning_sdk.servers import ServerError
+    from lightning_sdk.servers.cpu import CPUServer
 
     cfg = config.parse({"agent": {"module": "a.py"}, "data": {"train": "t.jsonl"}, "run": {"runtime": "ray"}})
     ray_servers = RayServers(cfg, tiny_model_path, tmp_path)

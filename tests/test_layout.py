@@ -16,9 +16,10 @@ PKG = Path(lightning_sdk.__file__).parent
 HEIGHT = {
     "errors": 0, "files": 0, "distribution": 0, "config": 1, "data": 1,
     "agent": 2, "tracing": 3,                      # the agent side: no store, trainer or server below them
+    "gateway": 3,                                  # makes each call's record; the store keeps it
     "store": 4, "credit": 5, "transitions": 6, "models": 5,
-    "train": 7, "serving": 7, "metrics": 7,
-    "rollouts": 8, "runtime": 9, "client": 9, "cli": 10, "dashboard": 10, "api": 11,
+    "train": 7, "engine": 7, "servers": 7, "metrics": 7,
+    "rollouts": 8, "runtime": 9, "cli": 10, "dashboard": 10, "api": 11,
 }
 AGENT_SIDE = {"agent", "tracing"}
 

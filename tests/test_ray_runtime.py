@@ -146,6 +146,6 @@ def test_ray_config_errors_name_the_key(tmp_path):
 
 
 def test_importing_the_sdk_does_not_import_ray():
-    code = ("import sys, lightning_sdk, lightning_sdk.runtime, lightning_sdk.serving.gateway; "
+    code = ("import sys, lightning_sdk, lightning_sdk.runtime, lightning_sdk.gateway.proxy; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})

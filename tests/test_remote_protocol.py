@@ -22,8 +22,8 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 
 import lightning_sdk as ls
 from lightning_sdk import tracing
-from lightning_sdk.rollouts.protocol import Result
-from lightning_sdk.rollouts.worker import run_rollout
+from lightning_sdk.rollouts.remote.protocol import Result
+from lightning_sdk.rollouts.episode import run_rollout
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.ship import RolloutShipper
 from lightning_sdk.transitions import to_transitions

@@ -38,7 +38,7 @@ def test_the_light_environment_has_the_agent_side_only(light_venv, tmp_path):
     for heavy in ("torch", "transformers", "peft", "fastapi", "uvicorn"):
         r = subprocess.run([python, "-c", f"import {heavy}"], capture_output=True, text=True)
         assert r.returncode == 1 and f"No module named '{heavy}'" in r.stderr
-    r = subprocess.run([python, "-c", "import lightning_sdk as ls, lightning_sdk.client; print(ls.rollout)"],
+    r = subprocess.run([python, "-c", "import lightning_sdk as ls, lightning_sdk.rollouts.remote.worker; print(ls.rollout)"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([str(light_venv / "bin/lightning"), "run", "-c", str(ROOT / "lightning.toml")],

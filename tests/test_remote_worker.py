@@ -21,9 +21,9 @@ from rich.console import Console
 
 from lightning_sdk import config
 from lightning_sdk.errors import RunError
-from lightning_sdk.rollouts.remote import RemoteCollector
-from lightning_sdk.serving.gateway import Gateway
-from lightning_sdk.serving.process import new_api_key
+from lightning_sdk.rollouts.remote.collect import RemoteCollector
+from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.servers.process import new_api_key
 from lightning_sdk.store import Store
 from lightning_sdk.transitions import to_transitions
 

@@ -1,4 +1,4 @@
-"""The Responses API over chat completions (serving/responses.py), with the real openai client against the real
+"""The Responses API over chat completions (gateway/responses.py), with the real openai client against the real
 built-in server: Response objects and stream events as OpenAI's, exact token ids, tool calls, refused inputs."""
 
 import json
@@ -31,7 +31,7 @@ def app(server):
 @pytest.fixture(scope="module")
 def rag_app(tmp_path_factory):
     """The rag cookbook's tiny model, pretrained on Agents SDK conversations with a `search` tool: it calls it."""
-    from lightning_sdk.serving.cpu import CPUServer
+    from lightning_sdk.servers.cpu import CPUServer
 
     model = models.resolve(f"tiny:{ROOT / 'cookbook' / 'rag' / 'teacher.py'}")
     srv = CPUServer(model, served_model_name="rag", threads=1, log_path=tmp_path_factory.mktemp("rag") / "log")

@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from lightning_sdk import cli, config, models
-from lightning_sdk.serving.gateway import Gateway
-from lightning_sdk.serving.select import make_server
+from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.servers.select import make_server
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = ROOT / "cookbook/arith/agent.py"

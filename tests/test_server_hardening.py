@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_sdk.config import ServeConfig
-from lightning_sdk.serving.cpu import CPUServer
-from lightning_sdk.serving.guard import MAX_BODY_BYTES
+from lightning_sdk.servers.cpu import CPUServer
+from lightning_sdk.gateway.guard import MAX_BODY_BYTES
 
 KEY = "hardening-key"
 NAME = "policy"

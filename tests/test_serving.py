@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.serving import InferenceServer, ServerError
-from lightning_sdk.serving.cpu import CPUServer
+from lightning_sdk.servers import InferenceServer, ServerError
+from lightning_sdk.servers.cpu import CPUServer
 
 torch.set_num_threads(1)  # the machine is shared
 

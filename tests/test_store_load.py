@@ -12,7 +12,8 @@ import openai
 import lightning_sdk as ls
 from lightning_sdk import tracing
 from lightning_sdk.tracing import COMPLETION_IDS, REWARD_SPAN
-from lightning_sdk.rollouts.worker import RolloutJob, run_rollout
+from lightning_sdk.rollouts.episode import run_rollout
+from lightning_sdk.rollouts.job import RolloutJob
 
 from .conftest import SERVED
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.serving.cpu import CPUServer
-from lightning_sdk.serving.toolcalls import ToolCallParser, parse
+from lightning_sdk.servers.cpu import CPUServer
+from lightning_sdk.engine.toolcalls import ToolCallParser, parse
 
 torch.set_num_threads(1)
 

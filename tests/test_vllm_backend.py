@@ -15,10 +15,10 @@ import pytest
 from lightning_sdk import config
 from lightning_sdk.errors import SetupError
 from lightning_sdk.runtime import gpu_handover
-from lightning_sdk.serving import InferenceServer, ServerError, SleepableServer
-from lightning_sdk.serving.cpu import CPUServer
-from lightning_sdk.serving.select import make_server, vllm_server
-from lightning_sdk.serving.vllm import VLLMServer, max_lora_rank, vllm_command, vllm_environment
+from lightning_sdk.servers import InferenceServer, ServerError, SleepableServer
+from lightning_sdk.servers.cpu import CPUServer
+from lightning_sdk.servers.select import make_server, vllm_server
+from lightning_sdk.servers.vllm import VLLMServer, max_lora_rank, vllm_command, vllm_environment
 
 STAND_IN = [sys.executable, str(Path(__file__).with_name("vllm_stand_in.py"))]
 KEY = "sk-test-secret"
@@ -225,7 +225,7 @@ def test_stop_ends_the_server(stand_in):
 
 def test_config_refuses_every_flag_vllm_command_sets():
     from lightning_sdk.config import VLLM_MANAGED_FLAGS
-    from lightning_sdk.serving.vllm import vllm_command
+    from lightning_sdk.servers.vllm import vllm_command
 
     cmd = vllm_command("/m", served_model_name="m", host="127.0.0.1", port=1, lora_r=8, sleep=True)
     assert {a for a in cmd if a.startswith("--")} <= set(VLLM_MANAGED_FLAGS)

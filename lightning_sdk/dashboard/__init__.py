@@ -3,6 +3,6 @@ static/ is the page: one HTML file, plain JavaScript, an SVG chart; no build ste
 
 from lightning_sdk.dashboard.app import create_app, new_token, serve
 from lightning_sdk.dashboard.runs import CreditSettings, RunReader
-from lightning_sdk.serving.listen import bind
+from lightning_sdk.gateway.listen import bind
 
 __all__ = ["CreditSettings", "RunReader", "bind", "create_app", "new_token", "serve"]

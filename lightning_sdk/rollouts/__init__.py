@@ -1,2 +1,2 @@
-"""Running the agent: one rollout (`worker`), and the strategies that run a phase of them (`collector`:
-`embedded` in this process, `ray` on Ray actors)."""
+"""Running the agent: one rollout (`episode`, of a `job`), and the strategies that run a phase of them
+(`collector`: `embedded` in this process, `ray` on Ray actors, `remote` through `lightning worker` processes)."""

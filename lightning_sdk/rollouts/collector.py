@@ -1,7 +1,7 @@
 """How rollouts run is a strategy: one `Collector` protocol, one implementation per runtime (`run.runtime`).
 
 A collector owns the inference server(s) its rollouts call and starts the run's gateway in front of them (the
-one address agents get: serving/gateway.py), runs a phase's jobs and returns one result per job, in order; the
+one address agents get: gateway/proxy.py), runs a phase's jobs and returns one result per job, in order; the
 runtime loop calls only this interface. Each implementation is imported only when chosen, so Ray is imported
 only by the Ray runtime.
 """
@@ -20,9 +20,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from lightning_sdk.config import Config
 from lightning_sdk.errors import SetupError
-from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
-from lightning_sdk.serving import InferenceServer
-from lightning_sdk.serving.gateway import Gateway
+from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
+from lightning_sdk.servers import InferenceServer
+from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.store import Store
 
 
@@ -54,7 +54,7 @@ class Collector(Protocol):
 RUNTIMES = {
     "embedded": "lightning_sdk.rollouts.embedded:EmbeddedCollector",
     "ray": "lightning_sdk.rollouts.ray:RayCollector",
-    "remote": "lightning_sdk.rollouts.remote:RemoteCollector",
+    "remote": "lightning_sdk.rollouts.remote.collect:RemoteCollector",
 }
 
 

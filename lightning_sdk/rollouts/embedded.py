@@ -19,10 +19,11 @@ from lightning_sdk.agent import LLM
 from lightning_sdk.config import Config
 from lightning_sdk.errors import RunError
 from lightning_sdk.rollouts.collector import Agent, progress_bar
-from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult, run_rollout
-from lightning_sdk.serving import ServerError
-from lightning_sdk.serving.gateway import Gateway
-from lightning_sdk.serving.select import make_server
+from lightning_sdk.rollouts.episode import run_rollout
+from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
+from lightning_sdk.servers import ServerError
+from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.servers.select import make_server
 from lightning_sdk.store import Store
 
 MAX_SERVER_RESTARTS = 3  # per run: a server that keeps dying is a bug to fix, not to retry forever

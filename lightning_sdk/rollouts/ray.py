@@ -1,7 +1,7 @@
 """The Ray runtime (`run.runtime = "ray"`): rollout workers and inference servers as Ray actors, one store.
 
 What runs where (docs/scaling.md has the picture):
-- driver (head node): the `Runtime` loop, the trainer, the SQLite store it reads, the gateway (serving/gateway.py:
+- driver (head node): the `Runtime` loop, the trainer, the SQLite store it reads, the gateway (gateway/proxy.py:
   least-loaded over the server actors, on serve.host) and a `_StoreWriter` actor pinned to the head that is the
   only writer of rollout rows and spans;
 - `_ServerActor`s (spread over nodes): each runs one built-in inference server behind the gateway;
@@ -31,10 +31,11 @@ from lightning_sdk.agent import LLM, load_agent, run_environment
 from lightning_sdk.config import Config
 from lightning_sdk.errors import RunError, SetupError
 from lightning_sdk.rollouts.collector import Agent, progress_bar
-from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult, run_rollout
-from lightning_sdk.serving import ServerError
-from lightning_sdk.serving.process import control_request, new_api_key
-from lightning_sdk.serving.gateway import Gateway
+from lightning_sdk.rollouts.episode import run_rollout
+from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
+from lightning_sdk.servers import ServerError
+from lightning_sdk.servers.process import control_request, new_api_key
+from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.store import Store
 
 
@@ -111,7 +112,7 @@ class _RolloutWorker:
 
 class _ServerActor:
     def __init__(self, model: str, kw: dict, log_path: str, local: bool):
-        from lightning_sdk.serving.cpu import CPUServer
+        from lightning_sdk.servers.cpu import CPUServer
 
         host = "127.0.0.1" if local else ray.util.get_node_ip_address()
         self.server = CPUServer(model, host=host, log_path=log_path, **kw)

@@ -9,7 +9,7 @@ response is kept in a module-level dict for the life of the process. `instrument
 with these: a span started before the call and current during it, named and attributed by the instrumentor's own
 helpers (run on the span writer thread, see `deferred`), ERROR on an exception, a `failed` response or an `error`
 stream event, and the Response's `prompt_token_ids`, `output_token_ids` and `output_logprobs` (which
-`serving/responses.py` adds) as the `lightning.llm.*` token-id attributes. A streamed call's span ends at the
+`gateway/responses.py` adds) as the `lightning.llm.*` token-id attributes. A streamed call's span ends at the
 stream's final event (`response.completed` / `.incomplete` / `.failed`), which carries the whole Response; a
 stream closed before it is an ERROR span (a failed call, never a transition).
 """

@@ -24,7 +24,7 @@ import torch
 from lightning_sdk import models
 from lightning_sdk.config import TrainConfig
 from lightning_sdk.files import atomic_dir
-from lightning_sdk.train.batch import Batch, collate, drop_single_rollout_groups
+from lightning_sdk.train.microbatch import Batch, collate, drop_single_rollout_groups
 from lightning_sdk.train.checkpoint import ADAPTER
 from lightning_sdk.train.grpo import (entropy, group_advantages, grpo_loss, sampler_is_weight, token_weights,
                                      top_p_keep, zero_variance_groups)

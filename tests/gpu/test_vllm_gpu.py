@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or not 
 
 from lightning_sdk import config, models, tracing  # noqa: E402
 from lightning_sdk.runtime import Runtime  # noqa: E402
-from lightning_sdk.serving.vllm import VLLMServer  # noqa: E402
+from lightning_sdk.servers.vllm import VLLMServer  # noqa: E402
 from lightning_sdk.store import Store  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """The remote runtime (`run.runtime = "remote"`), the Lightning Server: `lightning worker` processes (the Lightning
-Client, lightning_sdk/client.py) run the agent in its own folder and environment, here or on other machines.
+Client, lightning_sdk/rollouts/remote/worker.py) run the agent in its own folder and environment, here or on other machines.
 
 This process serves the policy as the embedded runtime does (the same inference server, restarts included: this
 class extends `EmbeddedCollector`) and adds the work routes and `POST /v1/traces` to the run's gateway, so
@@ -26,14 +26,14 @@ from rich.markup import escape
 from lightning_sdk.config import Config
 from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_write_text
-from lightning_sdk.rollouts import protocol
+from lightning_sdk.rollouts.remote import protocol
 from lightning_sdk.rollouts.collector import Agent, progress_bar
-from lightning_sdk.rollouts.dispatch import Claimed, Dispatch
+from lightning_sdk.rollouts.remote.dispatch import Claimed, Dispatch
 from lightning_sdk.rollouts.embedded import EmbeddedCollector
-from lightning_sdk.rollouts.protocol import SERVER_FILE, TOKEN_FILE
-from lightning_sdk.rollouts.routes import work_router
-from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
-from lightning_sdk.serving.gateway import Gateway
+from lightning_sdk.rollouts.remote.protocol import SERVER_FILE, TOKEN_FILE
+from lightning_sdk.rollouts.remote.routes import work_router
+from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
+from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.store import Store
 
 GOODBYE_S = 3.0  # at the end, how long workers heard from lately get to learn that the run is over

@@ -1,4 +1,4 @@
-"""The built-in CPU server (`python -m lightning_sdk.serving`, transformers) as a managed subprocess."""
+"""The built-in CPU server (`python -m lightning_sdk.engine`, transformers) as a managed subprocess."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from lightning_sdk.serving.process import ServerProcess
+from lightning_sdk.servers.process import ServerProcess
 
 
 class CPUServer(ServerProcess):
@@ -25,11 +25,11 @@ class CPUServer(ServerProcess):
         self.dtype = dtype
         self.quantization = quantization
         self.threads = threads
-        self.header_timeout = header_timeout  # None: the server's defaults (serving/guard.py)
+        self.header_timeout = header_timeout  # None: the server's defaults (gateway/guard.py)
         self.max_connections = max_connections
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "lightning_sdk.serving", "--model", self.model,
+        cmd = [sys.executable, "-m", "lightning_sdk.engine", "--model", self.model,
                "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
                "--max-batch-size", str(self.max_batch_size), "--max-model-len", str(self.max_model_len),
                "--dtype", self.dtype, "--quantization", self.quantization, "--parent-pid", str(os.getpid())]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lightning_sdk.serving.batch import _Row
+from lightning_sdk.engine.batch import _Row
 from lightning_sdk.train.grpo import top_p_keep
 
 

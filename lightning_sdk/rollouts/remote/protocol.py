@@ -1,7 +1,7 @@
 """The remote runtime's wire protocol: the routes a worker calls and their JSON bodies (docs/remote.md).
 
-Shared by the server (`rollouts/routes.py`, which validates every body with these models) and the Lightning
-Client (`lightning_sdk/client.py`); it needs pydantic only, so the client's environment stays light.
+Shared by the server (`rollouts/remote/routes.py`, which validates every body with these models) and the Lightning
+Client (`lightning_sdk/rollouts/remote/worker.py`); it needs pydantic only, so the client's environment stays light.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lightning_sdk.rollouts.worker import RolloutJob
+from lightning_sdk.rollouts.job import RolloutJob
 
 CLAIM = "/v1/work/claim"  # POST ClaimRequest -> 200 Claim | 204 nothing to do yet | 410 the run is over
 RESULT = "/v1/work/{rollout_id}/result"  # POST Result -> 200 | 409 not (or no longer) claimed: ignored

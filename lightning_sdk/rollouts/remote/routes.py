@@ -14,10 +14,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from lightning_sdk.rollouts import protocol
-from lightning_sdk.rollouts.dispatch import Dispatch
-from lightning_sdk.rollouts.protocol import Claim, ClaimRequest, Endpoint, Result, RunInfo
-from lightning_sdk.serving.guard import MAX_BODY_BYTES, error_body, parse_off_loop
+from lightning_sdk.rollouts.remote import protocol
+from lightning_sdk.rollouts.remote.dispatch import Dispatch
+from lightning_sdk.rollouts.remote.protocol import Claim, ClaimRequest, Endpoint, Result, RunInfo
+from lightning_sdk.gateway.guard import MAX_BODY_BYTES, error_body, parse_off_loop
 from lightning_sdk.tracing import otlp
 
 log = logging.getLogger("lightning_sdk")

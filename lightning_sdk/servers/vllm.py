@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_sdk.config import VLLM_MANAGED_FLAGS
-from lightning_sdk.serving import ServerError
-from lightning_sdk.serving.process import ServerProcess
+from lightning_sdk.servers import ServerError
+from lightning_sdk.servers.process import ServerProcess
 
 # The LoRA ranks vLLM accepts for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import Field, ValidationInfo, field_validator
 
-from lightning_sdk.serving import toolcalls
-from lightning_sdk.serving.engine import (
+from lightning_sdk.engine import toolcalls
+from lightning_sdk.engine.engine import (
     MAX_TOP_LOGPROBS,
     ChoiceDelta,
     Engine,
@@ -34,9 +34,9 @@ from lightning_sdk.serving.engine import (
     ModelNotFound,
     RequestError,
 )
-from lightning_sdk.serving.guard import INT64, MAX_BODY_BYTES, BodyLimit, KeyCheck, Lenient, error_body, text_size
+from lightning_sdk.gateway.guard import INT64, MAX_BODY_BYTES, BodyLimit, KeyCheck, Lenient, error_body, text_size
 
-log = logging.getLogger("lightning_sdk.serving")
+log = logging.getLogger("lightning_sdk.servers")
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -68,7 +68,7 @@ class ChatCompletionRequest(Lenient):
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None  # checked, not enforced (no constrained decoding): see serving/toolcalls.py
+    tool_choice: Any = None  # checked, not enforced (no constrained decoding): see engine/toolcalls.py
     return_token_ids: bool | None = None  # accepted; ids are always returned
     add_generation_prompt: bool = True  # vLLM extras for chat templates
     continue_final_message: bool = False

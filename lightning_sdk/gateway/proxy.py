@@ -6,7 +6,7 @@
 - Chat completions are forwarded asking for token ids and log-probs (`return_token_ids`, `logprobs`: vLLM's
   fields, which the built-in server honours too), so every client's response carries them, whatever language it
   is written in (a Python agent traced by lightning_sdk gets log-probs only if it asked: tracing reads them and
-  takes them off the reply). The Responses API is served over chat completions (`serving/responses.py`).
+  takes them off the reply). The Responses API is served over chat completions (`gateway/responses.py`).
 - Several backends (the Ray runtime's server actors): each request goes to the one with the fewest in flight.
 - Agents hold the gateway's key only. The backends' key, which can swap adapters, stays in the runtime, and
   adapter control goes to the backends directly, never through here.
@@ -28,9 +28,9 @@ import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightning_sdk.serving.guard import MAX_BODY_BYTES, BodyLimit, GatewayError, KeyCheck, error_body, parse_off_loop
-from lightning_sdk.serving.listen import ThreadedServer, bind, url_of
-from lightning_sdk.serving.responses import responses_router
+from lightning_sdk.gateway.guard import MAX_BODY_BYTES, BodyLimit, GatewayError, KeyCheck, error_body, parse_off_loop
+from lightning_sdk.gateway.listen import ThreadedServer, bind, url_of
+from lightning_sdk.gateway.responses import responses_router
 
 log = logging.getLogger("lightning_sdk")  # the runtime's logger: which names the agent asked for is part of a run
 
@@ -188,7 +188,7 @@ class Gateway:
     async def send_chat(self, body: dict) -> httpx.Response:
         """Send a chat-completions request to the least-loaded backend, served by the policy and asking for token
         ids and log-probs; the backend's response, opened as a stream (the caller reads it, then `aclose()`s it,
-        which also counts the request done). The `ChatSender` of serving/responses.py."""
+        which also counts the request done). The `ChatSender` of gateway/responses.py."""
         if not isinstance(body, dict):
             raise GatewayError(400, "the request body must be a JSON object")
         body = {**body, "model": self.serve_as(body.get("model")), "return_token_ids": True}

@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Any
 
-from lightning_sdk.serving import ServerError
-from lightning_sdk.serving.guard import connection_cap, guarded_protocol
+from lightning_sdk.errors import ServerError
+from lightning_sdk.gateway.guard import connection_cap, guarded_protocol
 
 
 def bind(host: str, port: int) -> socket.socket:

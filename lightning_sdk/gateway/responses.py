@@ -32,9 +32,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError
 
-from lightning_sdk.serving.guard import INT64, GatewayError, Lenient, error_body, parse_off_loop, text_size
+from lightning_sdk.gateway.guard import INT64, GatewayError, Lenient, error_body, parse_off_loop, text_size
 
-log = logging.getLogger("lightning_sdk.serving")
+log = logging.getLogger("lightning_sdk.servers")
 
 ChatSender = Callable[[dict], Awaitable[httpx.Response]]
 """Sends a chat-completions request body to a backend; returns its response opened with `stream=True` (the caller

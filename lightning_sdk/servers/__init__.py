@@ -1,7 +1,7 @@
 """Inference servers as the runtime sees them: an OpenAI-compatible base URL plus LoRA hot-swapping.
 
 Only the protocols and the error live here, so that code which merely talks to a server imports nothing else.
-`cpu.CPUServer` runs the built-in transformers server (`python -m lightning_sdk.serving`) in a subprocess;
+`cpu.CPUServer` runs the built-in transformers server (`python -m lightning_sdk.engine`) in a subprocess;
 `vllm.VLLMServer` runs vLLM's OpenAI server the same way (GPU). Both are `process.ServerProcess`es.
 torch, transformers and vllm are imported only in the server process.
 """
@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from lightning_sdk.errors import ServerError
+
 __all__ = ["InferenceServer", "ServerError", "SleepableServer"]
-
-
-class ServerError(RuntimeError):
-    """The inference server failed to start, died, or refused an adapter operation."""
 
 
 @runtime_checkable

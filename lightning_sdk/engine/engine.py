@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.serving.batch import _Batch, _Row
-from lightning_sdk.serving.requests import (
+from lightning_sdk.engine.batch import _Batch, _Row
+from lightning_sdk.engine.requests import (
     Choice,
     ChoiceDelta,
     GenerationRequest,
@@ -29,10 +29,10 @@ from lightning_sdk.serving.requests import (
     RequestError,
     _Job,
 )
-from lightning_sdk.serving.sampling import _eos_ids, _find_stop, _sample
-from lightning_sdk.serving.scheduler import Scheduler
+from lightning_sdk.engine.sampling import _eos_ids, _find_stop, _sample
+from lightning_sdk.engine.scheduler import Scheduler
 
-log = logging.getLogger("lightning_sdk.serving")
+log = logging.getLogger("lightning_sdk.servers")
 
 MAX_TOP_LOGPROBS = 20
 

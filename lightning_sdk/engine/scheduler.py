@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from lightning_sdk.serving.batch import _Batch, _mergeable
-from lightning_sdk.serving.requests import ModelNotFound, RequestError, _Job, _set_future
+from lightning_sdk.engine.batch import _Batch, _mergeable
+from lightning_sdk.engine.requests import ModelNotFound, RequestError, _Job, _set_future
 
-log = logging.getLogger("lightning_sdk.serving")
+log = logging.getLogger("lightning_sdk.servers")
 
 
 _STOP = object()  # queued by close(): the generation thread ends

@@ -1,5 +1,5 @@
 """The Lightning Client: `lightning worker` runs the agent in its own folder and environment for a run whose
-`run.runtime = "remote"` (the Lightning Server, rollouts/remote.py), on this machine or another one.
+`run.runtime = "remote"` (the Lightning Server, rollouts/remote/collect.py), on this machine or another one.
 
 It points the process's OpenAI clients at the server (OPENAI_BASE_URL / OPENAI_API_KEY, unless the run turned
 `agent.redirect_openai` off) before it imports the agent module, then runs `concurrency` claim loops: claim a
@@ -32,9 +32,9 @@ from rich.console import Console
 from lightning_sdk import tracing
 from lightning_sdk.agent import LLM, load_agent, output_json, run_environment
 from lightning_sdk.errors import RunError, SetupError
-from lightning_sdk.rollouts import protocol
-from lightning_sdk.rollouts.protocol import SERVER_FILE, TOKEN_FILE, Claim, Result, RunInfo
-from lightning_sdk.rollouts.worker import run_rollout
+from lightning_sdk.rollouts.remote import protocol
+from lightning_sdk.rollouts.remote.protocol import SERVER_FILE, TOKEN_FILE, Claim, Result, RunInfo
+from lightning_sdk.rollouts.episode import run_rollout
 from lightning_sdk.tracing.ship import RolloutShipper
 
 SERVER_ENV, TOKEN_ENV = "LIGHTNING_SERVER", "LIGHTNING_TOKEN"

@@ -16,8 +16,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from lightning_sdk.rollouts.protocol import Result
-from lightning_sdk.rollouts.worker import RolloutJob, RolloutResult
+from lightning_sdk.rollouts.remote.protocol import Result
+from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk import tracing
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.otlp import Decoded

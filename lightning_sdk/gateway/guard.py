@@ -2,8 +2,8 @@
 connection limits, and what every request body's model checks (`Lenient`: no lone surrogates, unknown fields
 ignored).
 
-Shared by the inference server (`serving/app.py`, in its own process) and the routes the runtime's process serves
-(`serving/gateway.py`, `serving/responses.py`); it imports neither torch nor the engine.
+Shared by the inference server (`engine/app.py`, in its own process) and the routes the runtime's process serves
+(`gateway/proxy.py`, `gateway/responses.py`); it imports neither torch nor the engine.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import h11
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-log = logging.getLogger("lightning_sdk.serving")
+log = logging.getLogger("lightning_sdk.servers")
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes, as vLLM leaves it open; every other route needs the key
 DEFAULT_HEADER_TIMEOUT = 15.0  # seconds a client has to send a request's complete headers

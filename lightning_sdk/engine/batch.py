@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lightning_sdk.serving.requests import GenerationRequest, _Job
+from lightning_sdk.engine.requests import GenerationRequest, _Job
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_sdk.errors import SetupError
-from lightning_sdk.serving.process import new_api_key
+from lightning_sdk.servers.process import new_api_key
 
 if TYPE_CHECKING:
     from lightning_sdk.config import Config
@@ -22,14 +22,14 @@ BACKEND_HOST = "127.0.0.1"  # agents call the gateway (serve.host); the backend 
 
 def make_server(cfg: Config, model_path: str, log_path: Path):
     """The run's inference backend on 127.0.0.1 (a free port), behind a key of its own made for this run: agents
-    reach it only through the gateway (serving/gateway.py), which holds the key."""
-    from lightning_sdk.serving.cpu import CPUServer
+    reach it only through the gateway (gateway/proxy.py), which holds the key."""
+    from lightning_sdk.servers.cpu import CPUServer
 
     api_key = new_api_key()
 
     backend = cfg.serve.backend
     if backend != "cpu":
-        from lightning_sdk.serving.vllm import vllm_unavailable_reason
+        from lightning_sdk.servers.vllm import vllm_unavailable_reason
 
         why_not = vllm_unavailable_reason()
         if backend == "auto":
@@ -52,7 +52,7 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
 def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
     """vLLM on 127.0.0.1 (a free port) serving the bf16 base (also for QLoRA: the nf4 copy is the trainer's) with
     room for rank lora_r."""
-    from lightning_sdk.serving.vllm import VLLMServer
+    from lightning_sdk.servers.vllm import VLLMServer
 
     s = cfg.serve
     kw.setdefault("api_key", new_api_key())

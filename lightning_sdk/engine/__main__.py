@@ -1,4 +1,4 @@
-"""`python -m lightning_sdk.serving --model builtin:tiny-arith --served-model-name policy --port 8000`"""
+"""`python -m lightning_sdk.engine --model builtin:tiny-arith --served-model-name policy --port 8000`"""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ def _exit_with_parent(pid: int) -> None:
     """A runtime killed with SIGKILL cannot stop its server: leave by ourselves, freeing the port and memory."""
     while os.getppid() == pid:
         time.sleep(0.5)
-    logging.getLogger("lightning_sdk.serving").warning("parent process %d is gone: shutting down", pid)
+    logging.getLogger("lightning_sdk.servers").warning("parent process %d is gone: shutting down", pid)
     os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
     time.sleep(15)
     os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m lightning_sdk.serving",
+    p = argparse.ArgumentParser(prog="python -m lightning_sdk.engine",
                                 description="OpenAI-compatible chat-completions server on transformers (CPU)")
     p.add_argument("--model", required=True, help="builtin:NAME, a model directory or a hub id")
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from lightning_sdk import models
-    from lightning_sdk.serving.app import create_app
-    from lightning_sdk.serving.engine import Engine
-    from lightning_sdk.serving.guard import (DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, connection_cap,
+    from lightning_sdk.engine.app import create_app
+    from lightning_sdk.engine.engine import Engine
+    from lightning_sdk.gateway.guard import (DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, connection_cap,
                                              guarded_protocol)
 
     if args.threads:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                      **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}))
     if args.api_key is None:
-        logging.getLogger("lightning_sdk.serving").warning(
+        logging.getLogger("lightning_sdk.servers").warning(
             "no API key: any local user can call every route, adapter loads included (lightning run always sets one)")
     protocol = guarded_protocol(header_timeout=args.header_timeout or DEFAULT_HEADER_TIMEOUT,
                                 max_connections=connection_cap(args.max_connections or DEFAULT_MAX_CONNECTIONS))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from lightning_sdk.serving import ServerError
+from lightning_sdk.servers import ServerError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
