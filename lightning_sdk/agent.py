@@ -16,13 +16,13 @@ import json
 import math
 import numbers
 import os
-import sys
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from lightning_sdk.compat import drop_agents_sdk_client
 from lightning_sdk.errors import SetupError
 from lightning_sdk.files import load_py_file
 
@@ -119,7 +119,7 @@ def run_environment(base_url: str, api_key: str, *, redirect_openai: bool = True
         values.update(dict.fromkeys(("OPENAI_BASE_URL", "OPENAI_API_BASE"), base_url), OPENAI_API_KEY=api_key)
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
-    _drop_cached_clients()
+    drop_agents_sdk_client()
     try:
         yield
     finally:
@@ -128,24 +128,21 @@ def run_environment(base_url: str, api_key: str, *, redirect_openai: bool = True
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        _drop_cached_clients()
-
-
-def _drop_cached_clients() -> None:
-    """The Agents SDK's default model shares one httpx client across the process, bound to the event loop that
-    first used it: after the agent was run on another loop (a notebook's earlier `Runner.run_sync`, a test) every
-    call of the run would fail with "Event loop is closed". Dropped, the next call makes one on the run's loop."""
-    provider = sys.modules.get("agents.models.openai_provider")
-    if provider is not None and hasattr(provider, "_http_client"):
-        provider._http_client = None
+        drop_agents_sdk_client()
 
 
 class RewardError(ValueError):
     """A reward that is not a finite number."""
 
 
+# Rewards beyond this are refused where they come in: group statistics of rewards near 1e154 overflow, and no
+# reward anyone meant is that large.
+MAX_REWARD = 1e6
+
+
 def reward_value(value: Any, what: str, where: str = "") -> float:
-    """`value` as a float if it is a finite real number (bools count: `output == answer` is a fine reward).
+    """`value` as a float if it is a finite real number within +-MAX_REWARD (bools count: `output == answer` is a
+    fine reward).
 
     The error reads "{what} {value!r} ({type}){where}; expected ...", e.g. what="@reward returned".
     """
@@ -156,10 +153,10 @@ def reward_value(value: Any, what: str, where: str = "") -> float:
             number = float(value)
         except (OverflowError, ValueError, TypeError):
             number = math.nan
-        if math.isfinite(number):
+        if math.isfinite(number) and abs(number) <= MAX_REWARD:
             return number
-    raise RewardError(f"{what} {value!r} ({type(value).__name__}){where}; expected a finite float: a finite number "
-                      f"or a bool")
+    raise RewardError(f"{what} {value!r} ({type(value).__name__}){where}; expected a finite float within "
+                      f"+-{MAX_REWARD:g}: a number or a bool")
 
 
 class AgentLoadError(SetupError):

@@ -209,7 +209,9 @@ class Runtime:
                  log_dir: Path) -> Iterator[Collector]:
         """Tracing into `store`, and the collector (its inference server, the gateway in front) started; all
         undone on exit."""
-        tracing.install(store, otlp_endpoint=self.cfg.run.otlp_endpoint)
+        tracing.install(store, gateway_url=gateway.base_url, otlp_endpoint=self.cfg.run.otlp_endpoint)
+        gateway.capture.record_to(store)
+        gateway.capture.exported = tracing.export_received
         collector = make_collector(self.cfg, agent=agent, gateway=gateway, model_path=model_path, store=store,
                                    log_dir=log_dir, console=self.console)
         with self.console.status("starting the inference server"):
@@ -220,11 +222,12 @@ class Runtime:
                 raise RunError(f"the inference server did not start: {e}") from None
         self.collector = collector
         try:
-            tracing.request_token_ids_from(gateway.base_url)
             yield collector
         finally:
             self.collector = None
             collector.stop()
+            gateway.capture.flush()
+            gateway.capture.record_to(None)
             tracing.flush()
 
     def _preflight(self) -> None:
@@ -345,11 +348,14 @@ class Runtime:
     def _transitions(self, ok: list[RolloutResult], store: Store, skipped: Counter,
                      penalised: list[RolloutResult] = ()) -> list[Transition]:
         """Transitions of the succeeded rollouts, and of the failed ones trained at rollout.failed_reward;
-        `skipped` counts the LLM calls and rewards left out, by reason (transitions.to_transitions)."""
+        `skipped` counts the LLM calls, rollouts and rewards left out, by reason (transitions.to_transitions)."""
+        capture = self.collector.gateway.capture
+        if not capture.flush():
+            raise RunError("the gateway's call records did not reach the store within 30 s")
         tracing.flush()
-        errors = tracing.writer_errors()
+        errors = capture.errors + tracing.writer_errors()
         if errors:
-            raise RunError(f"the span writer failed, spans may be missing: {errors[0]}")
+            raise RunError(f"writing call records or spans failed, some may be missing: {errors[0]}")
         if store.span_conflicts:
             self.console.print(f"[yellow]{store.span_conflicts} span(s) refused so far: their ids were taken by "
                                f"spans already stored (those are kept); see the log")
@@ -360,10 +366,8 @@ class Runtime:
                                   error_reward=self.cfg.rollout.error_reward, skipped=skipped,
                                   failed_reward=self.cfg.rollout.failed_reward if r.status == "failed" else None)
         if not out:
-            raise CaptureError(
-                f"no transitions from {len(ok)} rollouts: none of their LLM calls is in rollout.components = "
-                f"{self.cfg.rollout.components}, or each was left out ({dict(skipped)}; greedy: temperature 0, "
-                f"n>1: several choices; see docs/credit.md)")
+            raise CaptureError(_nothing_to_train(len(ok), skipped, capture.unattributed,
+                                                 self.cfg.rollout.components))
         return out
 
     def _collect(self, jobs: list[RolloutJob], policy: str, label: str) -> list[RolloutResult]:
@@ -418,6 +422,25 @@ def _policy_failure(r: RolloutResult) -> bool:
     or a 400 for a prompt the episode grew past the context); never a reward fault or infrastructure."""
     return (r.status == "failed" and r.failed_in == "rollout"
             and not (r.error or "").startswith(tuple(f"{n}:" for n in _INFRASTRUCTURE)))
+
+
+def _nothing_to_train(rollouts: int, skipped: Counter, unattributed: int, components: list[str]) -> str:
+    """Why an iteration has no transition at all, in words, from what was seen."""
+    seen = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()) if n) or "nothing left out"
+    if skipped["no_llm_call"] == rollouts:
+        why = ("no rollout made an LLM call the gateway could attribute to it: the agent must call the run's "
+               "server (OPENAI_BASE_URL, or the `llm` argument's base_url) inside the @rollout function")
+        if unattributed:
+            why += (f"; the gateway served {unattributed} call(s) of no rollout: a client that sends no W3C "
+                    f"traceparent, or a call made outside the rollout's context (docs/remote.md: the per-rollout "
+                    f"base URL serves such clients)")
+    elif components and not any(k in skipped for k in ("greedy", "n>1", "failed_call")) \
+            and not any(k.startswith("setting:") for k in skipped):
+        why = f"none of their LLM calls is of rollout.components = {components}"
+    else:
+        why = "every LLM call was left out"
+    return (f"no transitions from {rollouts} rollouts: {why} (left out: {seen}; greedy: temperature 0, n>1: "
+            f"several choices, setting:X: a sampling setting the trainer cannot reproduce; see docs/credit.md)")
 
 
 def _fmt(value: float | None) -> str:

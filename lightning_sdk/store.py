@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from lightning_sdk.agent import output_json
-from lightning_sdk.tracing.records import REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord
+from lightning_sdk.tracing.records import AGENT, GATEWAY, REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,8 @@ CREATE TABLE IF NOT EXISTS spans (
     status         TEXT NOT NULL,
     status_message TEXT,
     attributes     TEXT NOT NULL,
-    events         TEXT NOT NULL
+    events         TEXT NOT NULL,
+    source         TEXT NOT NULL DEFAULT 'agent'  -- 'gateway': an LLM call's record; 'agent': the rest
 );
 CREATE INDEX IF NOT EXISTS spans_by_rollout ON spans (rollout_id, start_ns);
 -- Rewards are not stored twice: the final one is the rollout's, intermediate ones are reward spans.
@@ -110,6 +111,9 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives process death
             self._db.executescript(SCHEMA)
+            columns = {r["name"] for r in self._db.execute("PRAGMA table_info(spans)")}
+            if "source" not in columns:  # a store written before calls were recorded at the gateway
+                self._db.execute("ALTER TABLE spans ADD COLUMN source TEXT NOT NULL DEFAULT 'agent'")
 
     def close(self) -> None:
         with self._lock:
@@ -174,18 +178,26 @@ class Store:
             return cur.rowcount > 0
 
     def write_spans(self, records: Sequence[SpanRecord]) -> list[str]:
-        """Store spans; a stored span is never replaced. Returns the ids of spans refused because another span
-        with that id but other content is already stored (also counted in `span_conflicts`); the same span
-        written again (a retried batch) is no conflict."""
+        """Store an agent's spans (whatever their `source` says: only `write_calls` stores the gateway's); a stored
+        span is never replaced. Returns the ids of spans refused because another span with that id but other
+        content is already stored (also counted in `span_conflicts`); the same span written again (a retried
+        batch) is no conflict."""
+        return self._insert_spans(records, AGENT)
+
+    def write_calls(self, records: Sequence[SpanRecord]) -> list[str]:
+        """Store the gateway's records of LLM calls (the only writer of `source = 'gateway'`)."""
+        return self._insert_spans(records, GATEWAY)
+
+    def _insert_spans(self, records: Sequence[SpanRecord], source: str) -> list[str]:
         spans = [(r.span_id, r.trace_id, r.parent_id, r.rollout_id, r.attempt, r.component, r.name, r.start_ns,
-                  r.end_ns, r.status, r.status_message, json.dumps(r.attributes), json.dumps(r.events))
+                  r.end_ns, r.status, r.status_message, json.dumps(r.attributes), json.dumps(r.events), source)
                  for r in records]
         conflicts = []
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 for row in spans:
-                    if self._db.execute("INSERT OR IGNORE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    if self._db.execute("INSERT OR IGNORE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                                         row).rowcount == 0:
                         stored = self._db.execute("SELECT * FROM spans WHERE span_id=?", (row[0],)).fetchone()
                         if tuple(stored) != row:
@@ -208,7 +220,8 @@ class Store:
             span_id=r["span_id"], trace_id=r["trace_id"], parent_id=r["parent_id"], rollout_id=r["rollout_id"],
             attempt=r["attempt"], component=r["component"], name=r["name"], start_ns=r["start_ns"],
             end_ns=r["end_ns"], status=r["status"], status_message=r["status_message"],
-            attributes=json.loads(r["attributes"]), events=json.loads(r["events"])) for r in rows]
+            attributes=json.loads(r["attributes"]), events=json.loads(r["events"]), source=r["source"])
+            for r in rows]
 
     def rollouts(self, *, phase: str | None = None, iteration: int | None = None, status: str | None = None,
                  limit: int | None = None, newest_first: bool = False) -> list[RolloutRecord]:
@@ -232,12 +245,12 @@ class Store:
         return json.loads(rows[0]["payload"]) if rows else None
 
     def call_counts(self, rollout_ids: Sequence[str]) -> dict[str, int]:
-        """LLM calls (spans carrying a completion) per rollout."""
+        """LLM calls (the gateway's records, `records.is_llm_call`) per rollout."""
         if not rollout_ids:
             return {}
         marks = ",".join("?" * len(rollout_ids))
         rows = self._read(f"SELECT rollout_id, COUNT(*) AS n FROM spans WHERE rollout_id IN ({marks})"
-                          f" AND name != ? GROUP BY rollout_id", [*rollout_ids, REWARD_SPAN])
+                          f" AND source = ? GROUP BY rollout_id", [*rollout_ids, GATEWAY])
         return {r["rollout_id"]: r["n"] for r in rows}
 
     def rewards(self, rollout_id: str) -> list[dict]:

@@ -1,32 +1,36 @@
 """Spans of one rollout -> training transitions (one per trainable LLM call of the chosen components).
 
+The LLM calls are the gateway's records (`records.is_llm_call`): token ids, log-probs and sampling settings come
+from what the gateway received and the backend produced, never from an agent's spans. The agent's spans give the
+intermediate rewards: `emit_reward` spans, and failed tools.
+
 The credit rule (docs/credit.md): every transition carries its rollout's episode reward (the outcome the group
 baseline compares), its credit weight from `rollout.credit`, and its shaping: the intermediate rewards credited to
 it. An intermediate reward (an `emit_reward` span, or `error_reward` for a failed tool) goes, once, to the latest
-trained LLM call that ended before it; one with no such call is left out and counted. Calls that are not samples
-of the policy the trainer can score are left out and counted too: failed calls (no completion; never penalised,
-their error is the server's or the context limit's, not another call's), greedy calls (temperature 0: an argmax
-is not a sample) and n > 1 calls (the span does not say which choice the agent acted on).
+trained LLM call the agent had seen the reply of when it came (`lightning.after_call`, ordered by the gateway,
+not by clocks); one with no such call is left out and counted. Calls that are not samples of the policy the
+trainer can score are left out and counted too, by reason: failed calls (no completion; never penalised, their
+error is the server's or the context limit's), greedy calls (temperature 0: an argmax is not a sample), n > 1
+calls (which choice the agent acted on is unknown), and calls with a sampling setting the trainer cannot
+reproduce ("setting:top_k", ...). A rollout with no trainable call gives no transitions; that is counted, never
+an error.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from lightning_sdk import credit as credit_rules
+from lightning_sdk.agent import MAX_REWARD
 from lightning_sdk.credit import CreditRule, lightning_rl
-from lightning_sdk.errors import CaptureError
 from lightning_sdk.store import RolloutRecord
-from lightning_sdk.tracing.records import (COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS, REWARD_SPAN, REWARD_VALUE,
-                                           SpanRecord)
+from lightning_sdk.tracing.records import (AFTER_CALL, COMPLETION_IDS, COMPLETION_LOGPROBS, POLICY, PROMPT_IDS,
+                                           REWARD_SPAN, REWARD_VALUE, UNREPRODUCIBLE, SpanRecord, is_llm_call)
 
-__all__ = ["CaptureError", "Transition", "is_llm_call", "to_transitions"]
-
-# Sampling settings the trainer cannot reproduce from logits alone (the CPU server ignores them; vLLM applies them).
-_UNREPRODUCIBLE = ("gen_ai.request.frequency_penalty", "gen_ai.request.presence_penalty")
-
+__all__ = ["Transition", "is_llm_call", "to_transitions"]
 
 @dataclass(frozen=True)
 class Transition:
@@ -47,15 +51,11 @@ class Transition:
     credit: float = 1.0  # this call's share (>= 0) of its rollout's advantage, from the credit rule
     top_p: float = 1.0  # the nucleus it was sampled from; the trainer renormalises over the same one
     finish_reason: str | None = None  # "length": cut by max_tokens (train.mask_truncated leaves it out of the loss)
+    policy: str | None = None  # the adapter (or base model) name that served the call, as the gateway recorded it
 
     @property
     def outcome(self) -> float:
         return self.reward if self.episode_reward is None else self.episode_reward
-
-
-def is_llm_call(span: SpanRecord) -> bool:
-    return span.name != REWARD_SPAN and (COMPLETION_IDS in span.attributes or PROMPT_IDS in span.attributes
-                                         or span.attributes.get("gen_ai.operation.name") == "chat")
 
 
 def to_transitions(
@@ -68,55 +68,44 @@ def to_transitions(
     failed_reward: float | None = None,
     skipped: Counter | None = None,
 ) -> list[Transition]:
-    """One rollout's spans -> one transition per trainable LLM call of the chosen components.
+    """One rollout's spans (the gateway's call records and the agent's spans) -> one transition per trainable LLM
+    call of the chosen components.
 
-    A scored rollout trains with its reward; a failed one only when `failed_reward` is given (its captured calls
-    then train with that episode reward, and a failure before any call gives no transitions). `skipped` counts
-    what was left out, by reason: "failed_call", "greedy", "n>1", "unassigned_reward".
+    A scored rollout trains with its reward; a failed one only when `failed_reward` is given (its calls then train
+    with that episode reward). `skipped` counts what was left out, by reason: "no_llm_call" (a rollout that made
+    none), "failed_call", "greedy", "n>1", "setting:<name>", "bad_token_ids", "unassigned_reward", "bad_reward".
     """
     skipped = Counter() if skipped is None else skipped
     episode = failed_reward if failed_reward is not None else rollout.reward
     if episode is None:
         raise ValueError(f"rollout {rollout.rollout_id} has no reward; only scored rollouts become transitions")
-    ordered = sorted(spans, key=lambda s: (s.start_ns, s.end_ns))
-    calls = [s for s in ordered if is_llm_call(s) and not s.is_error]
-    skipped["failed_call"] += sum(1 for s in ordered if is_llm_call(s) and s.is_error)
+    calls = sorted((s for s in spans if is_llm_call(s)), key=lambda s: (s.start_ns, s.end_ns, s.span_id))
     if not calls:
-        if failed_reward is not None:
-            return []
-        raise CaptureError(
-            f"rollout {rollout.rollout_id} (task {rollout.task_id}) finished but no LLM call was captured: the agent "
-            f"must call the server at llm.base_url through the openai client inside the @rollout function"
-        )
-    missing = [s.span_id for s in calls if COMPLETION_IDS not in s.attributes or PROMPT_IDS not in s.attributes]
-    if missing:
-        raise CaptureError(
-            f"rollout {rollout.rollout_id}: {len(missing)} LLM call(s) without token ids (span {missing[0]}): the "
-            f"server did not return prompt_token_ids/token_ids, and sampled text is never re-tokenized"
-        )
+        skipped["no_llm_call"] += 1
+        return []
+    ok = [c for c in calls if not c.is_error]
+    skipped["failed_call"] += len(calls) - len(ok)
     wanted = set(components)
     chosen = []
-    for c in calls:
+    for c in ok:
         if wanted and c.component not in wanted:
-            continue
-        a = c.attributes
-        if a.get("gen_ai.request.temperature") == 0:
-            skipped["greedy"] += 1
-        elif len(a.get("gen_ai.response.finish_reasons") or ()) > 1:
-            skipped["n>1"] += 1
+            continue  # a call of another role (a judge, another provider's model): never looked at further
+        reason = _left_out(c.attributes)
+        if reason is not None:
+            skipped[reason] += 1
         else:
-            for key in _UNREPRODUCIBLE:
-                if a.get(key):
-                    raise CaptureError(f"rollout {rollout.rollout_id}: LLM call {c.span_id} was sampled with "
-                                       f"{key.rsplit('.', 1)[1]}={a[key]}, which the trainer cannot reproduce; "
-                                       f"leave it unset for the components being trained")
             chosen.append(c)
     if not chosen:
         return []
 
     shaping = {c.span_id: 0.0 for c in chosen}
-    for s, value in _intermediate_rewards(ordered, error_reward):
-        before = [c for c in chosen if c.end_ns <= s.end_ns and c.start_ns <= s.start_ns]
+    order = {c.span_id: i for i, c in enumerate(calls)}
+    for value, after, span in _intermediate_rewards(spans, error_reward, skipped):
+        if after is not None:
+            seen = order.get(after, -1)
+            before = [c for c in chosen if order[c.span_id] <= seen]
+        else:  # the agent's client told us no call id (not a client propagation covers): the clock, then
+            before = [c for c in chosen if c.end_ns <= span.end_ns and c.start_ns <= span.start_ns]
         if before:
             shaping[before[-1].span_id] += value
         else:
@@ -143,18 +132,45 @@ def to_transitions(
             credit=w,
             top_p=_number(a, "gen_ai.request.top_p", 1.0),
             finish_reason=finish[0] if finish else None,
+            policy=a.get(POLICY),
         ))
     return out
 
 
-def _intermediate_rewards(ordered: Sequence[SpanRecord], error_reward: float) -> list[tuple[SpanRecord, float]]:
-    """(span, value) of each intermediate reward: `emit_reward` spans, and `error_reward` once per failure.
+def _left_out(a: dict) -> str | None:
+    """Why a successful call cannot train, or None."""
+    if a.get("gen_ai.request.temperature") == 0:
+        return "greedy"
+    if len(a.get("gen_ai.response.finish_reasons") or ()) > 1:
+        return "n>1"
+    settings = a.get(UNREPRODUCIBLE) or ()
+    if settings:
+        return f"setting:{settings[0]}"
+    prompt, completion = a.get(PROMPT_IDS), a.get(COMPLETION_IDS)
+    if not (_ids(prompt) and _ids(completion)):
+        return "bad_token_ids"
+    lps = a.get(COMPLETION_LOGPROBS)
+    if lps is not None and (len(lps) != len(completion) or not all(isinstance(x, (int, float)) and x <= 0
+                                                                    and math.isfinite(x) for x in lps)):
+        return "bad_token_ids"
+    return None
+
+
+def _ids(ids: object) -> bool:
+    return isinstance(ids, list) and bool(ids) and all(type(i) is int and i >= 0 for i in ids)
+
+
+def _intermediate_rewards(spans: Sequence[SpanRecord], error_reward: float,
+                          skipped: Counter) -> list[tuple[float, str | None, SpanRecord]]:
+    """(value, the call the agent had seen, the span) of each intermediate reward: `emit_reward` spans, and `error_reward`
+    once per failure.
 
     A failure that makes its parents fail too (a tool span inside a framework's step span) is the innermost error
     span only; a failed LLM call is never one (nothing the policy sampled failed; its error is the server's).
     """
-    errors = {s.span_id for s in ordered if s.is_error}
-    parent = {s.span_id: s.parent_id for s in ordered}
+    agent = [s for s in sorted(spans, key=lambda s: (s.start_ns, s.end_ns)) if not is_llm_call(s)]
+    errors = {s.span_id for s in agent if s.is_error}
+    parent = {s.span_id: s.parent_id for s in agent}
     has_failed_child: set[str] = set()
     for sid in errors:
         p = parent.get(sid)
@@ -162,11 +178,18 @@ def _intermediate_rewards(ordered: Sequence[SpanRecord], error_reward: float) ->
             has_failed_child.add(p)
             p = parent.get(p)
     out = []
-    for s in ordered:
+    for s in agent:
+        after = s.attributes.get(AFTER_CALL)
+        after = after if isinstance(after, str) else None
         if s.name == REWARD_SPAN:
-            out.append((s, float(s.attributes.get(REWARD_VALUE, 0.0))))
-        elif s.is_error and s.span_id not in has_failed_child and not is_llm_call(s):
-            out.append((s, error_reward))
+            value = s.attributes.get(REWARD_VALUE)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or abs(value) > MAX_REWARD:
+                skipped["bad_reward"] += 1  # a worker's span is checked where it comes in; this is the last guard
+                continue
+            out.append((float(value), after, s))
+        elif s.is_error and s.span_id not in has_failed_child:
+            out.append((error_reward, after, s))
     return out
 
 

@@ -44,19 +44,46 @@ def test_any_model_name_is_served_by_the_policy_and_logged_once(gateway, server,
     assert [m.id for m in models.data] == [server.served_model_name]
 
 
-def test_every_response_carries_token_ids_and_logprobs_streamed_or_not(gateway):
-    auth = {"Authorization": "Bearer agents"}
+def test_the_gateway_records_each_call_and_the_agent_gets_only_what_it_asked_for(gateway, server, tmp_path):
+    """The record (token ids, log-probs, policy, rollout, component) is made from what the backend sent; the reply
+    carries no token ids or log-probs the agent did not ask for, and names the record in x-lightning-call-id."""
+    from lightning_sdk.store import Store
+    from lightning_sdk.tracing import COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS, is_llm_call
+
+    store = Store(tmp_path / "store.sqlite")
+    gateway.capture.record_to(store)
+    trace_id = "ab" * 16
+    gateway.rollouts.open(trace_id, "r-1", 1, "train")
+    auth = {"Authorization": "Bearer agents", "traceparent": f"00-{trace_id}-{'cd' * 8}-01",
+            "baggage": "lightning.component=writer"}
     body = {"model": "whatever", "messages": ASK, "max_tokens": 4}  # a client that asks for neither
-    r = httpx.post(f"{gateway.base_url}/chat/completions", json=body, headers=auth, timeout=60).json()
-    choice = r["choices"][0]
-    assert r["prompt_token_ids"] and choice["token_ids"]
-    assert [t["logprob"] for t in choice["logprobs"]["content"]] and len(choice["logprobs"]["content"]) == len(
-        choice["token_ids"])
+    plain = httpx.post(f"{gateway.base_url}/chat/completions", json=body, headers=auth, timeout=60)
+    reply = plain.json()
+    assert "prompt_token_ids" not in reply and "token_ids" not in reply["choices"][0]
+    assert reply["choices"][0]["logprobs"] is None
+    asked = httpx.post(f"{gateway.base_url}/chat/completions", json={**body, "logprobs": True,
+                                                                      "return_token_ids": True},
+                       headers=auth, timeout=60).json()
+    assert asked["prompt_token_ids"] and asked["choices"][0]["token_ids"] and asked["choices"][0]["logprobs"]
     with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json={**body, "stream": True}, headers=auth,
                       timeout=60) as s:
+        streamed_id = s.headers["x-lightning-call-id"]
         lines = [line for line in s.iter_lines() if line.startswith("data: {")]
-    assert '"prompt_token_ids"' in lines[0] and any('"token_ids": [' in line and '"logprob"' in line
-                                                    for line in lines[1:])
+    assert lines and not any('"token_ids"' in line or '"logprob"' in line for line in lines)
+    assert gateway.capture.flush()
+    calls = {c.span_id: c for c in store.spans("r-1") if is_llm_call(c)}
+    assert len(calls) == 3 and plain.headers["x-lightning-call-id"] in calls and streamed_id in calls
+    for call in calls.values():
+        a = call.attributes
+        assert call.trace_id == trace_id and call.parent_id == "cd" * 8 and call.component == "writer"
+        assert a[PROMPT_IDS] and a[COMPLETION_IDS] and len(a[COMPLETION_LOGPROBS]) == len(a[COMPLETION_IDS])
+        assert a["lightning.llm.policy"] == server.served_model_name and a["gen_ai.request.model"] == "whatever"
+        assert a["gen_ai.request.temperature"] == 1.0  # sent explicitly: no backend default decides it
+    the_asked = next(c for c in calls.values() if c.attributes[COMPLETION_IDS] == asked["choices"][0]["token_ids"])
+    assert the_asked.attributes[PROMPT_IDS] == asked["prompt_token_ids"]
+    assert the_asked.attributes[COMPLETION_LOGPROBS] == [t["logprob"] for t in asked["choices"][0]["logprobs"]["content"]]
+    gateway.capture.record_to(None)
+    store.close()
 
 
 def test_model_names_restricts_what_is_served(server):

@@ -109,17 +109,26 @@ async def _send_json(send: Any, status: int, body: dict) -> None:
 class KeyCheck:
     """ASGI middleware: every route but /health needs `Authorization: Bearer KEY`, checked before the body is
     read or parsed, so a caller without the key gets 401 and learns nothing else (not /stats, not /docs, not
-    which routes exist)."""
+    which routes exist). `route_keys` (path prefix -> key) gives some routes a key of their own, which opens
+    those routes only (the remote runtime's work routes: the agents' key cannot claim work)."""
 
-    def __init__(self, app: Any, api_key: str):
-        if not api_key:
+    def __init__(self, app: Any, api_key: str, route_keys: dict[str, str] | None = None):
+        if not api_key or not all((route_keys or {}).values()):
             raise ValueError("api_key must not be empty")
         self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.route_keys = sorted(((prefix, f"Bearer {key}".encode()) for prefix, key in (route_keys or {}).items()),
+                                 key=lambda pk: -len(pk[0]))
+
+    def _expected(self, path: str) -> bytes:
+        for prefix, key in self.route_keys:
+            if path == prefix or prefix.endswith("/") and path.startswith(prefix):
+                return key
+        return self.expected
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             header = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(header, self.expected):
+            if not hmac.compare_digest(header, self._expected(scope["path"])):
                 log.warning("%s %s -> 401", scope.get("method"), scope["path"].encode("utf-8", "replace")[:200])
                 return await _send_json(send, 401, error_body(
                     401, "Unauthorized: missing or wrong API key (Authorization: Bearer ...)"))

@@ -3,10 +3,12 @@
 - Every model name the agent asks for is served by the policy being trained (`Gateway.policy`, set for each
   phase), so an agent that names its own model (`model="gpt-4o-mini"`) trains unchanged. With
   `serve.model_names` only those names are served (others get 404). Each new name is logged once.
-- Chat completions are forwarded asking for token ids and log-probs (`return_token_ids`, `logprobs`: vLLM's
-  fields, which the built-in server honours too), so every client's response carries them, whatever language it
-  is written in (a Python agent traced by lightning_sdk gets log-probs only if it asked: tracing reads them and
-  takes them off the reply). The Responses API is served over chat completions (`gateway/responses.py`).
+- Every call is recorded here, as the training record (`capture`): chat completions, completions and the
+  Responses API (served over chat completions, `gateway/responses.py`), streamed or not. Requests go to the
+  backend asking for token ids and log-probs (`return_token_ids`, `logprobs`: vLLM's fields, which the built-in
+  server honours too) and with explicit sampling settings; the agent gets back only what it asked for, plus the
+  record's id (`x-lightning-call-id`). A call's rollout comes from its `traceparent` or its per-rollout base URL
+  (`/rollouts/{key}/v1`, `RolloutPath`).
 - Several backends (the Ray runtime's server actors): each request goes to the one with the fewest in flight.
 - Agents hold the gateway's key only. The backends' key, which can swap adapters, stays in the runtime, and
   adapter control goes to the backends directly, never through here.
@@ -22,12 +24,14 @@ import itertools
 import json
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lightning_sdk.gateway.capture import CALL_ID_HEADER, Call, Capture, OpenRollouts, origin
 from lightning_sdk.gateway.guard import MAX_BODY_BYTES, BodyLimit, GatewayError, KeyCheck, error_body, parse_off_loop
 from lightning_sdk.gateway.listen import ThreadedServer, bind, url_of
 from lightning_sdk.gateway.responses import responses_router
@@ -68,6 +72,9 @@ class Gateway:
         if not api_key:
             raise ValueError("api_key must not be empty")
         self.api_key = api_key
+        self.rollouts = OpenRollouts()  # the runtime opens each rollout here before its agent runs
+        self.capture = Capture(self.rollouts)  # records every call served; `capture.record_to(store)` turns it on
+        self._route_keys: dict[str, str] = {}
         self.model_names = tuple(model_names)
         self.policy: str | None = None  # every request is served by this adapter (or base model) name
         self.asked: Counter[str] = Counter()  # model names the agent asked for, and how often
@@ -83,11 +90,15 @@ class Gateway:
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
-    def add_routes(self, router: APIRouter) -> None:
-        """More routes on the same address, behind the same key (the remote runtime's work and OTLP routes)."""
+    def add_routes(self, router: APIRouter, *, api_key: str | None = None) -> None:
+        """More routes on the same address (the remote runtime's work and OTLP routes), behind `api_key` if given
+        (a key that then opens those routes only), else behind the gateway's."""
         if self._server is not None:
             raise RuntimeError("add_routes must come before start")
         self._routers.append(router)
+        if api_key is not None:
+            for route in router.routes:
+                self._route_keys[route.path.partition("{")[0]] = api_key
 
     def start(self, backends: Sequence[str], *, backend_key: str | None) -> None:
         """Serve, forwarding to `backends` (roots: http://host:port) with `backend_key`."""
@@ -160,52 +171,119 @@ class Gateway:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
-            upstream = await self.send_chat(await _json_body(request))
-            out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
-            if "text/event-stream" not in upstream.headers.get("content-type", ""):
-                try:
-                    content = await upstream.aread()
-                finally:
-                    await upstream.aclose()
-                return Response(content, upstream.status_code, headers=out_headers)
+            return await self._relay(await self.send_chat(await _json_body(request), request, "chat.completions"))
 
-            async def relay():
-                try:
-                    async for chunk in upstream.aiter_raw():
-                        yield chunk
-                finally:  # also when the client goes away mid-stream
-                    await upstream.aclose()
-
-            return StreamingResponse(relay(), upstream.status_code, headers=out_headers)
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self._relay(await self.send_chat(await _json_body(request), request, "completions"))
 
         for router in self._routers:  # before the Responses route: an added /v1/responses (a test's) wins
             app.include_router(router)
         app.include_router(responses_router(self.send_chat))
         app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
-        app.add_middleware(KeyCheck, api_key=self.api_key)  # added last = runs first: before the body is read
+        app.add_middleware(RolloutPath)
+        app.add_middleware(KeyCheck, api_key=self.api_key, route_keys=self._route_keys)  # added last = runs first
         return app
 
-    async def send_chat(self, body: dict) -> httpx.Response:
-        """Send a chat-completions request to the least-loaded backend, served by the policy and asking for token
-        ids and log-probs; the backend's response, opened as a stream (the caller reads it, then `aclose()`s it,
-        which also counts the request done). The `ChatSender` of gateway/responses.py."""
+    async def _relay(self, sent: Sent) -> Response:
+        """The backend's reply to the agent, recorded on the way: token ids and log-probs it did not ask for are
+        taken off (the record keeps them), and the record's id goes back in the `x-lightning-call-id` header."""
+        upstream, call = sent.response, sent.call
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+        headers[CALL_ID_HEADER] = call.call_id
+        if "text/event-stream" not in upstream.headers.get("content-type", ""):
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as e:
+                call.fail(502, f"the backend's reply broke off: {type(e).__name__}")
+                call.end()
+                raise GatewayError(502, f"the backend's reply broke off ({type(e).__name__})") from None
+            finally:
+                await upstream.aclose()
+            if upstream.status_code >= 400:
+                call.fail(upstream.status_code, content[:2000].decode("utf-8", "replace"))
+                call.end()
+                return Response(content, upstream.status_code, headers=headers)
+            try:
+                reply = await parse_off_loop(content, json.loads)
+                call.whole(reply)
+                if sent.strip(reply):
+                    content = await parse_off_loop(reply, _dumps)
+            except (ValueError, TypeError, AttributeError, KeyError) as e:
+                call.fail(502, f"the backend's reply is malformed: {type(e).__name__}: {e}")
+            finally:
+                call.end()
+            return Response(content, upstream.status_code, headers=headers)
+
+        async def relay():
+            finished = False
+            try:
+                async for line in upstream.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data != "[DONE]":
+                        chunk = json.loads(data)
+                        if isinstance(chunk, dict) and chunk.get("error") is not None:
+                            err = chunk["error"]
+                            call.fail(int(err.get("code") or 500) if isinstance(err, dict) else 500, str(err))
+                        elif isinstance(chunk, dict):
+                            call.chunk(chunk)
+                            if sent.strip(chunk):
+                                data = json.dumps(chunk)
+                    yield f"data: {data}\n\n"
+                finished = True
+            except (httpx.HTTPError, ValueError, TypeError, AttributeError, KeyError) as e:
+                call.fail(502, f"the backend's stream failed: {type(e).__name__}: {e}")
+                raise
+            finally:  # also when the client goes away mid-stream
+                if not finished and call.status < 400:
+                    call.fail(499, "the client went away before the stream ended")
+                await upstream.aclose()
+                call.end()
+
+        return StreamingResponse(relay(), upstream.status_code, headers=headers)
+
+    async def send_chat(self, body: Any, request: Request, api: str = "chat.completions") -> Sent:
+        """Send a chat-completions (or completions) request to the least-loaded backend, served by the policy and
+        asking for token ids and log-probs, with the call's record begun (`Sent.call`: the caller feeds it the
+        reply and ends it). The backend's response is opened as a stream (the caller reads it, then `aclose()`s
+        it, which also counts the request done). The `ChatSender` of gateway/responses.py."""
         if not isinstance(body, dict):
             raise GatewayError(400, "the request body must be a JSON object")
-        body = {**body, "model": self.serve_as(body.get("model")), "return_token_ids": True}
-        if not body.get("logprobs"):
-            body["logprobs"] = True
+        asked = body.get("model")
+        served = self.serve_as(asked)
+        where = origin(request.headers, self.rollouts, request.scope.get("state", {}).get(ROLLOUT_KEY))
+        sent_body = {**body, "model": served, "return_token_ids": True, "logprobs": True}
+        if api == "completions":
+            sent_body["logprobs"] = max(1, body["logprobs"]) if type(body.get("logprobs")) is int else 1
+        # Explicit, so that every backend samples with the settings the record (and the trainer) assume, never a
+        # model's own generation defaults.
+        for key in ("temperature", "top_p"):
+            if sent_body.get(key) is None:
+                sent_body[key] = 1.0
+        if where.rollout is not None and where.rollout.phase == "train" and type(body.get("seed")) is int:
+            # A fixed seed would make every rollout of a group the same sample: vary it per rollout.
+            sent_body["seed"] = _vary(body["seed"], where.trace_id or "")
+        call = self.capture.begin(where, api, {k: v for k, v in sent_body.items()
+                                               if k not in ("return_token_ids", "logprobs", "top_logprobs")},
+                                  asked=asked, policy=served)
         # In a thread: a long conversation is megabytes of JSON, and serialising it must not stall the loop (the
         # hop costs tens of microseconds, next to a generation's milliseconds).
-        content = (await asyncio.to_thread(json.dumps, body)).encode()
+        content = (await asyncio.to_thread(json.dumps, sent_body)).encode()
         backends = self.backends
         i = backends.pick()
+        path = "/v1/completions" if api == "completions" else "/v1/chat/completions"
         try:
-            req = self._client.build_request("POST", f"{backends.urls[i]}/v1/chat/completions", content=content,
+            req = self._client.build_request("POST", f"{backends.urls[i]}{path}", content=content,
                                              headers=self._backend_headers)
             upstream = await self._client.send(req, stream=True)
         except httpx.HTTPError as e:
             backends.done(i)
-            raise GatewayError(502, f"the inference server at {backends.urls[i]} is unreachable ({type(e).__name__})")
+            message = f"the inference server at {backends.urls[i]} is unreachable ({type(e).__name__})"
+            call.fail(502, message)
+            call.end()
+            raise GatewayError(502, message)
         close, done = upstream.aclose, False
 
         async def aclose() -> None:
@@ -218,7 +296,60 @@ class Gateway:
                     backends.done(i)
 
         upstream.aclose = aclose  # type: ignore[method-assign]  # in-flight counts end with the response
-        return upstream
+        return Sent(upstream, call, logprobs=bool(body.get("logprobs")), token_ids=bool(body.get("return_token_ids")))
+
+
+@dataclass
+class Sent:
+    """A request on its way: the backend's response (opened as a stream) and the call's record being made."""
+
+    response: httpx.Response
+    call: Call
+    logprobs: bool  # the agent asked for log-probs
+    token_ids: bool  # the agent asked for token ids (vLLM's `return_token_ids`)
+
+    def strip(self, reply: dict) -> bool:
+        """Take off `reply` (a completion or a chunk) what the agent did not ask for; True if anything was."""
+        changed = False
+        if not self.token_ids and reply.pop("prompt_token_ids", None) is not None:
+            changed = True
+        for c in reply.get("choices") or ():
+            if not isinstance(c, dict):
+                continue
+            if not self.token_ids and c.pop("token_ids", None) is not None:
+                changed = True
+            if not self.logprobs and c.get("logprobs") is not None:
+                c["logprobs"] = None
+                changed = True
+        return changed
+
+
+ROLLOUT_KEY = "lightning_rollout_key"
+LLM_ROUTES = ("v1/chat/completions", "v1/completions", "v1/responses", "v1/models")  # what a rollout's URL reaches
+
+
+class RolloutPath:
+    """ASGI middleware: `/rollouts/{key}/v1/...` is `/v1/...` for the rollout whose key (its trace id) that is:
+    the base URL a client without OpenTelemetry uses (docs/remote.md)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/rollouts/"):
+            key, _, rest = scope["path"][len("/rollouts/"):].partition("/")
+            if key and (rest in LLM_ROUTES or rest.startswith("v1/responses/")):
+                scope = {**scope, "path": "/" + rest, "raw_path": ("/" + rest).encode(),
+                         "state": {**scope.get("state", {}), ROLLOUT_KEY: key}}
+        await self.app(scope, receive, send)
+
+
+def _vary(seed: int, key: str) -> int:
+    return (seed * 1_000_003 + int(key[:15] or "0", 16)) % (2**63)
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value).encode()
 
 
 async def _json_body(request: Request) -> Any:

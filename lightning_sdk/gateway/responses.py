@@ -32,13 +32,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError
 
+from lightning_sdk.gateway.capture import CALL_ID_HEADER, Call
 from lightning_sdk.gateway.guard import INT64, GatewayError, Lenient, error_body, parse_off_loop, text_size
 
 log = logging.getLogger("lightning_sdk.servers")
 
-ChatSender = Callable[[dict], Awaitable[httpx.Response]]
-"""Sends a chat-completions request body to a backend; returns its response opened with `stream=True` (the caller
-reads it and calls `aclose()`). May raise `GatewayError`."""
+ChatSender = Callable[[dict, Request, str], Awaitable[Any]]
+"""Sends a chat-completions request body (for the agent's `Request`, through route `api`) to a backend; returns
+`proxy.Sent`: the backend's response opened with `stream=True` (the caller reads it and calls `aclose()`) and the
+call's record (`Sent.call`: fed the reply, then ended). May raise `GatewayError`."""
 
 MAX_KEPT = 1024  # responses kept for previous_response_id and GET /v1/responses/{id}
 MAX_KEPT_CHARS = 64_000_000  # characters of conversation they may hold together
@@ -523,30 +525,46 @@ def responses_router(chat: ChatSender, *, max_kept: int = MAX_KEPT,
         raw = await request.body()
         try:
             call = await parse_off_loop(raw, lambda body: _translate(body, kept))
-            upstream = await chat(call.chat)
+            sent = await chat(call.chat, request, "responses")
         except GatewayError as e:
             log.warning("POST /v1/responses -> %d: %s", e.status, e.message[:300])
             return _error(e)
         except httpx.HTTPError as e:
             return _error(GatewayError(502, f"the backend is unreachable: {type(e).__name__}: {e}"))
+        upstream, record = sent.response, sent.call
+        headers = {CALL_ID_HEADER: record.call_id}
         streamed = "text/event-stream" in upstream.headers.get("content-type", "")
         if upstream.status_code >= 400 or not streamed:
             try:
                 content = await upstream.aread()
             except httpx.HTTPError as e:
+                record.fail(502, f"the backend's reply broke off: {type(e).__name__}")
+                record.end()
                 return _error(GatewayError(502, f"the backend's reply broke off: {type(e).__name__}: {e}"))
             finally:
                 await upstream.aclose()
             if upstream.status_code >= 400:
                 log.warning("POST /v1/responses -> %d from the backend", upstream.status_code)
+                record.fail(upstream.status_code, content[:2000].decode("utf-8", "replace"))
+                record.end()
                 return _backend_error(upstream.status_code, content)
             if call.request.stream:
+                record.fail(502, "the backend answered a streamed request without a stream")
+                record.end()
                 return _error(GatewayError(502, "the backend answered a streamed request without a stream"))
-            return _plain(call, content, kept)
+            try:
+                response = _plain(call, content, kept, record)
+            finally:
+                record.end()
+            response.headers.update(headers)
+            return response
         if not call.request.stream:
             await upstream.aclose()
+            record.fail(502, "the backend streamed its answer to a plain request")
+            record.end()
             return _error(GatewayError(502, "the backend streamed its answer to a plain request"))
-        return StreamingResponse(_stream(call, upstream, kept), media_type="text/event-stream")
+        return StreamingResponse(_stream(call, upstream, kept, record), media_type="text/event-stream",
+                                 headers=headers)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> Response:
@@ -559,14 +577,17 @@ def responses_router(chat: ChatSender, *, max_kept: int = MAX_KEPT,
     return router
 
 
-def _plain(call: _Call, content: bytes, kept: _Kept) -> Response:
+def _plain(call: _Call, content: bytes, kept: _Kept, record: Call) -> Response:
     try:
         completion = json.loads(content)
+        record.whole(completion)
         reply = _Reply(call)
         reply.whole(completion)
     except GatewayError as e:
+        record.fail(e.status, e.message)
         return _error(e)
     except (ValueError, TypeError, AttributeError, KeyError) as e:
+        record.fail(502, f"the backend's chat completion is malformed: {type(e).__name__}: {e}")
         return _error(GatewayError(502, f"the backend's chat completion is malformed: {type(e).__name__}: {e}"))
     response = reply.response()
     if call.request.store is not False:
@@ -586,10 +607,10 @@ class _Events:
         return f"event: {kind}\ndata: {data}\n\n"
 
 
-async def _stream(call: _Call, upstream: httpx.Response, kept: _Kept) -> AsyncIterator[str]:
+async def _stream(call: _Call, upstream: httpx.Response, kept: _Kept, record: Call) -> AsyncIterator[str]:
     """The backend's chat chunks -> response.created, response.in_progress, the items' events, then
     response.completed (or response.incomplete). A failure after the first byte is an `error` event, as OpenAI's."""
-    event, reply = _Events(), _Reply(call)
+    event, reply, finished = _Events(), _Reply(call), False
     try:
         yield event("response.created", response=reply.response("in_progress"))
         yield event("response.in_progress", response=reply.response("in_progress"))
@@ -602,11 +623,13 @@ async def _stream(call: _Call, upstream: httpx.Response, kept: _Kept) -> AsyncIt
             chunk = json.loads(data)
             if isinstance(chunk, dict) and chunk.get("error") is not None:
                 err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+                record.fail(502, str(err.get("message") or "the backend failed"))
                 param = err.get("param")
                 yield event("error", code=str(err.get("code") or "server_error"),
                             message=str(err.get("message") or "the backend failed"),
                             param=_RESPONSES_PARAM.get(param, param) if isinstance(param, str) else None)
                 return
+            record.chunk(chunk)
             for kind, fields in reply.feed(chunk):
                 yield event(kind, **fields)
         for kind, fields in reply.close():
@@ -615,9 +638,14 @@ async def _stream(call: _Call, upstream: httpx.Response, kept: _Kept) -> AsyncIt
         if call.request.store is not False:
             kept.put(call.response_id, reply.entry(response))
         yield event(f"response.{response['status']}", response=response)
+        finished = True
     except (httpx.HTTPError, ValueError, TypeError, AttributeError, KeyError) as e:
         log.warning("POST /v1/responses: the backend's stream failed: %s: %s", type(e).__name__, e)
+        record.fail(502, f"the backend's stream failed: {type(e).__name__}: {e}")
         yield event("error", code="server_error", message=f"the backend's stream failed: {type(e).__name__}: {e}",
                     param=None)
     finally:
+        if not finished and record.status < 400:
+            record.fail(499, "the client went away before the stream ended")
         await upstream.aclose()
+        record.end()

@@ -92,8 +92,13 @@ class EmbeddedCollector:
 
             async def attempt(job: RolloutJob) -> RolloutResult:
                 async with gate:
-                    return await run_rollout(job, rollout_fn=self.agent.rollout_fn, reward_fn=self.agent.reward_fn,
-                                             llm=llm, store=self.store, timeout=timeout)
+                    self.gateway.rollouts.open(job.trace_id, job.rollout_id, job.attempt, job.phase)
+                    try:
+                        return await run_rollout(job, rollout_fn=self.agent.rollout_fn,
+                                                 reward_fn=self.agent.reward_fn, llm=llm, store=self.store,
+                                                 timeout=timeout)
+                    finally:
+                        self.gateway.rollouts.close(job.trace_id)
 
             with progress_bar(self.console, label, len(jobs)) as advance:
                 async def one(job: RolloutJob) -> RolloutResult:

@@ -101,12 +101,14 @@ def _describe(e: BaseException, job: RolloutJob) -> str:
 
 
 async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Callable, llm: LLM, store: RolloutSink,
-                      timeout: float) -> RolloutResult:
+                      timeout: float, claim: str | None = None) -> RolloutResult:
+    """Run one episode in the job's rollout context (its trace id, and a remote worker's `claim` secret) and score
+    it; the rollout's row goes to `store`."""
     store.start_rollout(job.rollout_id, task_id=job.task_id, group_id=job.group_id, iteration=job.iteration,
                         phase=job.phase, attempt=job.attempt, model=llm.model)
     output, stage = None, "rollout"
     try:
-        with rollout_context(job.rollout_id, job.attempt):
+        with rollout_context(job.rollout_id, job.attempt, trace_id=job.trace_id, claim=claim):
             # its own copy of the task: an agent that edits it must not change it for the rest of its group
             args = rollout_args(rollout_fn, copy.deepcopy(job.task), llm)
             try:

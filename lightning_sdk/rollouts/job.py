@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from typing import Any
+
+
+def new_trace_id() -> str:
+    return secrets.token_hex(16)
 
 
 @dataclass(frozen=True)
@@ -16,11 +21,15 @@ class RolloutJob:
     iteration: int
     phase: str = "train"  # 'train' | 'eval'
     attempt: int = 1
+    # The rollout's OpenTelemetry trace id (32 hex digits): the gateway attributes the calls that carry it (or call
+    # its per-rollout base URL, which it names) to this rollout. From the OS: unguessable by other agents.
+    trace_id: str = field(default_factory=new_trace_id)
 
     def retry(self) -> "RolloutJob":
         """The same rollout run once more, as a new attempt under a new id (the old one stays, abandoned)."""
         base = self.rollout_id.removesuffix(f"-r{self.attempt}") if self.attempt > 1 else self.rollout_id
-        return dataclasses.replace(self, rollout_id=f"{base}-r{self.attempt + 1}", attempt=self.attempt + 1)
+        return dataclasses.replace(self, rollout_id=f"{base}-r{self.attempt + 1}", attempt=self.attempt + 1,
+                                   trace_id=new_trace_id())
 
 
 @dataclass(frozen=True)

@@ -95,10 +95,9 @@ class _RolloutWorker:
         self.rollout_fn, self.reward_fn = load_agent(module, rollout, reward)
         self.sink = _ShippedStore(writer)
         self.timeout = timeout
-        tracing.install(self.sink)
+        tracing.install(self.sink, gateway_url=endpoint[0])
 
     async def run(self, job: RolloutJob, base_url: str, api_key: str, model: str) -> RolloutResult:
-        tracing.request_token_ids_from(base_url)
         result = await run_rollout(job, rollout_fn=self.rollout_fn, reward_fn=self.reward_fn,
                                    llm=LLM(base_url=base_url, api_key=api_key, model=model), store=self.sink,
                                    timeout=self.timeout)
@@ -279,6 +278,7 @@ class RayCollector:
             if not choices:
                 raise RunError("every rollout worker has died")
             w = choices[next(turn) % len(choices)]
+            self.gateway.rollouts.open(job.trace_id, job.rollout_id, job.attempt, job.phase)
             pending[w.run.remote(job, base_url, api_key, policy)] = (i, job, w)
 
         with progress_bar(self.console, label, len(jobs)) as advance:
@@ -288,6 +288,7 @@ class RayCollector:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 for ref in ready:
                     i, job, w = pending.pop(ref)
+                    self.gateway.rollouts.close(job.trace_id)
                     try:
                         results[i] = ray.get(ref)
                     except ray.exceptions.RayActorError as e:

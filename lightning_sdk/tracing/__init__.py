@@ -1,16 +1,15 @@
-"""What an agent's episode leaves behind: OpenTelemetry spans, tagged with their rollout, sent to a store.
+"""The agent side of a run's observability: which rollout and role an LLM call belongs to, and the spans an
+episode leaves behind (tools, framework steps, rewards). The training record of each LLM call is not made here:
+the gateway makes it (gateway/capture.py).
 
 One idea per module:
-- `context`: the agent side — rollout context, `component`, `emit_reward` (OpenTelemetry API only);
-- `records`: the span record the store keeps, our attribute names, the sink protocol;
+- `context`: the rollout context, `component`, `emit_reward` (OpenTelemetry API only);
+- `propagation`: the rollout's context on every request toward the gateway (W3C traceparent and baggage);
+- `records`: the span record the store keeps, our attribute names, the sink protocols;
 - `writer`: the span processor and its writer thread;
-- `token_ids`: exact token ids and log-probs from the server's response onto the span;
-- `responses`: spans for OpenAI Responses API calls, with their token ids (instead of the instrumentor's);
-- `instrument`: `install`, instrumenting the OpenAI client once per process and routing spans to a sink;
-- `deferred`: attribute work the agent's thread leaves to the writer thread;
-- `calls`: a call made on the agent's thread and traced through the instrumentor on the writer thread;
-- `recorded`: spans recorded on the agent's thread and built on the writer thread;
-- `export`: spans to an OTLP/HTTP collector and to the application's own TracerProvider.
+- `instrument`: `install`, turning the above on in a process;
+- `export`: spans to an OTLP/HTTP collector and to the application's own TracerProvider;
+- `otlp`: OTLP/HTTP bodies -> span records (a remote worker's spans); `ship`: a worker's span outlet.
 """
 
 from lightning_sdk.tracing.context import (RolloutContext, component, current_component, current_rollout,
@@ -18,13 +17,12 @@ from lightning_sdk.tracing.context import (RolloutContext, component, current_co
 from lightning_sdk.tracing.instrument import export_errors, export_received, flush, install, writer_errors
 from lightning_sdk.tracing.records import (ATTEMPT, COMPLETION_IDS, COMPLETION_LOGPROBS, COMPONENT, PROMPT_IDS,
                                            REWARD_NAME, REWARD_SPAN, REWARD_VALUE, ROLLOUT_ID, TRACER_NAME,
-                                           SpanRecord, SpanSink, to_record)
-from lightning_sdk.tracing.token_ids import request_token_ids_from
+                                           SpanRecord, SpanSink, is_llm_call, to_record)
 from lightning_sdk.tracing.writer import StoreSpanProcessor
 
 __all__ = [
     "ATTEMPT", "COMPLETION_IDS", "COMPLETION_LOGPROBS", "COMPONENT", "PROMPT_IDS", "REWARD_NAME", "REWARD_SPAN",
     "REWARD_VALUE", "ROLLOUT_ID", "TRACER_NAME", "RolloutContext", "SpanRecord", "SpanSink", "StoreSpanProcessor",
     "component", "current_component", "current_rollout", "emit_reward", "export_errors", "export_received", "flush",
-    "install", "request_token_ids_from", "rollout_context", "to_record", "writer_errors",
+    "install", "is_llm_call", "rollout_context", "to_record", "writer_errors",
 ]

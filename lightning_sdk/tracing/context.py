@@ -1,8 +1,11 @@
 """The agent side of tracing: which rollout and which role the current code runs in, and `emit_reward`.
 
-Rollout id, attempt and component travel in context variables (copied into threads by `asyncio.to_thread` and
-the rollout worker), and the span processor stamps them on every span at start. This module needs only the
-OpenTelemetry API: no SDK setup, no store, no torch.
+A rollout is an OpenTelemetry span context current in the agent's context: its trace id is the one the runtime
+gave the rollout (and opened at the gateway), so every request the agent sends toward the gateway says which
+rollout it belongs to (`propagation`). The component is a W3C baggage entry beside it. Both travel in context
+variables (copied into threads by `asyncio.to_thread` and the rollout's own thread), and the span processor
+stamps rollout id, attempt and component on every span at start. This module needs only the OpenTelemetry API:
+no SDK setup, no store, no torch.
 """
 
 from __future__ import annotations
@@ -11,19 +14,35 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import secrets
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from opentelemetry import trace
+from opentelemetry import baggage, trace
+from opentelemetry import context as otel_context
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.propagators.composite import CompositePropagator
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from lightning_sdk.agent import reward_value
-from lightning_sdk.tracing.records import REWARD_NAME, REWARD_SPAN, REWARD_VALUE, TRACER_NAME
+from lightning_sdk.tracing.records import AFTER_CALL, REWARD_NAME, REWARD_SPAN, REWARD_VALUE, TRACER_NAME
+
+# What the agent side and the gateway speak, whatever propagators the application configured globally.
+PROPAGATOR = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+COMPONENT_KEY = "lightning.component"  # the baggage entry `component` sets
 
 
-@dataclass(frozen=True)
+@dataclass
 class RolloutContext:
     rollout_id: str
     attempt: int = 1
+    trace_id: str | None = None  # 32 hex digits, given by the runtime; None: one of our own
+    claim: str | None = None  # a remote worker's claim secret, stamped on its spans
+    last_call: str | None = None  # the latest LLM call (the gateway's record id) whose reply the agent saw
+
+    def saw_call(self, call_id: str) -> None:
+        self.last_call = call_id
 
 
 _rollout: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar("lightning_rollout", default=None)
@@ -32,14 +51,20 @@ _provider: Any = None  # what reward spans are made with: see use_provider
 
 
 @contextlib.contextmanager
-def rollout_context(rollout_id: str, attempt: int = 1) -> Iterator[RolloutContext]:
-    """Everything traced inside belongs to this rollout (the runtime wraps each episode in one)."""
-    ctx = RolloutContext(rollout_id, attempt)
+def rollout_context(rollout_id: str, attempt: int = 1, *, trace_id: str | None = None,
+                    claim: str | None = None) -> Iterator[RolloutContext]:
+    """Everything inside belongs to this rollout (the runtime wraps each episode in one): spans, and LLM calls
+    toward the gateway, which know it by `trace_id`."""
+    ctx = RolloutContext(rollout_id, attempt, trace_id or secrets.token_hex(16), claim)
+    span = NonRecordingSpan(SpanContext(int(ctx.trace_id, 16), secrets.randbits(64) or 1, is_remote=False,
+                                        trace_flags=TraceFlags(TraceFlags.SAMPLED)))
+    otel_token = otel_context.attach(trace.set_span_in_context(span, otel_context.Context()))
     token = _rollout.set(ctx)
     try:
         yield ctx
     finally:
         _rollout.reset(token)
+        otel_context.detach(otel_token)
 
 
 def use_provider(provider: Any) -> None:
@@ -69,11 +94,14 @@ class component:
         self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> "component":
-        self._tokens.append(_component.set(self.name))
+        otel_token = otel_context.attach(baggage.set_baggage(COMPONENT_KEY, self.name))
+        self._tokens.append((_component.set(self.name), otel_token))
         return self
 
     def __exit__(self, *exc) -> None:
-        _component.reset(self._tokens.pop())
+        token, otel_token = self._tokens.pop()
+        _component.reset(token)
+        otel_context.detach(otel_token)
 
     def __call__(self, fn: Callable) -> Callable:
         name = self.name
@@ -97,8 +125,12 @@ def emit_reward(value: float, name: str = "intermediate") -> None:
     Outside a rollout (the agent run on its own) it checks the value and does nothing else.
     """
     value = reward_value(value, f"emit_reward(name={name!r}) got")
-    if _rollout.get() is None:
+    ctx = _rollout.get()
+    if ctx is None:
         return
     tracer = trace.get_tracer(TRACER_NAME, tracer_provider=_provider)
-    with tracer.start_as_current_span(REWARD_SPAN, attributes={REWARD_VALUE: value, REWARD_NAME: name}):
+    attributes = {REWARD_VALUE: value, REWARD_NAME: name}
+    if ctx.last_call is not None:
+        attributes[AFTER_CALL] = ctx.last_call
+    with tracer.start_as_current_span(REWARD_SPAN, attributes=attributes):
         pass

@@ -1,7 +1,6 @@
 """Where a run's spans go besides the store: an OTLP/HTTP collector, and the application's own TracerProvider.
 
-Both are fed from the span writer thread with finished spans (deferred attributes filled in, see `deferred`),
-so neither costs the agent's thread anything; the OTLP exporter sits behind OpenTelemetry's BatchSpanProcessor
+Both are fed from the span writer thread with finished spans, so neither costs the agent's thread anything; the OTLP exporter sits behind OpenTelemetry's BatchSpanProcessor
 (its own thread, batching, retries). Exported LLM-call spans are named by the gen_ai semantic conventions
 (`chat <model>`) and carry the rollout id, attempt, component and (reward spans) reward as attributes.
 """
@@ -15,7 +14,7 @@ from typing import Any, Sequence
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from lightning_sdk.tracing.deferred import rebuild
+from lightning_sdk.compat import span_processors
 
 # What OTLPSpanExporter itself reads when no endpoint is given.
 ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -46,7 +45,10 @@ def gen_ai_view(span: ReadableSpan) -> ExportedSpan:
     operation, model = attrs.get("gen_ai.operation.name"), attrs.get("gen_ai.request.model")
     if operation and name.startswith("openai."):
         name = f"{operation} {model}" if model else str(operation)
-    return rebuild(span, name=name, cls=ExportedSpan)
+    return ExportedSpan(
+        name=name, context=span.get_span_context(), parent=span.parent, resource=span.resource,
+        attributes=dict(attrs), events=span.events, links=span.links, kind=span.kind, status=span.status,
+        start_time=span.start_time, end_time=span.end_time, instrumentation_scope=span.instrumentation_scope)
 
 
 class AppProvider:
@@ -63,9 +65,7 @@ class AppProvider:
     def on_end(self, span: ReadableSpan) -> None:
         if span.resource is not self.own_resource:
             return
-        # An SDK provider exposes no public handle on its processors; `_active_span_processor` has held them
-        # since opentelemetry-sdk 1.0.
-        processors = getattr(self.app, "_active_span_processor", None)
+        processors = span_processors(self.app)
         if processors is not None:
             processors.on_end(span)
 

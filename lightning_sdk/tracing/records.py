@@ -1,7 +1,12 @@
 """What a finished span is, as the store keeps it: the record, our attribute names, and the sink it goes to.
 
+Two sources write spans. The gateway writes one span per LLM call it serves (`source = "gateway"`): the call's
+training record, made from the request it received and the reply the backend produced (gateway/capture.py). The
+agent side writes the rest (`source = "agent"`): tools, framework steps, rewards. The source is set by the code
+that stores a span, never read from its content, so nothing an agent or worker sends can pass for a call's record.
+
 Attribute names are namespaced, as OpenTelemetry's conventions ask for non-standard ones; the rest of a span's
-attributes are the instrumentor's `gen_ai.*` ones, kept as they are.
+attributes are `gen_ai.*` ones.
 """
 
 from __future__ import annotations
@@ -16,10 +21,16 @@ COMPONENT = "lightning.component"
 PROMPT_IDS = "lightning.llm.prompt_token_ids"
 COMPLETION_IDS = "lightning.llm.completion_token_ids"  # choice 0: the one an agent reads
 COMPLETION_LOGPROBS = "lightning.llm.completion_logprobs"
+POLICY = "lightning.llm.policy"  # the adapter (or base model) name that served the call
+API = "lightning.llm.api"  # "chat.completions" | "completions" | "responses": the route the agent called
+UNREPRODUCIBLE = "lightning.llm.unreproducible"  # sampling settings of the call the trainer cannot reproduce
+AFTER_CALL = "lightning.after_call"  # on agent spans: the latest LLM call (span id) the agent had seen a reply of
+CLAIM = "lightning.claim"  # on a remote worker's spans: its claim's secret (checked, then dropped by the server)
 REWARD_VALUE = "lightning.reward.value"
 REWARD_NAME = "lightning.reward.name"
 REWARD_SPAN = "lightning.reward"
 TRACER_NAME = "lightning_sdk"
+GATEWAY, AGENT = "gateway", "agent"  # SpanRecord.source
 
 
 @dataclass
@@ -39,16 +50,29 @@ class SpanRecord:
     status_message: str | None
     attributes: dict[str, Any] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
+    source: str = AGENT  # GATEWAY: an LLM call's record, written by the gateway only
 
     @property
     def is_error(self) -> bool:
         return self.status == "ERROR"
 
 
+def is_llm_call(span: SpanRecord) -> bool:
+    """What counts as an LLM call of a rollout: the gateway's record of it (an agent's own client spans are for the
+    user's observability and never train)."""
+    return span.source == GATEWAY
+
+
 class SpanSink(Protocol):
     """Where finished rollout spans go (the store, or the Ray runtime's writer actor)."""
 
     def write_spans(self, records: Sequence[SpanRecord]) -> None: ...
+
+
+class CallSink(Protocol):
+    """Where the gateway's call records go (the run's store)."""
+
+    def write_calls(self, records: Sequence[SpanRecord]) -> None: ...
 
 
 def _plain(value: Any) -> Any:

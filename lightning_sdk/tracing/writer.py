@@ -12,11 +12,9 @@ import time
 
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
-from lightning_sdk.tracing import deferred, recorded
-from lightning_sdk.tracing.calls import RecordedCall
 from lightning_sdk.tracing.context import current_component, current_rollout
 from lightning_sdk.tracing.export import Exporters
-from lightning_sdk.tracing.records import ATTEMPT, COMPONENT, ROLLOUT_ID, SpanSink, to_record
+from lightning_sdk.tracing.records import AFTER_CALL, ATTEMPT, CLAIM, COMPONENT, ROLLOUT_ID, SpanSink, to_record
 
 
 class StoreSpanProcessor(SpanProcessor):
@@ -30,9 +28,8 @@ class StoreSpanProcessor(SpanProcessor):
     The writer instead wakes every `interval` seconds, or at once on a flush, and writes what has gathered in one
     transaction.
 
-    The writer also finishes each span (`recorded.finished`: the SDK span of a recorded one; `deferred.complete`:
-    the attributes the calling thread left for it) and hands it to `exporters` (an OTLP collector, the
-    application's provider) after the store has it.
+    The writer also hands each span to `exporters` (an OTLP collector, the application's provider) after the
+    store has it.
     """
 
     def __init__(self, sink: SpanSink, *, exporters: Exporters | None = None, max_batch: int = 512,
@@ -41,7 +38,7 @@ class StoreSpanProcessor(SpanProcessor):
         self.exporters = exporters or Exporters([])
         self._max_batch = max_batch
         self._interval = interval
-        self._spans: collections.deque[ReadableSpan | RecordedCall] = collections.deque()
+        self._spans: collections.deque[ReadableSpan] = collections.deque()
         self._wake = threading.Event()
         self._cond = threading.Condition()  # guards _busy; notified after every batch
         self._busy = False  # the writer holds spans taken off the deque but not yet written
@@ -59,15 +56,15 @@ class StoreSpanProcessor(SpanProcessor):
         comp = current_component()
         if comp is not None:
             span.set_attribute(COMPONENT, comp)
+        if ctx.last_call is not None:  # what the agent had seen when this began: orders failed tools causally
+            span.set_attribute(AFTER_CALL, ctx.last_call)
+        if ctx.claim is not None:
+            span.set_attribute(CLAIM, ctx.claim)
 
     def on_end(self, span: ReadableSpan) -> None:
         # Only the check here: turning the span into a record happens on the writer thread.
         if span.attributes is not None and ROLLOUT_ID in span.attributes:
             self._spans.append(span)  # deque.append is atomic: safe from any thread
-
-    def record(self, call: RecordedCall) -> None:
-        """A call made inside a rollout, to trace on the writer thread (`calls`): its span comes back to `on_end`."""
-        self._spans.append(call)
 
     def _take(self) -> list[ReadableSpan]:
         batch = []
@@ -83,7 +80,6 @@ class StoreSpanProcessor(SpanProcessor):
             self._wake.clear()
             while batch := self._take():
                 try:
-                    batch = [deferred.complete(recorded.finished(s)) for s in self._replay(batch)]
                     self._sink.write_spans([r for r in map(to_record, batch) if r is not None])
                 except Exception as e:  # keep the writer alive; the runtime reports these loudly
                     self.errors.append(f"{type(e).__name__}: {e}")
@@ -96,19 +92,6 @@ class StoreSpanProcessor(SpanProcessor):
                 self._cond.notify_all()
                 if self._stopping:
                     return
-
-    def _replay(self, batch: list) -> list[ReadableSpan]:
-        """The spans of a batch; its recorded calls are replayed, and their spans queued (through `on_end`)."""
-        spans = []
-        for item in batch:
-            if not isinstance(item, RecordedCall):
-                spans.append(item)
-                continue
-            try:
-                item.replay()
-            except Exception as e:
-                self.errors.append(f"replaying a call: {type(e).__name__}: {e}")
-        return spans
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         deadline = time.monotonic() + timeout_millis / 1000

@@ -3,8 +3,8 @@ Client, lightning_sdk/rollouts/remote/worker.py) run the agent in its own folder
 
 This process serves the policy as the embedded runtime does (the same inference server, restarts included: this
 class extends `EmbeddedCollector`) and adds the work routes and `POST /v1/traces` to the run's gateway, so
-workers need one URL and one token (the gateway's key, written to `run_dir/worker.token`, mode 0600, with the URL
-in `run_dir/server.json`). It never imports the agent module.
+workers need one URL and one token (the workers' own key, written to `run_dir/worker.token`, mode 0600, with the
+URL in `run_dir/server.json`; the agents' key, handed to workers, opens the LLM routes only). It never imports the agent module.
 
 A phase's jobs wait in `Dispatch` until workers claim them. A claim holds until rollout.timeout + remote.grace;
 past that the rollout is marked abandoned (its spans kept) and re-run once under a new id, and whatever the
@@ -34,6 +34,7 @@ from lightning_sdk.rollouts.remote.protocol import SERVER_FILE, TOKEN_FILE
 from lightning_sdk.rollouts.remote.routes import work_router
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.servers.process import new_api_key
 from lightning_sdk.store import Store
 
 GOODBYE_S = 3.0  # at the end, how long workers heard from lately get to learn that the run is over
@@ -48,7 +49,8 @@ class RemoteCollector(EmbeddedCollector):
         super().__init__(cfg, agent=agent, gateway=gateway, model_path=model_path, store=store, log_dir=log_dir,
                          console=console)
         self.run_dir = Path(log_dir)
-        self.dispatch = Dispatch(store)
+        self.dispatch = Dispatch(store, rollouts=gateway.rollouts)
+        self.worker_token = new_api_key()  # the workers' key: opens the work routes only
         self._refused_shown = 0
 
     @property
@@ -59,14 +61,14 @@ class RemoteCollector(EmbeddedCollector):
         cfg = self.cfg
         self.gateway.add_routes(work_router(
             self.dispatch, run_name=cfg.run.name, api_key=self.gateway.api_key,
-            redirect_openai=cfg.agent is None or cfg.agent.redirect_openai))
+            redirect_openai=cfg.agent is None or cfg.agent.redirect_openai), api_key=self.worker_token)
         super().start()  # the inference server, then the gateway in front of it, with our routes
         self._write_access()
         url = self.gateway.url
         self.console.print(
             f"Lightning server for run {cfg.run.name!r} at {url}: waiting for workers. In the agent's folder and "
             f"environment, start one with\n  lightning worker --server {url} --token-file {self.token_file}\n"
-            f"(on this machine: lightning worker --run-dir {self.run_dir}; the token: {self.gateway.api_key})"
+            f"(on this machine: lightning worker --run-dir {self.run_dir}; the token: {self.worker_token})"
             + ("" if cfg.serve.host not in ("127.0.0.1", "::1", "localhost") else
                "\nIt listens on this machine only: set serve.host (e.g. 0.0.0.0) for workers on others."),
             highlight=False, soft_wrap=True, markup=False)
@@ -81,12 +83,12 @@ class RemoteCollector(EmbeddedCollector):
             super().stop()
 
     def _write_access(self) -> None:
-        """worker.token (the gateway key: readable by this user only) and server.json ({"url": ...})."""
+        """worker.token (the workers' key: readable by this user only) and server.json ({"url": ...})."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
-            os.write(fd, f"{self.gateway.api_key}\n".encode())
+            os.write(fd, f"{self.worker_token}\n".encode())
         finally:
             os.close(fd)
         atomic_write_text(self.run_dir / SERVER_FILE, json.dumps({"url": self.gateway.url}))

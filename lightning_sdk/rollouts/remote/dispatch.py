@@ -10,6 +10,9 @@ rollout claimed right now takes spans or a result, so nothing a dead or late wor
 from __future__ import annotations
 
 import asyncio
+import hmac
+import math
+import secrets
 import threading
 import time
 from collections import Counter, deque
@@ -19,8 +22,11 @@ from typing import Awaitable, Callable
 from lightning_sdk.rollouts.remote.protocol import Result
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk import tracing
+from lightning_sdk.agent import MAX_REWARD
+from lightning_sdk.gateway.capture import OpenRollouts
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.otlp import Decoded
+from lightning_sdk.tracing.records import CLAIM, REWARD_SPAN, REWARD_VALUE
 
 
 @dataclass
@@ -32,6 +38,11 @@ class Claimed:
     worker: str
     deadline: float
     generation: int  # the collector's inference-server generation when it was claimed (see remote.py)
+    secret: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    fault: str | None = None  # what a worker sent wrong for it: it fails with this line when its result comes
+
+    def holds(self, secret: object) -> bool:
+        return isinstance(secret, str) and hmac.compare_digest(secret.encode(), self.secret.encode())
 
 
 @dataclass
@@ -46,6 +57,7 @@ class Spans:
 
     stored: int = 0
     refused: Counter = field(default_factory=Counter)
+    forbidden: str | None = None  # spans for a rollout another worker holds: the whole export is refused (403)
 
     @property
     def rejected(self) -> int:
@@ -55,9 +67,15 @@ class Spans:
         return "; ".join(f"{n} span(s) {reason}" for reason, n in sorted(self.refused.items()))
 
 
+class Forbidden(Exception):
+    """A result or spans for a rollout whose claim's secret the sender does not hold."""
+
+
 class Dispatch:
-    def __init__(self, store: Store, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, store: Store, *, rollouts: OpenRollouts | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.store, self.clock = store, clock
+        self.rollouts = rollouts or OpenRollouts()  # the gateway's: a claimed rollout's calls are attributed
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # the collector waits on it for results
         self._queue: deque[tuple[int, RolloutJob]] = deque()
@@ -93,6 +111,8 @@ class Dispatch:
     def close_phase(self) -> None:
         """The phase ended (all results in, or the run stopped): nothing of it is claimed or taken any more."""
         with self._lock:
+            for c in self._claims.values():
+                self.rollouts.close(c.job.trace_id)
             self._queue.clear()
             self._claims.clear()
             self._finished.clear()
@@ -119,6 +139,7 @@ class Dispatch:
             late = [c for c in self._claims.values() if c.deadline <= now]
             for c in late:
                 del self._claims[c.job.rollout_id]
+                self.rollouts.close(c.job.trace_id)
             return late
 
     def counts(self) -> tuple[int, int]:
@@ -144,6 +165,7 @@ class Dispatch:
             index, job = self._queue.popleft()
             claim = Claimed(index, job, worker, self.clock() + self.deadline_s, self.generation)
             self._claims[job.rollout_id] = claim
+            self.rollouts.open(job.trace_id, job.rollout_id, job.attempt, job.phase)
             policy = self.policy
         self.store.start_rollout(job.rollout_id, task_id=job.task_id, group_id=job.group_id, iteration=job.iteration,
                                  phase=job.phase, attempt=job.attempt, model=policy)
@@ -175,24 +197,39 @@ class Dispatch:
                 with self._lock:
                     self._waiters.discard(waiter)
 
-    def finish(self, rollout_id: str, result: Result) -> RolloutResult | None:
-        """Record a worker's result; None (and nothing recorded) if the rollout is not claimed right now."""
-        self.touch(result.worker)
+    def finish(self, rollout_id: str, result: Result | str, secret: object) -> RolloutResult | None:
+        """Record a worker's result (or, given a string, the one line saying why its result body was refused: the
+        rollout fails with it); None (and nothing recorded) if the rollout is not claimed right now; Forbidden if
+        the sender does not hold its claim's secret."""
+        worker = result.worker if isinstance(result, Result) else None
+        self.touch(worker)
         with self._lock:
-            claim = self._claims.pop(rollout_id, None)
-        if claim is None:
-            return None
-        self.store.finish_rollout(rollout_id, status=result.status, output=result.output, reward=result.reward,
-                                  error=result.error, traceback=result.traceback)
-        done = RolloutResult(claim.job, result.status, result.reward, result.output, result.error,
-                             failed_in=result.failed_in)
+            claim = self._claims.get(rollout_id)
+            if claim is None:
+                return None
+            if not claim.holds(secret):
+                raise Forbidden(rollout_id)
+            del self._claims[rollout_id]
+            self.rollouts.close(claim.job.trace_id)
+        if isinstance(result, str) or claim.fault is not None:
+            error = claim.fault if claim.fault is not None else f"the worker's result was refused: {result}"
+            output = result.output if isinstance(result, Result) else None
+            self.store.finish_rollout(rollout_id, status="failed", output=output, error=error)
+            done = RolloutResult(claim.job, "failed", None, output, error, failed_in="worker")
+        else:
+            self.store.finish_rollout(rollout_id, status=result.status, output=result.output, reward=result.reward,
+                                      error=result.error, traceback=result.traceback)
+            done = RolloutResult(claim.job, result.status, result.reward, result.output, result.error,
+                                 failed_in=result.failed_in)
         with self._changed:
             self._finished.append(Finished(claim, done))
             self._changed.notify_all()
         return done
 
     def take_spans(self, decoded: Decoded) -> Spans:
-        """Store the spans of rollouts claimed right now (by their attempt); refuse and count the rest."""
+        """Store the spans of rollouts claimed right now (by their attempt, with their claim's secret, which is
+        then dropped); refuse and count the rest. One span for a claimed rollout without its secret refuses the
+        whole export (`Spans.forbidden`): nothing of it is stored."""
         out = Spans()
         if decoded.without_rollout:
             out.refused["without lightning.rollout.id"] += decoded.without_rollout
@@ -204,6 +241,13 @@ class Dispatch:
                     out.refused["for a rollout not claimed now (unknown, finished or abandoned)"] += 1
                 elif claim.job.attempt != r.attempt:
                     out.refused["for another attempt of their rollout"] += 1
+                elif not claim.holds(r.attributes.pop(CLAIM, None)):
+                    out.forbidden = (f"span {r.span_id[:32]} is for rollout {r.rollout_id[:200]!r}, whose claim this "
+                                     f"sender does not hold (its `{CLAIM}` attribute is missing or wrong)")
+                    return out
+                elif (fault := _bad_reward(r)) is not None:
+                    claim.fault = claim.fault or fault
+                    out.refused["rewards that are not finite numbers within the bound (their rollout fails)"] += 1
                 else:
                     keep.append(r)
         conflicts = self.store.write_spans(keep) if keep else []
@@ -228,6 +272,18 @@ class Dispatch:
                 loop.call_soon_threadsafe(_settle, future)
             except RuntimeError:  # that loop has closed (the gateway stopped)
                 pass
+
+
+def _bad_reward(r) -> str | None:
+    """The one line naming what is wrong with a reward span's value, or None (not a reward span, or a good one)."""
+    if r.name != REWARD_SPAN:
+        return None
+    value = r.attributes.get(REWARD_VALUE)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or abs(value) > MAX_REWARD:
+        return (f"span {r.span_id[:32]} ({REWARD_SPAN}): {REWARD_VALUE} = {str(value)[:100]!r}; expected a finite "
+                f"number within +-{MAX_REWARD:g}")
+    return None
 
 
 def _settle(future: asyncio.Future) -> None:

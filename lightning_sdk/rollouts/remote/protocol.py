@@ -18,6 +18,7 @@ RESULT = "/v1/work/{rollout_id}/result"  # POST Result -> 200 | 409 not (or no l
 RUN = "/v1/run"  # GET -> RunInfo
 TRACES = "/v1/traces"  # POST OTLP/HTTP ExportTraceServiceRequest (protobuf or JSON)
 
+CLAIM_HEADER = "x-lightning-claim"  # on a result: the claim's secret; spans carry it as `lightning.claim`
 TOKEN_FILE, SERVER_FILE = "worker.token", "server.json"  # in the run directory: the key, and {"url": ...}
 LONG_POLL_S = 20.0  # a claim waits at most this long for work before it is answered 204
 
@@ -31,7 +32,9 @@ class ClaimRequest(_Body):
 
 
 class Endpoint(BaseModel):
-    """Where the rollout's LLM calls go: the run's OpenAI-compatible server, serving the policy being trained."""
+    """Where the rollout's LLM calls go: the run's OpenAI-compatible server, serving the policy being trained.
+    `base_url` is the rollout's own (`.../rollouts/{trace_id}/v1`): a client that sends no W3C traceparent is
+    still known by it."""
 
     base_url: str
     api_key: str
@@ -49,10 +52,12 @@ class Claim(BaseModel):
     timeout: float  # rollout.timeout: the agent's time, and again the reward's
     deadline_s: float  # seconds from now: a result later than this is refused (the rollout re-runs elsewhere)
     llm: Endpoint
+    trace_id: str  # the rollout's OpenTelemetry trace id: its LLM calls carry it (W3C traceparent)
+    secret: str  # the claim's own key: its spans (`lightning.claim`) and result (CLAIM_HEADER) need it
 
     def job(self) -> RolloutJob:
         return RolloutJob(rollout_id=self.rollout_id, task_id=self.task_id, group_id=self.group_id, task=self.task,
-                          iteration=self.iteration, phase=self.phase, attempt=self.attempt)
+                          iteration=self.iteration, phase=self.phase, attempt=self.attempt, trace_id=self.trace_id)
 
 
 class Result(_Body):
@@ -83,3 +88,4 @@ class RunInfo(BaseModel):
     phase: str | None  # the label of the phase being collected ("iteration 3/30", "eval (untrained)"), or None
     over: bool  # the run has ended: workers exit
     redirect_openai: bool  # agent.redirect_openai: workers point OPENAI_BASE_URL / OPENAI_API_KEY at the server
+    api_key: str  # the key agents call the run's LLM routes with (it opens no work route)

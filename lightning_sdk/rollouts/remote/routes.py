@@ -1,5 +1,6 @@
-"""The remote runtime's HTTP routes, added to the run's gateway (same address, same bearer key): workers claim
-rollouts, send their spans over OTLP/HTTP and report results. The table of routes and bodies: docs/remote.md.
+"""The remote runtime's HTTP routes, added to the run's gateway (same address; the workers' own key, which the
+agents' key is not): workers claim rollouts, send their spans over OTLP/HTTP and report results. A claim's spans
+and result are taken only with its secret. The table of routes and bodies: docs/remote.md.
 
 Untrusted bodies are read up to a limit, and decoded (OTLP protobuf/JSON, pydantic) and stored in threads: the
 gateway's event loop, which also relays the agents' LLM calls, never waits on them.
@@ -8,6 +9,7 @@ gateway's event loop, which also relays the agents' LLM calls, never waits on th
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from fastapi import APIRouter, Request
@@ -15,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from lightning_sdk.rollouts.remote import protocol
-from lightning_sdk.rollouts.remote.dispatch import Dispatch
+from lightning_sdk.rollouts.remote.dispatch import Dispatch, Forbidden
 from lightning_sdk.rollouts.remote.protocol import Claim, ClaimRequest, Endpoint, Result, RunInfo
 from lightning_sdk.gateway.guard import MAX_BODY_BYTES, error_body, parse_off_loop
 from lightning_sdk.tracing import otlp
@@ -30,14 +32,14 @@ class _TooLarge(Exception):
 
 def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, redirect_openai: bool,
                 long_poll_s: float = protocol.LONG_POLL_S, max_body_bytes: int = MAX_BODY_BYTES) -> APIRouter:
-    """The routes; `api_key` is the key agents use for LLM calls (the gateway's)."""
+    """The routes; `api_key` is the key agents use for LLM calls (the gateway's), handed to workers."""
     router = APIRouter()
 
     @router.get(protocol.RUN)
     async def run() -> dict:
         dispatch.touch(None)
-        return RunInfo(name=run_name, phase=dispatch.label, over=dispatch.over,
-                       redirect_openai=redirect_openai).model_dump()
+        return RunInfo(name=run_name, phase=dispatch.label, over=dispatch.over, redirect_openai=redirect_openai,
+                       api_key=api_key).model_dump()
 
     @router.post(protocol.CLAIM)
     async def claim(request: Request) -> Response:
@@ -52,21 +54,33 @@ def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, redirect_ope
             return Response(status_code=204)
         job = claimed.job
         log.debug("%s claimed %s", body.worker, job.rollout_id)
+        root = str(request.base_url).rstrip("/")  # the address this worker reached us at: right on other machines
         return JSONResponse(Claim(
             rollout_id=job.rollout_id, task_id=job.task_id, group_id=job.group_id, task=job.task,
             iteration=job.iteration, phase=job.phase, attempt=job.attempt, timeout=dispatch.timeout,
             deadline_s=max(0.0, claimed.deadline - dispatch.clock()),
-            # the address this worker reached us at: right for workers on other machines too
-            llm=Endpoint(base_url=f"{str(request.base_url).rstrip('/')}/v1", api_key=api_key,
-                         model=dispatch.policy or ""),
+            llm=Endpoint(base_url=f"{root}/rollouts/{job.trace_id}/v1", api_key=api_key, model=dispatch.policy or ""),
+            trace_id=job.trace_id, secret=claimed.secret,
         ).model_dump(mode="json"))
 
     @router.post(protocol.RESULT)
     async def result(rollout_id: str, request: Request) -> Response:
+        secret = request.headers.get(protocol.CLAIM_HEADER)
         body = await _parse(request, Result, max_body_bytes)
-        if isinstance(body, Response):
-            return body
-        if await asyncio.to_thread(dispatch.finish, rollout_id, body) is None:
+        try:
+            if isinstance(body, Response):
+                # A claimed rollout whose result is malformed (a NaN or string reward...) fails, with the line that
+                # says why; the worker hears the same line (4xx).
+                if body.status_code == 400:
+                    await asyncio.to_thread(dispatch.finish, rollout_id, _message(body), secret)
+                return body
+            finished = await asyncio.to_thread(dispatch.finish, rollout_id, body, secret)
+        except Forbidden:
+            log.warning("result for %s refused: the sender does not hold its claim", rollout_id[:200])
+            return JSONResponse(error_body(403, f"rollout {rollout_id[:200]!r} is claimed by another worker: only "
+                                                f"its claim's secret ({protocol.CLAIM_HEADER}) can report it"),
+                                status_code=403)
+        if finished is None:
             log.info("result for %s from %s ignored: not claimed now", rollout_id[:200], body.worker)
             return JSONResponse(error_body(409, f"rollout {rollout_id[:200]!r} is not claimed now (unknown, already "
                                                 f"finished, or abandoned at its deadline and re-run under another "
@@ -87,11 +101,18 @@ def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, redirect_ope
         except otlp.OtlpError as e:
             return _otlp_error(e.status, str(e), kind)
         spans = await asyncio.to_thread(dispatch.take_spans, decoded)
+        if spans.forbidden is not None:
+            return _otlp_error(403, spans.forbidden, kind)
         if spans.rejected:
             log.info("OTLP export: %d span(s) stored, refused %s", spans.stored, spans.message())
         return Response(otlp.response(spans.rejected, spans.message(), kind=kind), media_type=kind)
 
     return router
+
+
+def _message(response: Response) -> str:
+    """The one line of a 4xx answer made by `_parse`."""
+    return json.loads(response.body)["error"]["message"]
 
 
 def _otlp_error(status: int, message: str, kind: str) -> Response:

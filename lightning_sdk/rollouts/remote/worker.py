@@ -159,7 +159,7 @@ class Worker:
             info = RunInfo.model_validate(r.json())
             if info.over:
                 return f"run {info.name!r} at {s.server} is over; nothing to do"
-            with run_environment(f"{s.server}/v1", s.token, redirect_openai=info.redirect_openai):
+            with run_environment(f"{s.server}/v1", info.api_key, redirect_openai=info.redirect_openai):
                 self.rollout_fn, self.reward_fn = load_agent(s.module, s.rollout, s.reward)
                 self._install_tracing(headers)
                 self.console.print(f"worker {s.name}: run {info.name!r} at {s.server}, agent {s.module}, "
@@ -181,8 +181,7 @@ class Worker:
 
         self.shipper = RolloutShipper(OTLPSpanExporter(endpoint=f"{self.s.server}{protocol.TRACES}", headers=headers,
                                                        compression=Compression.Gzip, timeout=10))
-        tracing.install(self.rows, outlets=[self.shipper])
-        tracing.request_token_ids_from(f"{self.s.server}/v1")
+        tracing.install(self.rows, gateway_url=f"{self.s.server}/v1", outlets=[self.shipper])
 
     def _tally(self) -> str:
         return ", ".join(f"{n} {k}" for k, n in self.done.items() if n) or "no rollouts"
@@ -206,10 +205,9 @@ class Worker:
             self._phase = (job.phase, job.iteration)
             self.console.print(f"{job.phase} rollouts of iteration {job.iteration} ({claim.llm.model})",
                                highlight=False)
-        tracing.request_token_ids_from(claim.llm.base_url)
         llm = LLM(base_url=claim.llm.base_url, api_key=claim.llm.api_key, model=claim.llm.model)
         result = await run_rollout(job, rollout_fn=self.rollout_fn, reward_fn=self.reward_fn, llm=llm,
-                                   store=self.rows, timeout=claim.timeout)
+                                   store=self.rows, timeout=claim.timeout, claim=claim.secret)
         row = self.rows.finished.pop(job.rollout_id, {})
         left = deadline - time.monotonic()
         try:  # the writer hands the rollout's spans to the shipper
@@ -225,7 +223,8 @@ class Worker:
                       reward=result.reward, error=result.error, traceback=row.get("traceback"),
                       failed_in=result.failed_in)
         r = await self._request("POST", protocol.RESULT.format(rollout_id=quote(job.rollout_id, safe="")),
-                                content=body.model_dump_json(), until=deadline, what="report")
+                                content=body.model_dump_json(), until=deadline, what="report",
+                                headers={protocol.CLAIM_HEADER: claim.secret})
         if r is None:
             self._drop(job.rollout_id, "its result could not be reported before its deadline")
         elif r.status_code == 409:

@@ -1,0 +1,358 @@
+"""The training record of every LLM call the gateway serves, made where the truth is: from the request it received
+and the reply the backend produced (exact prompt and completion token ids, log-probs, the adapter that served it).
+
+A record is the call's server-side span, with `gen_ai.*` attributes and our `lightning.llm.*` ones, stored with
+`source = "gateway"` (tracing/records.py). Which rollout a call belongs to comes from the request's W3C
+`traceparent` (the rollout's trace id, opened here by the runtime before the rollout runs) or from the per-rollout
+base URL (`/rollouts/{key}/v1`) for clients without OpenTelemetry; its component from `baggage`. A call with
+neither is recorded as a call of no rollout: counted, never trained. The record's span id goes back to the agent
+in the `x-lightning-call-id` header, so that rewards and failed tools are ordered after the calls the agent had
+seen (tracing/propagation.py), whatever the clocks of the agent's machine say.
+
+Routes hand each call's request and reply to a `Call`; building the record and writing it happen on one writer
+thread, off the event loop that relays the calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from opentelemetry import baggage, trace
+
+from lightning_sdk.tracing.context import COMPONENT_KEY, PROPAGATOR
+from lightning_sdk.tracing.propagation import CALL_ID_HEADER
+from lightning_sdk.tracing.records import (API, ATTEMPT, COMPLETION_IDS, COMPLETION_LOGPROBS, COMPONENT, GATEWAY,
+                                           POLICY, PROMPT_IDS, ROLLOUT_ID, UNREPRODUCIBLE, CallSink, SpanRecord)
+
+log = logging.getLogger("lightning_sdk")
+
+__all__ = ["CALL_ID_HEADER", "Call", "Capture", "OpenRollouts", "Origin", "Rollout", "origin", "unreproducible"]
+
+MAX_OPEN = 100_000  # open rollouts remembered: a runtime that forgot to close some cannot grow this forever
+
+# Request fields that change the sampled distribution in ways the trainer's log-probs do not reproduce (it applies
+# temperature and top_p only). A call that sets one is served and recorded, and left out of training, by name.
+UNREPRODUCIBLE_SETTINGS = ("top_k", "min_p", "typical_p", "presence_penalty", "frequency_penalty",
+                           "repetition_penalty", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
+                           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                           "use_beam_search", "best_of")
+_NEUTRAL = {"top_k": (0, -1), "min_p": (0, 0.0), "typical_p": (1, 1.0), "presence_penalty": (0, 0.0),
+            "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,), "best_of": (1,),
+            "use_beam_search": (False,)}
+
+
+def unreproducible(body: Mapping[str, Any]) -> list[str]:
+    """The sampling settings of a chat/completions request body the trainer cannot reproduce."""
+    out = [k for k in UNREPRODUCIBLE_SETTINGS
+           if body.get(k) not in (None, [], {}, *_NEUTRAL.get(k, ()))]
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        out.append("response_format")  # constrained decoding
+    return out
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A rollout the gateway attributes calls to."""
+
+    rollout_id: str
+    attempt: int
+    phase: str  # 'train' | 'eval'
+
+
+class OpenRollouts:
+    """The rollouts running now, by key: the rollout's trace id (32 hex digits), which also names its per-rollout
+    base URL. The runtime opens one before its agent runs and closes it after; thread-safe."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, Rollout] = {}
+        self._lock = threading.Lock()
+
+    def open(self, key: str, rollout_id: str, attempt: int = 1, phase: str = "train") -> None:
+        with self._lock:
+            if len(self._open) >= MAX_OPEN:
+                self._open.pop(next(iter(self._open)))
+            self._open[key] = Rollout(rollout_id, attempt, phase)
+
+    def close(self, key: str) -> None:
+        with self._lock:
+            self._open.pop(key, None)
+
+    def get(self, key: str | None) -> Rollout | None:
+        return self._open.get(key) if key else None
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a call came from: its rollout (None: unknown), trace and parent span, component."""
+
+    rollout: Rollout | None
+    trace_id: str | None
+    parent_id: str | None
+    component: str | None
+
+
+def origin(headers: Mapping[str, str], rollouts: OpenRollouts, key: str | None = None) -> Origin:
+    """The call's origin from its W3C headers, or from the per-rollout URL's `key` (which wins)."""
+    ctx = PROPAGATOR.extract(headers)
+    span = trace.get_current_span(ctx).get_span_context()
+    trace_id = format(span.trace_id, "032x") if span.is_valid else None
+    parent_id = format(span.span_id, "016x") if span.is_valid else None
+    comp = baggage.get_baggage(COMPONENT_KEY, ctx)
+    comp = comp if isinstance(comp, str) and 0 < len(comp) <= 200 and comp.isprintable() else None
+    if key is not None:
+        return Origin(rollouts.get(key), key, parent_id if trace_id == key else None, comp)
+    return Origin(rollouts.get(trace_id), trace_id, parent_id, comp)
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Call:
+    """One LLM call the gateway serves: the request as the agent sent it, then the reply, whole or chunk by chunk.
+    `end` hands it to the writer thread, which makes its record; what is recorded is what the backend sent."""
+
+    def __init__(self, capture: "Capture", origin: Origin, api: str, request: dict, *, asked: str, policy: str):
+        self.capture, self.origin, self.api, self.request = capture, origin, api, request
+        self.asked, self.policy = asked, policy
+        self.call_id = format(capture.ids.getrandbits(64) or 1, "016x")
+        self.start_ns, self.end_ns = time.time_ns(), 0
+        self.status, self.error = 200, None
+        self.prompt_ids: list[int] | None = None
+        self.choices: dict[int, _Choice] = {}
+        self.response_id: str | None = None
+        self.usage: dict | None = None
+        self._ended = False
+
+    def whole(self, reply: dict) -> None:
+        """A non-streamed chat completion."""
+        self.prompt_ids = reply.get("prompt_token_ids")
+        self.response_id, self.usage = reply.get("id"), reply.get("usage")
+        for c in reply.get("choices") or ():
+            msg = c.get("message") or {}
+            ch = self._choice(c.get("index", 0))
+            ch.text.append(msg.get("content") or c.get("text") or "")
+            ch.tool_calls = dict(enumerate(msg.get("tool_calls") or ()))
+            ch.token_ids = list(c.get("token_ids") or ())
+            ch.logprobs = _logprob_values(c.get("logprobs"))
+            ch.finish_reason = c.get("finish_reason")
+
+    def chunk(self, chunk: dict) -> None:
+        """One chunk of a streamed chat completion."""
+        if chunk.get("prompt_token_ids") is not None:
+            self.prompt_ids = chunk["prompt_token_ids"]
+        self.response_id = self.response_id or chunk.get("id")
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for c in chunk.get("choices") or ():
+            ch = self._choice(c.get("index", 0))
+            delta = c.get("delta") or {}
+            ch.text.append(delta.get("content") or c.get("text") or "")
+            for tc in delta.get("tool_calls") or ():
+                slot = ch.tool_calls.setdefault(tc.get("index", len(ch.tool_calls)),
+                                                {"id": None, "type": "function", "function": {"name": "",
+                                                                                           "arguments": ""}})
+                slot["id"] = tc.get("id") or slot["id"]
+                fn = tc.get("function") or {}
+                slot["function"]["name"] += fn.get("name") or ""
+                slot["function"]["arguments"] += fn.get("arguments") or ""
+            ch.token_ids += c.get("token_ids") or ()
+            ch.logprobs += _logprob_values(c.get("logprobs"))
+            ch.finish_reason = c.get("finish_reason") or ch.finish_reason
+
+    def fail(self, status: int, error: str) -> None:
+        self.status, self.error = status, error[:2000]
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self.end_ns = time.time_ns()
+            self.capture.finished(self)
+
+    def _choice(self, index: Any) -> _Choice:
+        return self.choices.setdefault(index if isinstance(index, int) else 0, _Choice())
+
+    # ------------------------------------------------------------------------------- on the writer thread
+
+    def record(self) -> SpanRecord:
+        o, body = self.origin, self.request
+        operation = "text_completion" if self.api == "completions" else "chat"
+        first = self.choices.get(0)
+        ok = self.status < 400 and first is not None and self.prompt_ids is not None
+        if self.status < 400 and not ok:
+            self.status, self.error = 502, self.error or "the backend's reply has no choice or no prompt token ids"
+        a: dict[str, Any] = {
+            "gen_ai.operation.name": operation, "gen_ai.provider.name": "lightning", "gen_ai.request.model": self.asked,
+            "gen_ai.response.model": self.policy, API: self.api, POLICY: self.policy,
+            "gen_ai.input.messages": json.dumps(_input_messages(body)),
+        }
+        for key, name in (("temperature", "temperature"), ("top_p", "top_p"), ("max_tokens", "max_tokens"),
+                          ("max_completion_tokens", "max_tokens"), ("seed", "seed"), ("n", "choice.count"),
+                          ("stop", "stop_sequences")):
+            if body.get(key) is not None:
+                a[f"gen_ai.request.{name}"] = body[key]
+        if body.get("tools"):
+            a["gen_ai.tool.definitions"] = json.dumps(body["tools"])
+        settings = unreproducible(body)
+        if settings:
+            a[UNREPRODUCIBLE] = settings
+        if o.rollout is not None:
+            a[ROLLOUT_ID], a[ATTEMPT] = o.rollout.rollout_id, o.rollout.attempt
+        if o.component is not None:
+            a[COMPONENT] = o.component
+        if ok:
+            a["gen_ai.response.finish_reasons"] = [self.choices[i].finish_reason or "" for i in sorted(self.choices)]
+            a["gen_ai.output.messages"] = json.dumps([_output_message(self.choices[i]) for i in sorted(self.choices)])
+            a[PROMPT_IDS], a[COMPLETION_IDS] = list(self.prompt_ids), list(first.token_ids)
+            if len(first.logprobs) == len(first.token_ids):
+                a[COMPLETION_LOGPROBS] = first.logprobs
+            a["gen_ai.usage.input_tokens"] = len(self.prompt_ids)
+            a["gen_ai.usage.output_tokens"] = sum(len(c.token_ids) for c in self.choices.values())
+            if self.response_id:
+                a["gen_ai.response.id"] = str(self.response_id)
+        else:
+            a["error.type"] = str(self.status)
+        return SpanRecord(
+            span_id=self.call_id, trace_id=o.trace_id or "0" * 32, parent_id=o.parent_id,
+            rollout_id=o.rollout.rollout_id if o.rollout else "", attempt=o.rollout.attempt if o.rollout else 0,
+            component=o.component, name=f"{operation} {self.asked}", start_ns=self.start_ns, end_ns=self.end_ns,
+            status="OK" if ok else "ERROR", status_message=None if ok else self.error, attributes=a,
+            source=GATEWAY,
+        )
+
+
+def _logprob_values(logprobs: Any) -> list[float]:
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if isinstance(content, list):
+        return [float(e["logprob"]) for e in content if isinstance(e, dict) and "logprob" in e]
+    if isinstance(logprobs, dict) and isinstance(logprobs.get("token_logprobs"), list):  # completions API
+        return [float(x) for x in logprobs["token_logprobs"] if x is not None]
+    return []
+
+
+def _parts(content: Any) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "content": content}]
+    if isinstance(content, list):
+        return [{"type": "text", "content": p.get("text", "")} if isinstance(p, dict) and "text" in p
+                else {"type": str(p.get("type", "?")) if isinstance(p, dict) else "?"} for p in content]
+    return []
+
+
+def _input_messages(body: Mapping[str, Any]) -> list[dict]:
+    """The request's messages (or prompt) as OpenTelemetry's gen_ai input messages."""
+    if "prompt" in body:
+        return [{"role": "user", "parts": [{"type": "text", "content": str(body["prompt"])}]}]
+    out = []
+    for m in body.get("messages") or ():
+        if not isinstance(m, dict):
+            continue
+        parts = _parts(m.get("content"))
+        for tc in m.get("tool_calls") or ():
+            if not isinstance(tc, dict):
+                continue
+            fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+            parts.append({"type": "tool_call", "id": tc.get("id"), "name": fn.get("name"),
+                          "arguments": fn.get("arguments")})
+        if m.get("role") == "tool":
+            parts = [{"type": "tool_call_response", "id": m.get("tool_call_id"),
+                      "response": m.get("content")}]
+        out.append({"role": str(m.get("role", "?")), "parts": parts})
+    return out
+
+
+def _output_message(choice: _Choice) -> dict:
+    parts = [{"type": "text", "content": "".join(choice.text)}] if "".join(choice.text) else []
+    for tc in choice.tool_calls.values():
+        fn = tc.get("function") or {}
+        parts.append({"type": "tool_call", "id": tc.get("id"), "name": fn.get("name"),
+                      "arguments": fn.get("arguments")})
+    return {"role": "assistant", "parts": parts, "finish_reason": choice.finish_reason or ""}
+
+
+class Capture:
+    """Makes and writes the records of the calls the gateway serves: `begin` a call in a route, `Call.end` it.
+
+    Records go to `sink` (the run's store) from one writer thread; `flush` waits until every ended call is written
+    (the runtime calls it before it reads a phase's calls back). Without a sink nothing is recorded.
+    """
+
+    def __init__(self, rollouts: OpenRollouts, *, interval: float = 0.05):
+        self.rollouts = rollouts
+        self.sink: CallSink | None = None
+        self.exported: Callable[[list[SpanRecord], str], None] | None = None  # records also go to the user's tools
+        self.ids = random.Random()  # span ids: seeded from the OS, apart from the `random` a trainer seeds
+        self.recorded = 0
+        self.unattributed = 0  # calls of no open rollout
+        self.errors: list[str] = []
+        self._interval = interval
+        self._queue: collections.deque[Call] = collections.deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def record_to(self, sink: CallSink | None) -> None:
+        self.flush()
+        self.sink = sink
+        if sink is not None and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lightning-gateway-records", daemon=True)
+            self._thread.start()
+
+    def begin(self, origin: Origin, api: str, request: dict, *, asked: str, policy: str) -> Call:
+        return Call(self, origin, api, request, asked=asked, policy=policy)
+
+    def finished(self, call: Call) -> None:
+        if self.sink is not None:
+            self._queue.append(call)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake.set()
+                self._cond.wait(min(left, self._interval))
+        return True
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            while True:
+                with self._cond:
+                    batch = [self._queue.popleft() for _ in range(min(len(self._queue), 512))]
+                    self._busy = bool(batch)
+                if not batch:
+                    break
+                try:
+                    records = [c.record() for c in batch]
+                    self.unattributed += sum(1 for r in records if not r.rollout_id)
+                    if self.sink is not None:
+                        self.sink.write_calls(records)
+                    self.recorded += len(records)
+                    if self.exported is not None:
+                        self.exported(records, "lightning_sdk.gateway")
+                except Exception as e:  # keep the writer alive; the runtime reports these loudly
+                    log.exception("gateway: recording %d call(s) failed", len(batch))
+                    self.errors.append(f"{type(e).__name__}: {e}")
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+            with self._cond:
+                self._cond.notify_all()
