@@ -1,5 +1,8 @@
 """Shared fixtures: one real built-in server on 127.0.0.1 for the tracing tests, and a fresh traced store."""
 
+import contextlib
+import secrets
+
 import pytest
 
 from lightning_sdk import models, tracing
@@ -31,3 +34,43 @@ def store(tmp_path):
     yield s
     tracing.flush()
     s.close()
+
+
+@pytest.fixture(scope="session")
+def gateway_server(server):
+    """The run's gateway in front of the shared server: every call through it is recorded (see `gw`)."""
+    from lightning_sdk.gateway.proxy import Gateway
+
+    g = Gateway(api_key="agents")
+    g.start([server.url], backend_key=server.api_key)
+    g.policy = SERVED
+    yield g
+    g.stop()
+
+
+@pytest.fixture()
+def gw(gateway_server, store):
+    """The gateway recording into this test's store, and the agent side propagating rollout context to it."""
+    tracing.install(store, gateway_url=gateway_server.base_url)
+    gateway_server.capture.record_to(store)
+    yield gateway_server
+    gateway_server.capture.record_to(None)
+
+
+@contextlib.contextmanager
+def in_rollout(gateway, rollout_id: str, attempt: int = 1, phase: str = "train"):
+    """A rollout as a runtime runs one: opened at the gateway under a fresh trace id, then its context entered."""
+    trace_id = secrets.token_hex(16)
+    gateway.rollouts.open(trace_id, rollout_id, attempt, phase)
+    try:
+        with tracing.rollout_context(rollout_id, attempt, trace_id=trace_id) as ctx:
+            yield ctx
+    finally:
+        gateway.rollouts.close(trace_id)
+
+
+def recorded_calls(gateway, store, rollout_id: str) -> list:
+    """The gateway's records of a rollout's LLM calls, in order."""
+    assert gateway.capture.flush()
+    tracing.flush()
+    return sorted((s for s in store.spans(rollout_id) if tracing.is_llm_call(s)), key=lambda s: s.start_ns)

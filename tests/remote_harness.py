@@ -12,7 +12,8 @@ from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.store import Store
 
-KEY = "worker-token"
+KEY = "worker-token"  # the workers' key: the work routes only
+AGENTS_KEY = "agents-key"  # the agents' key: the LLM routes only
 
 
 class Api:
@@ -23,9 +24,10 @@ class Api:
         self.url = self.gateway.url
 
     def _serve(self, port: int) -> Gateway:
-        g = Gateway(api_key=KEY, port=port)
-        g.add_routes(work_router(self.dispatch, run_name="test", api_key=KEY, redirect_openai=True,
-                                 max_body_bytes=self.max_body_bytes))
+        g = Gateway(api_key=AGENTS_KEY, port=port, rollouts=self.dispatch.rollouts)
+        g.add_routes(work_router(self.dispatch, run_name="test", api_key=AGENTS_KEY, redirect_openai=True,
+                                 max_body_bytes=self.max_body_bytes), api_key=KEY)
+        g.capture.record_to(self.store)  # the calls' records, as a run's gateway writes them
         g.start([self.server.url], backend_key=self.server.api_key)
         g.policy = self.server.served_model_name
         return g
@@ -37,6 +39,7 @@ class Api:
         self.gateway = self._serve(port)
 
     def stop(self) -> None:
+        self.gateway.capture.flush()
         self.gateway.stop()
 
     def queue(self, jobs: list[RolloutJob], *, deadline_s: float = 60.0) -> None:
@@ -49,6 +52,7 @@ class Api:
         while len(out) < n and time.monotonic() < until:
             out += [f.result for f in self.dispatch.wait(0.2)]
         assert len(out) == n, f"{len(out)} of {n} results within {timeout}s"
+        assert self.gateway.capture.flush()
         return out
 
 

@@ -6,6 +6,7 @@ spans of rollouts not claimed now refused and counted."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gzip
 import json
 import subprocess
@@ -28,7 +29,7 @@ from lightning_sdk.store import Store
 from lightning_sdk.tracing.ship import RolloutShipper
 from lightning_sdk.transitions import to_transitions
 
-from .remote_harness import KEY, Api, job
+from .remote_harness import AGENTS_KEY, KEY, Api, job
 
 HERE = Path(__file__).parent
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -42,10 +43,17 @@ def api(server, tmp_path):
     a.store.close()
 
 
-def _otlp_json(rollout_id: str, attempt: int = 1, span_id: str = "00f067aa0ba902b7") -> dict:
+def _otlp_json(rollout_id: str, attempt: int = 1, span_id: str = "00f067aa0ba902b7", claim: str | None = None,
+               reward: object = None) -> dict:
     attrs = [{"key": "lightning.rollout.id", "value": {"stringValue": rollout_id}},
              {"key": "lightning.rollout.attempt", "value": {"intValue": str(attempt)}}]
-    span = {"traceId": "4bf92f3577b34da6a3ce929d0e0e4736", "spanId": span_id, "name": "tool",
+    if claim is not None:
+        attrs.append({"key": "lightning.claim", "value": {"stringValue": claim}})
+    if reward is not None:
+        value = {"stringValue": reward} if isinstance(reward, str) else {"doubleValue": reward}
+        attrs.append({"key": "lightning.reward.value", "value": value})
+    span = {"traceId": "4bf92f3577b34da6a3ce929d0e0e4736", "spanId": span_id,
+            "name": "tool" if reward is None else "lightning.reward",
             "startTimeUnixNano": "1", "endTimeUnixNano": "2", "attributes": attrs}
     return {"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]}
 
@@ -57,15 +65,16 @@ def test_a_rollout_with_only_raw_http_and_otlp_json(api, tmp_path):
                          text=True, timeout=120, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     sent = json.loads(out.stdout)
-    assert sent["imported_lightning_sdk"] is False
+    assert sent["imported_lightning_sdk"] is False and "/rollouts/" in sent["base_url"]
     assert sent["model"] == api.server.served_model_name and sent["again"] == 409  # a second report is refused
     [result] = api.results(1)
     assert result.status == "succeeded" and result.reward == sent["reward"]
     rollout = api.store.rollout("r-0")
     assert rollout.status == "succeeded" and rollout.model == api.server.served_model_name
-    [t] = to_transitions(rollout, api.store.spans("r-0"))
-    assert list(t.prompt_ids) == sent["prompt_ids"] and list(t.completion_ids) == sent["completion_ids"]
-    assert list(t.logprobs) == sent["logprobs"]
+    spans = api.store.spans("r-0")
+    assert not any("lightning.claim" in s.attributes for s in spans)  # checked, then dropped
+    [t] = to_transitions(rollout, spans)  # the gateway's record; the worker's own token ids are never read
+    assert t.span_id == sent["call_id"] and min(t.prompt_ids) >= 0 and len(t.logprobs) == len(t.completion_ids)
     assert (t.component, t.shaping, t.episode_reward) == ("solver", 0.25, sent["reward"])
 
 
@@ -81,13 +90,12 @@ def test_spans_from_workers_also_reach_the_run_s_otlp_collector(api, tmp_path):
     assert out.returncode == 0, out.stderr
     api.results(1)
     tracing.flush(exporters=True)
-    stored = api.store.spans("r-0")
+    stored = [s for s in api.store.spans("r-0") if not tracing.is_llm_call(s)]  # the worker's own spans
     got = receiver.by_rollout()["r-0"]
     assert sorted(s["span_id"] for s in got) == sorted(s.span_id for s in stored) and len(stored) == 2
-    call = next(s for s in got if "lightning.llm.completion_token_ids" in s["attributes"])
-    assert call["name"].startswith("chat ")  # the gen_ai name, as the run's own LLM spans are exported
-    assert call["attributes"]["lightning.llm.completion_token_ids"] == next(
-        s for s in stored if s.span_id == call["span_id"]).attributes["lightning.llm.completion_token_ids"]
+    assert not any("lightning.claim" in s["attributes"] for s in got)  # the claim's secret goes nowhere
+    reward = next(s for s in got if s["name"] == "lightning.reward")
+    assert reward["attributes"]["lightning.reward.value"] == 0.25
 
 
 def _agent():
@@ -120,39 +128,42 @@ def _agent():
     return agent, score
 
 
-def test_otlp_spans_give_exactly_the_in_process_transitions(api, tmp_path):
-    """One process, both outlets on the same spans: the store in process, and the OTLP exporter to the server."""
+def test_otlp_spans_give_the_in_process_spans_and_the_gateway_the_calls(api, tmp_path):
+    """One process, both outlets on the same spans: the store in process, and the OTLP exporter to the server. The
+    server keeps the agent's spans exactly as a local store does, and the gateway's records of the calls beside
+    them; rewards and a failed tool are credited to the call the agent had seen."""
     local = Store(tmp_path / "local.sqlite")
     shipper = RolloutShipper(OTLPSpanExporter(endpoint=f"{api.url}/v1/traces", headers=AUTH,
                                               compression=Compression.Gzip))
-    tracing.install(local, outlets=[shipper])
-    tracing.request_token_ids_from(api.gateway.base_url)
+    tracing.install(local, gateway_url=api.gateway.base_url, outlets=[shipper])
     jobs = [job(k, {"question": f"What is {k} + 4?"}, prefix="eq") for k in range(4)]
     api.queue(jobs)
-    assert [api.dispatch.claim_now("eq").job for _ in jobs] == jobs  # the server's rows, started
+    claims = [api.dispatch.claim_now("eq") for _ in jobs]
+    assert [c.job for c in claims] == jobs  # the server's rows, started
     agent, score = _agent()
-    llm = ls.LLM(base_url=api.gateway.base_url, api_key=KEY, model="tiny")
+    llm = ls.LLM(base_url=api.gateway.base_url, api_key=AGENTS_KEY, model="tiny")
 
     async def phase():
-        return await asyncio.gather(*(run_rollout(j, rollout_fn=agent, reward_fn=score, llm=llm, store=local,
-                                                  timeout=60) for j in jobs))
+        return await asyncio.gather(*(run_rollout(c.job, rollout_fn=agent, reward_fn=score, llm=llm, store=local,
+                                                  timeout=60, claim=c.secret) for c in claims))
 
     results = asyncio.run(phase())
     tracing.flush()
     assert all(shipper.deliver(j.rollout_id, 30) for j in jobs)
-    for r in results:
+    for r, c in zip(results, claims):
         assert api.dispatch.finish(r.job.rollout_id, Result(worker="eq", status=r.status, reward=r.reward,
-                                                             output=r.output))
+                                                             output=r.output), c.secret)
+    assert api.gateway.capture.flush()
     compared = 0
     for j in jobs:
         here, there = local.spans(j.rollout_id), api.store.spans(j.rollout_id)
-        assert len(here) == len(there) == 4  # two LLM calls, the reward, the failed tool
-        assert here == there  # every field of every span record, the name included
+        mine = [s for s in there if not tracing.is_llm_call(s)]
+        assert len(here) == len(mine) == 2  # the reward, the failed tool
+        assert [dataclasses.replace(s, attributes={k: v for k, v in s.attributes.items() if k != "lightning.claim"})
+                for s in here] == mine  # every other field of every span record, the name included
+        assert len(there) == 4 and sum(map(tracing.is_llm_call, there)) == 2  # and the gateway's two calls
         for kw in ({}, {"components": ["writer"]}, {"failed_reward": -2.0, "error_reward": -0.5}):
-            a = to_transitions(local.rollout(j.rollout_id), here, **kw)
-            b = to_transitions(api.store.rollout(j.rollout_id), there, **kw)
-            assert a == b and a
-            compared += len(a)
+            compared += len(to_transitions(api.store.rollout(j.rollout_id), there, **kw))
         [planner, writer] = to_transitions(api.store.rollout(j.rollout_id), there)
         assert (planner.component, planner.shaping, writer.component) == ("planner", 0.25 - 1.0, "writer")
         assert planner.logprobs and len(planner.logprobs) == len(planner.completion_ids) and planner.temperature == 0.9
@@ -223,11 +234,11 @@ def test_spans_for_rollouts_not_claimed_now_are_refused_and_counted(api):
     post = lambda body: httpx.post(f"{api.url}/v1/traces", json=body, headers=AUTH, timeout=30).json()  # noqa: E731
     assert post(_otlp_json("r-0")) == {"partialSuccess": {"rejectedSpans": "1", "errorMessage": (
         "1 span(s) for a rollout not claimed now (unknown, finished or abandoned)")}}  # queued, not claimed yet
-    api.dispatch.claim_now("w")
-    api.dispatch.claim_now("w")
-    assert post(_otlp_json("r-0")) == {}
-    assert post(_otlp_json("r-1", attempt=2, span_id="00f067aa0ba902b8"))["partialSuccess"]["rejectedSpans"] == "1"
-    assert api.dispatch.finish("r-0", Result(worker="w", status="failed", error="boom"))
+    first, second = api.dispatch.claim_now("w"), api.dispatch.claim_now("w")
+    assert post(_otlp_json("r-0", claim=first.secret)) == {}
+    assert post(_otlp_json("r-1", attempt=2, span_id="00f067aa0ba902b8", claim=second.secret)
+                )["partialSuccess"]["rejectedSpans"] == "1"
+    assert api.dispatch.finish("r-0", Result(worker="w", status="failed", error="boom"), first.secret)
     r = httpx.post(f"{api.url}/v1/work/r-0/result", json={"worker": "w", "status": "failed"}, headers=AUTH)
     assert r.status_code == 409 and "ignored" in r.json()["error"]["message"]
     assert post(_otlp_json("r-0", span_id="00f067aa0ba902b9"))["partialSuccess"]["rejectedSpans"] == "1"  # finished
@@ -235,3 +246,53 @@ def test_spans_for_rollouts_not_claimed_now_are_refused_and_counted(api):
     assert api.store.count("spans") == 1
     assert sum(api.dispatch.spans_refused.values()) == 4
     assert api.dispatch.spans_refused["for another attempt of their rollout"] == 1
+
+
+def test_a_claim_is_its_holders_alone(api):
+    """Spans or a result for a rollout another worker holds: 403, nothing stored, the holder still reports it.
+    The agents' key (every agent's OPENAI_API_KEY) claims nothing; the workers' key calls no LLM route."""
+    api.queue([job(0, {"question": "?"})])
+    agents = {"Authorization": f"Bearer {AGENTS_KEY}"}
+    assert httpx.post(f"{api.url}/v1/work/claim", json={"worker": "agent"}, headers=agents).status_code == 401
+    assert httpx.get(f"{api.url}/v1/models", headers=AUTH).status_code == 401
+    holder = httpx.post(f"{api.url}/v1/work/claim", json={"worker": "w1"}, headers=AUTH, timeout=30).json()
+    thief = {"x-lightning-claim": "guessed"}
+    r = httpx.post(f"{api.url}/v1/traces", json=_otlp_json("r-0", claim="guessed", reward=1.0), headers=AUTH)
+    assert r.status_code == 403 and "claim" in r.json()["message"]
+    r = httpx.post(f"{api.url}/v1/traces", json=_otlp_json("r-0", reward=1.0), headers=AUTH)  # no secret at all
+    assert r.status_code == 403
+    result = {"worker": "w2", "status": "succeeded", "reward": 1.0}
+    r = httpx.post(f"{api.url}/v1/work/r-0/result", json=result, headers={**AUTH, **thief})
+    assert r.status_code == 403
+    assert api.store.count("spans") == 0 and api.store.rollout("r-0").status == "running"
+    r = httpx.post(f"{api.url}/v1/work/r-0/result", json={**result, "worker": "w1", "reward": 0.0},
+                   headers={**AUTH, "x-lightning-claim": holder["secret"]})
+    assert r.status_code == 200 and api.store.rollout("r-0").reward == 0.0
+
+
+@pytest.mark.parametrize("sent, field", [
+    (b'{"worker": "w", "status": "succeeded", "reward": NaN}', "reward"),
+    (b'{"worker": "w", "status": "succeeded", "reward": "abc"}', "reward"),
+    ("span", "lightning.reward.value"),
+    ("nan span", "lightning.reward.value"),
+])
+def test_a_worker_s_garbage_fails_its_rollout_with_one_line_naming_the_field(api, sent, field):
+    api.queue([job(0, {"question": "?"})])
+    holder = httpx.post(f"{api.url}/v1/work/claim", json={"worker": "w"}, headers=AUTH, timeout=30).json()
+    headers = {**AUTH, "x-lightning-claim": holder["secret"], "Content-Type": "application/json"}
+    if isinstance(sent, bytes):
+        r = httpx.post(f"{api.url}/v1/work/r-0/result", content=sent, headers=headers)
+        assert r.status_code == 400
+    else:
+        reward = "abc" if sent == "span" else float("nan")
+        body = json.dumps(_otlp_json("r-0", claim=holder["secret"], reward=reward)).encode()  # NaN: as Python writes
+        r = httpx.post(f"{api.url}/v1/traces", content=body, headers=headers)
+        assert r.status_code == 200 and r.json()["partialSuccess"]["rejectedSpans"] == "1"
+        r = httpx.post(f"{api.url}/v1/work/r-0/result", json={"worker": "w", "status": "succeeded", "reward": 1.0},
+                       headers=headers)
+        assert r.status_code == 200
+    [result] = api.results(1)
+    row = api.store.rollout("r-0")
+    assert result.status == row.status == "failed" and row.reward is None
+    assert field in row.error and "\n" not in row.error, row.error
+    assert api.store.count("spans") == 0  # the bad reward span was not stored

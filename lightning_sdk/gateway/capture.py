@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 from opentelemetry import baggage, trace
 
-from lightning_sdk.tracing.context import COMPONENT_KEY, PROPAGATOR
+from lightning_sdk.tracing.context import COMPONENT_KEY, PROPAGATOR, ROLLOUT_KEY
 from lightning_sdk.tracing.propagation import CALL_ID_HEADER
 from lightning_sdk.tracing.records import (API, ATTEMPT, COMPLETION_IDS, COMPLETION_LOGPROBS, COMPONENT, GATEWAY,
                                            POLICY, PROMPT_IDS, ROLLOUT_ID, UNREPRODUCIBLE, CallSink, SpanRecord)
@@ -109,7 +109,11 @@ def origin(headers: Mapping[str, str], rollouts: OpenRollouts, key: str | None =
     comp = comp if isinstance(comp, str) and 0 < len(comp) <= 200 and comp.isprintable() else None
     if key is not None:
         return Origin(rollouts.get(key), key, parent_id if trace_id == key else None, comp)
-    return Origin(rollouts.get(trace_id), trace_id, parent_id, comp)
+    rollout = rollouts.get(trace_id)
+    if rollout is None:  # under a span that started a trace of its own: the rollout's baggage entry still says
+        named = baggage.get_baggage(ROLLOUT_KEY, ctx)
+        rollout = rollouts.get(named if isinstance(named, str) else None)
+    return Origin(rollout, trace_id, parent_id, comp)
 
 
 @dataclass

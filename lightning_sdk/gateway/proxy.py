@@ -68,11 +68,12 @@ class Backends:
 class Gateway:
     """See the module docstring. `Gateway(...)` binds; `add_routes` (optional) then `start` serves; `stop` ends."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, api_key: str, model_names: Sequence[str] = ()):
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, api_key: str, model_names: Sequence[str] = (),
+                 rollouts: OpenRollouts | None = None):
         if not api_key:
             raise ValueError("api_key must not be empty")
         self.api_key = api_key
-        self.rollouts = OpenRollouts()  # the runtime opens each rollout here before its agent runs
+        self.rollouts = rollouts or OpenRollouts()  # the runtime opens each rollout here before its agent runs
         self.capture = Capture(self.rollouts)  # records every call served; `capture.record_to(store)` turns it on
         self._route_keys: dict[str, str] = {}
         self.model_names = tuple(model_names)

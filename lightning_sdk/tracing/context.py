@@ -31,6 +31,7 @@ from lightning_sdk.tracing.records import AFTER_CALL, REWARD_NAME, REWARD_SPAN, 
 # What the agent side and the gateway speak, whatever propagators the application configured globally.
 PROPAGATOR = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
 COMPONENT_KEY = "lightning.component"  # the baggage entry `component` sets
+ROLLOUT_KEY = "lightning.rollout"  # the baggage entry naming the rollout's trace id, for a span that starts a trace
 
 
 @dataclass
@@ -58,7 +59,9 @@ def rollout_context(rollout_id: str, attempt: int = 1, *, trace_id: str | None =
     ctx = RolloutContext(rollout_id, attempt, trace_id or secrets.token_hex(16), claim)
     span = NonRecordingSpan(SpanContext(int(ctx.trace_id, 16), secrets.randbits(64) or 1, is_remote=False,
                                         trace_flags=TraceFlags(TraceFlags.SAMPLED)))
-    otel_token = otel_context.attach(trace.set_span_in_context(span, otel_context.Context()))
+    # The baggage entry keeps the rollout known to the gateway under a framework's span that starts a new trace.
+    otel_token = otel_context.attach(baggage.set_baggage(ROLLOUT_KEY, ctx.trace_id,
+                                                         trace.set_span_in_context(span, otel_context.Context())))
     token = _rollout.set(ctx)
     try:
         yield ctx

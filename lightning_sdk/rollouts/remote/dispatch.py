@@ -197,6 +197,12 @@ class Dispatch:
                 with self._lock:
                     self._waiters.discard(waiter)
 
+    def holds(self, rollout_id: str, secret: object) -> bool:
+        """Whether `secret` is the claim's of a rollout claimed now."""
+        with self._lock:
+            claim = self._claims.get(rollout_id)
+            return claim is not None and claim.holds(secret)
+
     def finish(self, rollout_id: str, result: Result | str, secret: object) -> RolloutResult | None:
         """Record a worker's result (or, given a string, the one line saying why its result body was refused: the
         rollout fails with it); None (and nothing recorded) if the rollout is not claimed right now; Forbidden if

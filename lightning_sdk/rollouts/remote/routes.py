@@ -69,9 +69,9 @@ def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, redirect_ope
         body = await _parse(request, Result, max_body_bytes)
         try:
             if isinstance(body, Response):
-                # A claimed rollout whose result is malformed (a NaN or string reward...) fails, with the line that
-                # says why; the worker hears the same line (4xx).
-                if body.status_code == 400:
+                # A rollout whose holder reports it with a malformed result (a NaN or string reward...) fails, with
+                # the line that says why; the worker hears the same line (4xx). From anyone else: only the 4xx.
+                if body.status_code == 400 and dispatch.holds(rollout_id, secret):
                     await asyncio.to_thread(dispatch.finish, rollout_id, _message(body), secret)
                 return body
             finished = await asyncio.to_thread(dispatch.finish, rollout_id, body, secret)
