@@ -84,7 +84,8 @@ def to_transitions(
         skipped["no_llm_call"] += 1
         return []
     ok = [c for c in calls if not c.is_error]
-    skipped["failed_call"] += len(calls) - len(ok)
+    if len(ok) < len(calls):
+        skipped["failed_call"] += len(calls) - len(ok)
     wanted = set(components)
     chosen = []
     for c in ok:

@@ -1,11 +1,11 @@
-"""Spans -> transitions: components of interest, intermediate rewards, credit rules, loud capture failures."""
+"""Spans -> transitions: components of interest, intermediate rewards, credit rules, what cannot train counted."""
 
 from collections import Counter
 
 import pytest
 
 from lightning_sdk import credit
-from lightning_sdk.transitions import CaptureError, to_transitions
+from lightning_sdk.transitions import to_transitions
 from lightning_sdk.store import RolloutRecord, Store
 from lightning_sdk.tracing import (COMPLETION_IDS, COMPLETION_LOGPROBS, PROMPT_IDS, REWARD_NAME, REWARD_SPAN,
                                    REWARD_VALUE, SpanRecord)
@@ -25,8 +25,8 @@ def llm_span(i, component=None, *, status="OK", prompt=(1, 2), completion=(3, 4)
     if status == "ERROR":
         attrs = {"gen_ai.operation.name": "chat"}
     return SpanRecord(span_id=f"s{i}", trace_id="t", parent_id=None, rollout_id="r1", attempt=1, component=component,
-                      name="openai.chat", start_ns=int(i * 10), end_ns=int(i * 10 + 5), status=status, status_message=None,
-                      attributes=attrs)
+                      name="chat m", start_ns=int(i * 10), end_ns=int(i * 10 + 5), status=status, status_message=None,
+                      attributes=attrs, source="gateway")
 
 
 def reward_span(i, value, name="step"):
@@ -102,12 +102,16 @@ def test_greedy_and_n_choice_calls_are_left_out_and_counted():
     assert skipped["greedy"] == 1 and skipped["n>1"] == 1
 
 
-def test_sampling_settings_are_captured_and_unreproducible_ones_refused():
+def test_sampling_settings_are_captured_and_unreproducible_ones_left_out_by_name():
     [t] = to_transitions(rollout(), [llm_span(0, temperature=1.3, **{"gen_ai.request.top_p": 0.6,
                                                                    "gen_ai.response.finish_reasons": ["length"]})])
     assert (t.temperature, t.top_p, t.finish_reason) == (1.3, 0.6, "length")
-    with pytest.raises(CaptureError, match="frequency_penalty=0.5, which the trainer cannot reproduce"):
-        to_transitions(rollout(), [llm_span(0, **{"gen_ai.request.frequency_penalty": 0.5})])
+    skipped = Counter()
+    out = to_transitions(rollout(), [llm_span(0, **{"lightning.llm.unreproducible": ["frequency_penalty"]}),
+                                     llm_span(1, **{"lightning.llm.unreproducible": ["top_k"]}), llm_span(2)],
+                         skipped=skipped)
+    assert [t.span_id for t in out] == ["s2"]  # one call's setting never stops a run
+    assert skipped == {"setting:frequency_penalty": 1, "setting:top_k": 1}
 
 
 def test_failed_rollout_trains_at_failed_reward():
@@ -119,23 +123,41 @@ def test_failed_rollout_trains_at_failed_reward():
     assert to_transitions(failed, [], failed_reward=-1.0) == []  # failed before any call: nothing to train
 
 
-def test_no_captured_call_is_a_loud_error_naming_the_rollout():
-    with pytest.raises(CaptureError, match="rollout r1 .*no LLM call was captured"):
-        to_transitions(rollout(), [reward_span(0, 1.0)])
+def test_a_rollout_without_an_llm_call_has_nothing_to_train_and_is_counted():
+    skipped = Counter()
+    assert to_transitions(rollout(), [reward_span(0, 1.0)], skipped=skipped) == []
+    assert skipped == {"no_llm_call": 1}
 
 
-def test_call_without_token_ids_is_a_loud_error():
+def test_an_agent_s_own_span_with_token_ids_is_never_a_call():
+    """Only the gateway's record is an LLM call: a span an agent or worker sends with ids trains nothing."""
+    forged = llm_span(0)
+    forged.source = "agent"
+    assert to_transitions(rollout(), [forged], skipped=(skipped := Counter())) == [] and skipped["no_llm_call"] == 1
+
+
+@pytest.mark.parametrize("bad", [{COMPLETION_IDS: [3, -5]}, {PROMPT_IDS: "1 2"}, {COMPLETION_IDS: []},
+                                 {COMPLETION_LOGPROBS: [-0.5]}, {COMPLETION_LOGPROBS: [float("nan"), -1.0]}])
+def test_a_record_with_bad_ids_or_logprobs_is_left_out_and_counted(bad):
     span = llm_span(0)
-    del span.attributes[COMPLETION_IDS]
-    with pytest.raises(CaptureError, match="without token ids"):
-        to_transitions(rollout(), [span])
+    span.attributes.update(bad)
+    skipped = Counter()
+    assert to_transitions(rollout(), [span, llm_span(1)], skipped=skipped)[0].span_id == "s1"
+    assert skipped == {"bad_token_ids": 1}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "abc", 1e300])
+def test_a_reward_span_that_is_not_a_bounded_number_is_left_out_and_counted(value):
+    skipped = Counter()
+    [t] = to_transitions(rollout(), [llm_span(0), reward_span(1, value)], skipped=skipped)
+    assert t.shaping == 0.0 and skipped == {"bad_reward": 1}
 
 
 def test_round_trip_through_the_store(tmp_path):
     store = Store(tmp_path / "s.sqlite")
     store.start_rollout("r1", task_id="t", group_id="0:0", iteration=0, phase="train")
-    spans = [llm_span(0, "writer"), reward_span(1, 0.5)]
-    store.write_spans(spans)
+    store.write_calls([llm_span(0, "writer")])  # the gateway's record
+    store.write_spans([reward_span(1, 0.5), llm_span(2, "writer")])  # an agent's spans: the second is no call
     store.finish_rollout("r1", status="succeeded", output="x", reward=1.0)
     rec = store.rollout("r1")
     out = to_transitions(rec, store.spans("r1"))

@@ -118,3 +118,24 @@ def test_the_runtimes_whose_agent_runs_elsewhere_agree_with_their_collectors():
                 assert str(e).startswith("agent: required key is missing")
             else:
                 raise AssertionError(f"run.runtime = {rt!r} without [agent] was accepted")
+
+
+def test_core_dependencies_are_ranges_and_ci_tests_their_lower_bounds():
+    """Every core (agent-side) dependency is a range, never `==`; .ci/lowest.txt installs exactly each lower
+    bound, and CI runs the agent-side tests there."""
+    import re
+    import tomllib
+
+    root = PKG.parent
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    lowest = dict(line.split("==") for line in (root / ".ci" / "lowest.txt").read_text().splitlines()
+                  if "==" in line and not line.startswith("#"))
+    for dep in deps:
+        name, spec = re.match(r"([A-Za-z0-9_.-]+)(.*)", dep).groups()
+        assert "==" not in spec, dep
+        low = re.search(r">=\s*([0-9][^,\s]*)", spec)
+        assert low, f"{dep}: no lower bound"
+        assert lowest.get(name) is not None, f"{name} is not in .ci/lowest.txt"
+        assert tuple(map(int, lowest[name].split("."))) >= tuple(map(int, low.group(1).split("."))), name
+        padded = low.group(1) + ".0" * (3 - low.group(1).count(".") - 1)
+        assert lowest[name] == padded or lowest[name] == low.group(1), (name, lowest[name], low.group(1))

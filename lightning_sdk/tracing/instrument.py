@@ -58,8 +58,8 @@ def install(sink: SpanSink, *, gateway_url: str | None = None, otlp_endpoint: st
                                                                          otlp_endpoint, outlets))
         _state.forward.target = processor
         _state.processor = processor
-        if processor.exporters.processors and not _state.instrumented:
-            _instrument_openai(_state.provider)
+        if bool(processor.exporters.processors) != _state.instrumented:  # only while spans go to the user's tools
+            _instrument_openai(_state.provider, on=not _state.instrumented)
         if gateway_url is not None:
             propagation.enable(gateway_url)
         return processor
@@ -103,17 +103,20 @@ def _adopt_global(provider: TracerProvider) -> TracerProvider | None:
     return None
 
 
-def _instrument_openai(provider: TracerProvider) -> None:
-    """The OpenAI client's own gen_ai spans, for the user's observability (its public `instrument()`); a run
-    trains on the gateway's records, never on these."""
+def _instrument_openai(provider: TracerProvider, *, on: bool) -> None:
+    """The OpenAI client's own gen_ai spans, for the user's observability (its public `instrument()` and
+    `uninstrument()`); a run trains on the gateway's records, never on these."""
     try:
         from opentelemetry.instrumentation.openai import OpenAIInstrumentor
     except ImportError:
         log.info("opentelemetry-instrumentation-openai is not installed: the OpenAI client's own spans are not "
                  "exported (the gateway's records of the calls are)")
         return
-    OpenAIInstrumentor().instrument(tracer_provider=provider)
-    _state.instrumented = True
+    if on:
+        OpenAIInstrumentor().instrument(tracer_provider=provider)
+    else:
+        OpenAIInstrumentor().uninstrument()
+    _state.instrumented = on
 
 
 def flush(timeout_s: float = 30.0, *, exporters: bool = False) -> None:
