@@ -43,7 +43,6 @@ rollout_fn, reward_fn = load_agent(str(ROOT / "cookbook/arith/agent.py"), None, 
 tasks = data.load(ROOT / "cookbook/arith/data/train.jsonl")
 tmp = Path(tempfile.mkdtemp(prefix="ls-collect-bench-"))
 store = Store(tmp / "store.sqlite")
-tracing.install(store)
 
 
 async def collect(llm: LLM, concurrency: int, n: int) -> int:
@@ -53,8 +52,12 @@ async def collect(llm: LLM, concurrency: int, n: int) -> int:
 
     async def one(job: RolloutJob):
         async with gate:
-            return await run_rollout(job, rollout_fn=rollout_fn, reward_fn=reward_fn, llm=llm, store=store,
-                                     timeout=60)
+            gateway.rollouts.open(job.trace_id, job.rollout_id)  # as a runtime does
+            try:
+                return await run_rollout(job, rollout_fn=rollout_fn, reward_fn=reward_fn, llm=llm, store=store,
+                                         timeout=60)
+            finally:
+                gateway.rollouts.close(job.trace_id)
 
     results = await asyncio.gather(*(one(j) for j in jobs))
     return sum(r.status == "succeeded" for r in results)
@@ -78,8 +81,8 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
     gateway = Gateway(api_key="bench")
     gateway.start([server.url], backend_key=server.api_key)
     gateway.policy = "policy"
-    tracing.request_token_ids_from(gateway.base_url)
-    tracing.request_token_ids_from(server.base_url)
+    tracing.install(store, gateway_url=gateway.base_url)
+    gateway.capture.record_to(store)  # every call through the gateway is recorded, as in a run
     llm = LLM(base_url=gateway.base_url, api_key="bench", model="gpt-4o-mini")  # as an unchanged agent names it
     stats = lambda: httpx.get(f"{server.url}/stats").json()  # noqa: E731
     rate: dict[int, tuple[float, float]] = {}

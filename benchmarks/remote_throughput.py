@@ -53,7 +53,6 @@ def jobs(tag: str) -> list[RolloutJob]:
 def measure(runtime: str) -> float:
     tmp = Path(tempfile.mkdtemp(prefix=f"ls-{runtime}-bench-"))
     store = Store(tmp / "store.sqlite")
-    tracing.install(store)
     gateway = Gateway(api_key=new_api_key())
     agent = Agent(module, *load_agent(module, None, None)) if runtime == "embedded" else None
     cls = EmbeddedCollector if runtime == "embedded" else RemoteCollector
@@ -61,7 +60,8 @@ def measure(runtime: str) -> float:
                     console=Console(quiet=True))
     collector.start()
     gateway.policy = collector.server.served_model_name
-    tracing.request_token_ids_from(gateway.base_url)
+    tracing.install(store, gateway_url=gateway.base_url)
+    gateway.capture.record_to(store)  # as a run's session does
     workers = []
     if runtime == "remote":
         env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -73,7 +73,7 @@ def run(config: str | Path | Config = "lightning.toml", *, resume: bool = False,
 
 
 def _run(cfg: Config, *, resume: bool, overwrite: bool) -> RunResult:
-    from lightning_sdk.cli import configure_output, make_console
+    from lightning_sdk.console import configure_output, make_console
 
     try:
         from lightning_sdk.runtime import Runtime

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,10 +14,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from lightning_sdk import config as config_mod
+from lightning_sdk.console import configure_output, make_console
 from lightning_sdk.distribution import DISTRIBUTION, VERSION, missing_train_extra
 
 EXIT_USAGE = 2  # click's convention for bad input
-LOG_WIDTH = 200  # columns when the output is not a terminal: the iteration table's 11 columns fit uncut
 
 
 def _fail(console: Console, message: str, details: str | None = None) -> None:
@@ -35,30 +33,6 @@ def _fail(console: Console, message: str, details: str | None = None) -> None:
 def main() -> None:
     """Train the LLM inside an existing agent with reinforcement learning."""
     configure_output()
-
-
-def configure_output() -> None:
-    """`lightning` and `lightning_sdk.train`: our own log lines (the model-build status) at INFO; libraries (httpx
-    logs every request at INFO) only when they warn. basicConfig leaves an application's own logging alone."""
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("lightning_sdk").setLevel(logging.INFO)
-    quiet_progress_bars()
-
-
-def quiet_progress_bars() -> None:
-    """Output that is not a terminal (a log file, nohup, CI) gets no transformers / hub progress bars: there each
-    redraw is a line of noise. Set before huggingface_hub is imported; server subprocesses inherit it."""
-    if not sys.stderr.isatty():
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
-def make_console() -> Console:
-    """The run's console. Not a terminal and no COLUMNS: rich would fall back to 80 columns and cut every value of
-    the summary table ('ari…'); a log file has no width to respect, so lines may be as long as the table needs."""
-    console = Console()
-    if not console.is_terminal and not console.is_jupyter and "COLUMNS" not in os.environ:
-        console = Console(width=LOG_WIDTH)
-    return console
 
 
 @main.command()

@@ -37,7 +37,7 @@ from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.servers import ServerError, SleepableServer
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.process import new_api_key
-from lightning_sdk.store import Store
+from lightning_sdk.store import Store, eval_score
 from lightning_sdk.train.checkpoint import CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint, write_checkpoint
 from lightning_sdk.transitions import Transition, to_transitions
 
@@ -385,7 +385,7 @@ class Runtime:
                            group_id=f"eval:{label}:{i}", task=t, iteration=phase_it, phase="eval")
                 for i, t in enumerate(tasks)]
         results = self._collect(jobs, policy, f"eval ({label})")
-        scores = [r.reward if r.reward is not None else 0.0 for r in results]  # a failed rollout scores 0
+        scores = [eval_score(r.reward) for r in results]
         mean = sum(scores) / len(scores)
         self.console.print(f"eval ({label}, {policy}): mean reward {mean:.3f} over {len(scores)} tasks")
         return mean

@@ -70,6 +70,14 @@ CREATE VIEW IF NOT EXISTS rewards (rollout_id, span_id, name, kind, value, creat
 """
 
 
+FAILED_EVAL_SCORE = 0.0  # what an eval rollout that failed (no reward) scores: the one rule, used everywhere
+
+
+def eval_score(reward: float | None) -> float:
+    """An eval rollout's score: its reward, or FAILED_EVAL_SCORE when it failed."""
+    return FAILED_EVAL_SCORE if reward is None else reward
+
+
 @dataclass(frozen=True)
 class RolloutRecord:
     rollout_id: str
@@ -252,6 +260,52 @@ class Store:
         rows = self._read(f"SELECT rollout_id, COUNT(*) AS n FROM spans WHERE rollout_id IN ({marks})"
                           f" AND source = ? GROUP BY rollout_id", [*rollout_ids, GATEWAY])
         return {r["rollout_id"]: r["n"] for r in rows}
+
+    def rollout_page(self, *, status: str | None = None, phase: str | None = None, iteration: int | None = None,
+                     min_reward: float | None = None, max_reward: float | None = None, component: str | None = None,
+                     limit: int = 50, offset: int = 0) -> tuple[int, list[RolloutRecord]]:
+        """(how many match, one page of them newest first): the filters run in SQL, so a big store is never
+        loaded whole."""
+        where, args = [], []
+        for col, op, val in (("status", "=", status), ("phase", "=", phase), ("iteration", "=", iteration),
+                             ("reward", ">=", min_reward), ("reward", "<=", max_reward)):
+            if val is not None:
+                where.append(f"{col} {op} ?")
+                args.append(val)
+        if component is not None:
+            where.append("rollout_id IN (SELECT rollout_id FROM spans WHERE component = ?)")
+            args.append(component)
+        cond = (" WHERE " + " AND ".join(where)) if where else ""
+        total = self._read(f"SELECT COUNT(*) AS n FROM rollouts{cond}", args)[0]["n"]
+        rows = self._read(f"SELECT * FROM rollouts{cond} ORDER BY started_at DESC, rollout_id DESC LIMIT ? OFFSET ?",
+                          [*args, int(limit), max(0, int(offset))])
+        return total, [self._rollout(r) for r in rows]
+
+    def status_counts(self) -> dict[str, int]:
+        return {r["status"]: r["n"] for r in self._read("SELECT status, COUNT(*) AS n FROM rollouts GROUP BY status")}
+
+    def components(self) -> list[str]:
+        """Every component a span or call of the run names."""
+        return [r["component"] for r in self._read(
+            "SELECT DISTINCT component FROM spans WHERE component IS NOT NULL ORDER BY component")]
+
+    def span_counts(self, rollout_ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """(LLM calls, all spans) per rollout."""
+        if not rollout_ids:
+            return {}
+        marks = ",".join("?" * len(rollout_ids))
+        rows = self._read(f"SELECT rollout_id, COUNT(*) AS spans, SUM(source = ?) AS calls FROM spans"
+                          f" WHERE rollout_id IN ({marks}) GROUP BY rollout_id", [GATEWAY, *rollout_ids])
+        return {r["rollout_id"]: (r["calls"], r["spans"]) for r in rows}
+
+    def eval_scores(self) -> list[dict]:
+        """Per eval iteration: the mean score of its finished rollouts (`eval_score`), how many finished, how many
+        still run."""
+        rows = self._read(
+            "SELECT iteration, AVG(CASE WHEN status != 'running' THEN COALESCE(reward, ?) END) AS mean,"
+            " SUM(status != 'running') AS finished, SUM(status = 'running') AS running FROM rollouts"
+            " WHERE phase = 'eval' GROUP BY iteration ORDER BY iteration", (FAILED_EVAL_SCORE,))
+        return [dict(r) for r in rows]
 
     def rewards(self, rollout_id: str) -> list[dict]:
         """Intermediate rewards (reward spans) in the order they were emitted, then the final one."""

@@ -285,3 +285,21 @@ def test_the_per_rollout_base_url_needs_no_opentelemetry(gw, store):
         gw.rollouts.close(trace_id)
     (call,) = recorded_calls(gw, store, "r-url")
     assert call.trace_id == trace_id and call.status == "OK"
+
+
+def test_the_completions_api_is_served_and_recorded_plain_and_streamed(gw, store, tiny_model_path):
+    from lightning_sdk.models import load_tokenizer
+
+    c = client(gw)
+    with in_rollout(gw, "r-compl"):
+        plain = c.completions.create(model="gpt-3.5-turbo-instruct", prompt="2 + 3 =", max_tokens=4)
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="gpt-3.5-turbo-instruct", prompt="2 + 3 =", max_tokens=4, stream=True, logprobs=1) if ch.choices)
+    first, second = recorded_calls(gw, store, "r-compl")
+    expected = list(load_tokenizer(tiny_model_path)("2 + 3 =")["input_ids"])
+    for call in (first, second):
+        a = call.attributes
+        assert a[PROMPT_IDS] == expected and a["lightning.llm.api"] == "completions"
+        assert a[COMPLETION_IDS] and len(a[COMPLETION_LOGPROBS]) == len(a[COMPLETION_IDS])
+    assert plain.choices[0].logprobs is None and isinstance(streamed, str)
+    assert "prompt_token_ids" not in (plain.choices[0].model_extra or {})

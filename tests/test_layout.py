@@ -14,7 +14,7 @@ PKG = Path(lightning_sdk.__file__).parent
 
 # Top-level part -> its height. A module may import only parts at its height or below.
 HEIGHT = {
-    "errors": 0, "files": 0, "distribution": 0, "compat": 0, "config": 1, "data": 1,
+    "errors": 0, "files": 0, "distribution": 0, "compat": 0, "console": 1, "config": 1, "data": 1,
     "agent": 2, "tracing": 3,                      # the agent side: no store, trainer or server below them
     "gateway": 3,                                  # makes each call's record; the store keeps it
     "store": 4, "credit": 5, "transitions": 6, "models": 5,
@@ -139,3 +139,19 @@ def test_core_dependencies_are_ranges_and_ci_tests_their_lower_bounds():
         assert tuple(map(int, lowest[name].split("."))) >= tuple(map(int, low.group(1).split("."))), name
         padded = low.group(1) + ".0" * (3 - low.group(1).count(".") - 1)
         assert lowest[name] == padded or lowest[name] == low.group(1), (name, lowest[name], low.group(1))
+
+
+def test_no_private_name_crosses_a_file_boundary():
+    """`from x import _name` across files: a private name is its module's own (the house rule)."""
+    wrong = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_sdk"):
+                wrong += [f"{name} imports {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not wrong, wrong
+
+
+def test_no_two_modules_share_a_name():
+    names = [m.rsplit(".", 1)[-1] for m, p in _modules().items() if p.name not in ("__init__.py", "__main__.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []

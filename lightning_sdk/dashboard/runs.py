@@ -81,7 +81,7 @@ class RunReader:
         out = []
         for path in discover(self.root):
             history = _history(path)
-            counts = self._with_store(path, _status_counts, {})
+            counts = self._with_store(path, Store.status_counts, {})
             out.append({
                 "id": path.relative_to(self.root).as_posix() or ".",
                 "path": str(path),
@@ -106,8 +106,8 @@ class RunReader:
                              "finished": None, "running": 0})
         return {
             "id": run_id, "path": str(path), "history": history, "evals": evals,
-            "counts": self._with_store(path, _status_counts, {}),
-            "components": self._with_store(path, _components, []),
+            "counts": self._with_store(path, Store.status_counts, {}),
+            "components": self._with_store(path, Store.components, []),
             "credit": asdict(self.credit),
         }
 
@@ -118,29 +118,13 @@ class RunReader:
                  iteration: int | None = None, offset: int = 0, limit: int = 50) -> dict[str, Any]:
         """One page of rollouts, newest first, with the filters applied in SQL (a big store is never loaded whole)."""
         path = self.run_dir(run_id)
-        where, args = [], []
-        for col, val in (("status", status), ("phase", phase), ("iteration", iteration)):
-            if val is not None:
-                where.append(f"{col} = ?")
-                args.append(val)
-        if min_reward is not None:
-            where.append("reward >= ?")
-            args.append(min_reward)
-        if max_reward is not None:
-            where.append("reward <= ?")
-            args.append(max_reward)
-        if component is not None:
-            where.append("rollout_id IN (SELECT rollout_id FROM spans WHERE component = ?)")
-            args.append(component)
-        cond = (" WHERE " + " AND ".join(where)) if where else ""
         limit = max(1, min(int(limit), MAX_PAGE))
 
         def query(store: Store) -> dict[str, Any]:
-            total = store._read(f"SELECT COUNT(*) AS n FROM rollouts{cond}", args)[0]["n"]
-            rows = store._read(f"SELECT * FROM rollouts{cond} ORDER BY started_at DESC, rollout_id DESC "
-                               f"LIMIT ? OFFSET ?", [*args, limit, max(0, int(offset))])
-            records = [store._rollout(r) for r in rows]
-            calls = _call_counts(store, [r.rollout_id for r in records])
+            total, records = store.rollout_page(status=status, phase=phase, iteration=iteration, min_reward=min_reward,
+                                                max_reward=max_reward, component=component, limit=limit,
+                                                offset=offset)
+            calls = store.span_counts([r.rollout_id for r in records])
             return {"total": total, "offset": offset, "limit": limit, "rows": [
                 {"rollout_id": r.rollout_id, "phase": r.phase, "iteration": r.iteration, "status": r.status,
                  "reward": r.reward, "calls": calls.get(r.rollout_id, (0, 0))[0],
@@ -231,38 +215,10 @@ def _state(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _status_counts(store: Store) -> dict[str, int]:
-    return {r["status"]: r["n"] for r in store._read("SELECT status, COUNT(*) AS n FROM rollouts GROUP BY status")}
-
-
-def _components(store: Store) -> list[str]:
-    return [r["component"] for r in store._read(
-        "SELECT DISTINCT component FROM spans WHERE component IS NOT NULL ORDER BY component")]
-
-
-def _call_counts(store: Store, rollout_ids: list[str]) -> dict[str, tuple[int, int]]:
-    """(LLM calls, all spans) per rollout. An LLM call as `transitions.is_llm_call` tells it; Store.call_counts
-    counts every span but reward spans, tool spans included."""
-    if not rollout_ids:
-        return {}
-    marks = ",".join("?" * len(rollout_ids))
-    rows = store._read(
-        f"SELECT rollout_id, COUNT(*) AS spans, SUM(name != ? AND (json_extract(attributes, '$.\"{COMPLETION_IDS}\"')"
-        f" IS NOT NULL OR json_extract(attributes, '$.\"{PROMPT_IDS}\"') IS NOT NULL"
-        f" OR json_extract(attributes, '$.\"gen_ai.operation.name\"') = 'chat')) AS calls"
-        f" FROM spans WHERE rollout_id IN ({marks}) GROUP BY rollout_id", [REWARD_SPAN, *rollout_ids])
-    return {r["rollout_id"]: (r["calls"], r["spans"]) for r in rows}
-
-
 def _evals(store: Store) -> list[dict[str, Any]]:
-    # The runtime scores eval tasks at iteration 0 before training and at run.iterations after it; a failed
-    # eval rollout scores 0, as the runtime counts it.
-    rows = store._read(
-        "SELECT iteration, AVG(CASE WHEN status != 'running' THEN COALESCE(reward, 0) END) AS mean, SUM(status != 'running') AS finished,"
-        " SUM(status = 'running') AS running FROM rollouts WHERE phase = 'eval' GROUP BY iteration ORDER BY iteration")
-    return [{"iteration": r["iteration"], "mean": r["mean"], "finished": r["finished"], "running": r["running"],
-             "label": "before training" if r["iteration"] == 0 else f"after {r['iteration']} iterations"}
-            for r in rows]
+    # The runtime scores eval tasks at iteration 0 before training and at run.iterations after it.
+    return [{**r, "label": "before training" if r["iteration"] == 0 else f"after {r['iteration']} iterations"}
+            for r in store.eval_scores()]
 
 
 def _kind(span: SpanRecord) -> str:

@@ -86,6 +86,33 @@ class ChatCompletionRequest(Lenient):
         return v
 
 
+class CompletionRequest(Lenient):
+    """The completions API (one prompt: text, or token ids), as OpenAI and vLLM take it."""
+
+    model: str
+    prompt: str | list[int] = Field(min_length=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    echo: bool = False
+    return_token_ids: bool | None = None  # accepted; ids are always returned
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own prefix (BOS) before the prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported by this server")
+        return v
+
+
 class LoadLoraRequest(Lenient):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
@@ -215,6 +242,49 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
             raise _as_api_error(e) from e
         return _completion(engine, body, meta, result, parse_calls)
 
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest):
+        if body.model != served_model_name and body.model not in engine.adapters:
+            raise APIError(404, f"The model `{body.model}` does not exist.", "model")
+        if isinstance(body.prompt, str):
+            if len(body.prompt) > max_prompt_chars:
+                raise APIError(400, f"the prompt holds {len(body.prompt)} characters, more than this server's limit "
+                                    f"of {max_prompt_chars}", "prompt")
+            prompt_ids = await asyncio.to_thread(engine.encode_text, body.prompt,
+                                                 add_special_tokens=body.add_special_tokens)
+        else:
+            prompt_ids = list(body.prompt)
+            if any(i < 0 or i >= engine.vocab_size for i in prompt_ids):
+                raise APIError(400, f"prompt: token ids must be in [0, {engine.vocab_size})", "prompt")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if any(not s for s in stop):
+            raise APIError(400, "stop strings must not be empty", "stop")
+        req = GenerationRequest(
+            prompt_ids=prompt_ids, max_tokens=body.max_tokens or 16,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, n=body.n, stop=stop,
+            stop_token_ids=list(body.stop_token_ids or []), top_logprobs=body.logprobs or 0, seed=body.seed,
+            adapter=None if body.model == served_model_name else body.model)
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": body.model}
+        if body.stream:
+            try:
+                events = engine.stream(req)
+                first = await anext(events)
+            except (RequestError, ModelNotFound) as e:
+                raise _as_api_error(e) from e
+            return StreamingResponse(_completion_sse(engine, body, req, meta, first, events),
+                                     media_type="text/event-stream")
+        try:
+            result = await engine.generate(req)
+        except (RequestError, ModelNotFound) as e:
+            raise _as_api_error(e) from e
+        return {**meta, "choices": [{
+            "index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "logprobs": _text_logprobs(engine, body, c.token_ids, c.logprobs, c.top_logprobs),
+            "token_ids": c.token_ids, "prompt_token_ids": result.prompt_ids,
+        } for c in result.choices], "usage": _usage(result)}
+
     app.include_router(v1)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     if api_key is not None:
@@ -319,6 +389,41 @@ def _completion(engine: Engine, body: ChatCompletionRequest, meta: dict, result:
         "usage": _usage(result),
         "prompt_token_ids": result.prompt_ids,
     }
+
+
+def _text_logprobs(engine: Engine, body: CompletionRequest, ids: list[int], lps: list[float],
+                   top: list[list[tuple[int, float]]] | None) -> dict | None:
+    """The completions API's log-probs (its legacy shape: parallel lists)."""
+    if body.logprobs is None:
+        return None
+    return {"tokens": [engine.token_text(i) for i in ids], "token_logprobs": [_logprob(x) for x in lps],
+            "top_logprobs": [{engine.token_text(i): _logprob(lp) for i, lp in (top[k] if top else [])}
+                             for k in range(len(ids))], "text_offset": []}
+
+
+async def _completion_sse(engine: Engine, body: CompletionRequest, req: GenerationRequest, meta: dict,
+                          first: ChoiceDelta | GenerationResult, events: AsyncIterator) -> AsyncIterator[str]:
+    def chunk(choice: dict, **extra: Any) -> str:
+        return f"data: {json.dumps({**meta, 'choices': [choice], **extra})}\n\n"
+
+    try:
+        item, sent_prompt = first, False
+        while not isinstance(item, GenerationResult):
+            d: ChoiceDelta = item
+            extra = {} if sent_prompt else {"prompt_token_ids": req.prompt_ids}
+            sent_prompt = True
+            yield chunk({"index": d.index, "text": d.text, "finish_reason": d.finish_reason,
+                         "stop_reason": d.stop_reason, "token_ids": d.token_ids,
+                         "logprobs": _text_logprobs(engine, body, d.token_ids, d.logprobs, d.top_logprobs)}, **extra)
+            item = await anext(events)
+        if body.stream_options and body.stream_options.include_usage:
+            yield f"data: {json.dumps({**meta, 'choices': [], 'usage': _usage(item)})}\n\n"
+    except (RequestError, ModelNotFound, RuntimeError) as e:
+        status = 404 if isinstance(e, ModelNotFound) else 400 if isinstance(e, RequestError) else 500
+        yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
+    finally:
+        await events.aclose()
+    yield "data: [DONE]\n\n"
 
 
 async def _sse(engine: Engine, body: ChatCompletionRequest, req: GenerationRequest, meta: dict,

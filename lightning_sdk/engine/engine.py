@@ -53,6 +53,7 @@ class Engine:
                         max_model_len, limit, limit)
             max_model_len = limit
         self.max_model_len = max_model_len
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
         # transformers 5 renamed `past_key_values` to `cache` (the old name is deprecated): use whichever exists.
@@ -96,6 +97,11 @@ class Engine:
         except Exception as e:  # template errors (jinja raise_exception, bad roles) are the request's fault
             raise RequestError(f"cannot apply the chat template: {e}", "messages") from e
         return list(enc["input_ids"])
+
+    def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """A completions prompt's token ids, as the tokenizer makes them (blocking: call it in a thread)."""
+        with self._tok_lock:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def token_text(self, token_id: int) -> str:
         """A token's own text (special tokens included), as OpenAI logprobs report it."""

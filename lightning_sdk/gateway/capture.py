@@ -142,8 +142,8 @@ class Call:
         self._ended = False
 
     def whole(self, reply: dict) -> None:
-        """A non-streamed chat completion."""
-        self.prompt_ids = reply.get("prompt_token_ids")
+        """A non-streamed chat completion (or completion)."""
+        self.prompt_ids = _prompt_ids(reply)
         self.response_id, self.usage = reply.get("id"), reply.get("usage")
         for c in reply.get("choices") or ():
             msg = c.get("message") or {}
@@ -156,8 +156,8 @@ class Call:
 
     def chunk(self, chunk: dict) -> None:
         """One chunk of a streamed chat completion."""
-        if chunk.get("prompt_token_ids") is not None:
-            self.prompt_ids = chunk["prompt_token_ids"]
+        if _prompt_ids(chunk) is not None:
+            self.prompt_ids = _prompt_ids(chunk)
         self.response_id = self.response_id or chunk.get("id")
         if chunk.get("usage"):
             self.usage = chunk["usage"]
@@ -236,6 +236,14 @@ class Call:
             status="OK" if ok else "ERROR", status_message=None if ok else self.error, attributes=a,
             source=GATEWAY,
         )
+
+
+def _prompt_ids(reply: dict) -> Any:
+    """The prompt's token ids: top level (chat completions), or on the first choice (vLLM's completions)."""
+    if reply.get("prompt_token_ids") is not None:
+        return reply["prompt_token_ids"]
+    choices = reply.get("choices") or ()
+    return choices[0].get("prompt_token_ids") if choices and isinstance(choices[0], dict) else None
 
 
 def _logprob_values(logprobs: Any) -> list[float]:

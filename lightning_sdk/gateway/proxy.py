@@ -297,7 +297,9 @@ class Gateway:
                     backends.done(i)
 
         upstream.aclose = aclose  # type: ignore[method-assign]  # in-flight counts end with the response
-        return Sent(upstream, call, logprobs=bool(body.get("logprobs")), token_ids=bool(body.get("return_token_ids")))
+        asked = body.get("logprobs")  # chat: true; completions: how many alternatives (0 too)
+        return Sent(upstream, call, logprobs=asked is not None and asked is not False,
+                    token_ids=bool(body.get("return_token_ids")))
 
 
 @dataclass
@@ -317,7 +319,7 @@ class Sent:
         for c in reply.get("choices") or ():
             if not isinstance(c, dict):
                 continue
-            if not self.token_ids and c.pop("token_ids", None) is not None:
+            if not self.token_ids and (c.pop("token_ids", None), c.pop("prompt_token_ids", None)) != (None, None):
                 changed = True
             if not self.logprobs and c.get("logprobs") is not None:
                 c["logprobs"] = None
