@@ -7,7 +7,7 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.gateway.proxy import Gateway, Sent
 from lightning_sdk.servers.process import auth_headers
 from lightning_sdk.gateway.responses import responses_router
 
@@ -24,13 +24,15 @@ class ResponsesApp:
         self.auth = auth_headers(self.api_key)
         self.chat_bodies: list[dict] = []
 
-    async def _send(self, body: dict) -> httpx.Response:
+    async def _send(self, body: dict, request: Request, api: str) -> Sent:
         self.chat_bodies.append(body)
+        sent = await self.gateway.send_chat(body, request, api)
         if body.get("user") != BREAK_MIDSTREAM:
-            return await self.gateway.send_chat(body)
-        request = self._client.build_request("POST", f"{self.gateway.url}/broken/v1/chat/completions", json=body,
-                                             headers=self.auth)
-        return await self._client.send(request, stream=True)
+            return sent
+        await sent.response.aclose()  # the gateway's record of it stays; the reply comes from the broken backend
+        broken = self._client.build_request("POST", f"{self.gateway.url}/broken/v1/chat/completions", json=body,
+                                            headers=self.auth)
+        return Sent(await self._client.send(broken, stream=True), sent.call, logprobs=False, token_ids=False)
 
     @property
     def chat_calls(self) -> int:

@@ -56,6 +56,7 @@ class Receiver:
                     for ss in rs.scope_spans:
                         for s in ss.spans:
                             receiver.spans.append({"name": s.name, "span_id": s.span_id.hex(),
+                                                   "trace_id": s.trace_id.hex(),
                                                    "attributes": {a.key: _value(a.value) for a in s.attributes}})
                 out = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
@@ -85,10 +86,14 @@ def receiver():
     r.httpd.shutdown()
 
 
-def test_rollout_spans_go_to_an_otlp_receiver_with_their_rollout_ids(server, tmp_path, receiver):
+def test_rollout_spans_go_to_an_otlp_receiver_with_their_rollout_ids(gateway_server, tmp_path, receiver):
+    """The gateway's record of each call, the OpenAI client's own span of it, and the reward: all in the rollout's
+    trace, at the collector as in the store."""
     store = Store(tmp_path / "store.sqlite")
-    tracing.install(store, otlp_endpoint=receiver.url)
-    tracing.request_token_ids_from(server.base_url)
+    gw = gateway_server
+    tracing.install(store, gateway_url=gw.base_url, otlp_endpoint=receiver.url)
+    gw.capture.record_to(store)
+    gw.capture.exported = tracing.export_received  # as the runtime wires it
 
     @ls.rollout
     async def agent(task, llm):
@@ -103,16 +108,24 @@ def test_rollout_spans_go_to_an_otlp_receiver_with_their_rollout_ids(server, tmp
     def score(task, output):
         return 1.0
 
-    llm = ls.LLM(base_url=server.base_url, api_key="EMPTY", model=SERVED)
+    llm = ls.LLM(base_url=gw.base_url, api_key=gw.api_key, model=SERVED)
     jobs = [RolloutJob(rollout_id=f"otlp-{k}", task_id=f"t{k}", group_id="0:0", task={"q": f"What is {k} + 1?"},
                        iteration=0, attempt=2) for k in range(4)]
+    for j in jobs:
+        gw.rollouts.open(j.trace_id, j.rollout_id, j.attempt)
 
     async def phase():
         return await asyncio.gather(*(run_rollout(j, rollout_fn=agent, reward_fn=score, llm=llm, store=store,
                                                   timeout=120) for j in jobs))
 
-    assert [r.status for r in asyncio.run(phase())] == ["succeeded"] * 4
-    tracing.flush(exporters=True)
+    try:
+        assert [r.status for r in asyncio.run(phase())] == ["succeeded"] * 4
+        assert gw.capture.flush()
+        tracing.flush(exporters=True)
+    finally:
+        gw.capture.record_to(None)
+        gw.capture.exported = None
+        tracing.install(store)  # no collector for later tests
     assert tracing.export_errors() == [] and tracing.writer_errors() == []
 
     got = receiver.by_rollout()
@@ -120,17 +133,19 @@ def test_rollout_spans_go_to_an_otlp_receiver_with_their_rollout_ids(server, tmp
     assert set(got) == {j.rollout_id for j in jobs}  # nothing outside a rollout, every rollout there
     for j in jobs:
         stored = {s.span_id for s in store.spans(j.rollout_id)}
-        assert {s["span_id"] for s in got[j.rollout_id]} == stored and len(stored) == 2
-        (call,) = [s for s in got[j.rollout_id] if s["name"] != REWARD_SPAN]
+        assert {s["span_id"] for s in got[j.rollout_id]} == stored and len(stored) == 3
+        (record,) = [s for s in got[j.rollout_id] if "lightning.llm.policy" in s["attributes"]]
+        (client,) = [s for s in got[j.rollout_id] if s["name"] != REWARD_SPAN and s is not record]
         (reward,) = [s for s in got[j.rollout_id] if s["name"] == REWARD_SPAN]
-        a = call["attributes"]
-        # gen_ai semantic conventions: span "chat <model>", the instrumentor's gen_ai.* attributes
-        assert call["name"] == f"chat {SERVED}" and a["gen_ai.operation.name"] == "chat"
+        a = record["attributes"]
+        # gen_ai semantic conventions: span "chat <model>", gen_ai.* attributes; the client's own span named alike
+        assert record["name"] == client["name"] == f"chat {SERVED}" and a["gen_ai.operation.name"] == "chat"
         assert a["gen_ai.request.model"] == SERVED and a["gen_ai.usage.output_tokens"] == len(a[COMPLETION_IDS])
         assert a["lightning.rollout.attempt"] == 2 and a["lightning.component"] == "solver"
-        (kept,) = [s for s in store.spans(j.rollout_id) if s.span_id == call["span_id"]]
+        assert record["trace_id"] == j.trace_id == reward["trace_id"]  # one trace per rollout
+        (kept,) = [s for s in store.spans(j.rollout_id) if s.span_id == record["span_id"]]
         assert a[COMPLETION_IDS] == kept.attributes[COMPLETION_IDS] and len(a[COMPLETION_IDS]) >= 1
-        assert reward["attributes"][REWARD_VALUE] == 0.25
+        assert kept.source == "gateway" and reward["attributes"][REWARD_VALUE] == 0.25
     store.close()
 
 

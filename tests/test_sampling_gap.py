@@ -1,6 +1,7 @@
 """Every sampling setting accepted for training is scored by the trainer exactly as the real CPU server sampled
-it: real OpenAI-client calls to the built-in server on 127.0.0.1, traced into SQLite, spans -> transitions ->
-one GRPO step, whose logprob_gap is the mean |trainer - server| log-prob of the sampled tokens."""
+it: real OpenAI-client calls through the gateway to the built-in server on 127.0.0.1, recorded into SQLite by the
+gateway, records -> transitions -> one GRPO step, whose logprob_gap is the mean |trainer - server| log-prob of the
+sampled tokens."""
 
 import openai
 import pytest
@@ -11,6 +12,8 @@ from lightning_sdk.config import TrainConfig
 from lightning_sdk.train.trainer import GRPOTrainer
 from lightning_sdk.transitions import to_transitions
 
+from .conftest import in_rollout
+
 torch.set_num_threads(1)
 
 SETTINGS = [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.3, top_p=0.6),
@@ -18,17 +21,17 @@ SETTINGS = [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.3, 
 
 
 @pytest.mark.parametrize("sampling", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
-def test_trainer_log_probs_match_the_server(server, store, tiny_model_path, sampling):
-    tracing.request_token_ids_from(server.base_url)
-    client = openai.OpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0)
+def test_trainer_log_probs_match_the_server(gw, store, tiny_model_path, sampling):
+    client = openai.OpenAI(base_url=gw.base_url, api_key=gw.api_key, max_retries=0)
     ts = []
     for k in range(4):
         rid = f"r{k}"
         store.start_rollout(rid, task_id="t", group_id="g", iteration=0, phase="train")
-        with tracing.rollout_context(rid):
-            client.chat.completions.create(model=server.served_model_name, max_tokens=12, seed=k,
+        with in_rollout(gw, rid):
+            client.chat.completions.create(model="gpt-4o-mini", max_tokens=12, seed=k,
                                            messages=[{"role": "user", "content": f"What is {k} + 4?"}], **sampling)
         store.finish_rollout(rid, status="succeeded", output="", reward=float(k % 2))
+    assert gw.capture.flush()
     tracing.flush()
     for k in range(4):
         ts += to_transitions(store.rollout(f"r{k}"), store.spans(f"r{k}"))

@@ -1,5 +1,6 @@
-"""Many concurrent writers, nothing lost: 50 rollouts x 20 real LLM calls through the server and the tracing
-layer, half from sync agents (each in its own thread) and half from async ones, then count what SQLite holds.
+"""Many concurrent writers, nothing lost: 50 rollouts x 20 real LLM calls through the gateway (which records each)
+to the server, half from sync agents (each in its own thread) and half from async ones, with their reward spans,
+then count what SQLite holds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .conftest import SERVED
 ROLLOUTS, CALLS = 50, 20
 
 
-def test_50_concurrent_rollouts_x_20_calls_lose_no_span(server, store):
+def test_50_concurrent_rollouts_x_20_calls_lose_no_span(gw, store):
     made = {"calls": 0, "rewards": 0}
     lock = threading.Lock()
 
@@ -58,10 +59,11 @@ def test_50_concurrent_rollouts_x_20_calls_lose_no_span(server, store):
     def score(task, output):
         return float(output == "done")
 
-    tracing.request_token_ids_from(server.base_url)
-    llm = ls.LLM(base_url=server.base_url, api_key="EMPTY", model=SERVED)
+    llm = ls.LLM(base_url=gw.base_url, api_key=gw.api_key, model=SERVED)
     jobs = [RolloutJob(rollout_id=f"load-{k:02d}", task_id=f"t{k}", group_id=f"0:{k}", task={}, iteration=0)
             for k in range(ROLLOUTS)]
+    for j in jobs:
+        gw.rollouts.open(j.trace_id, j.rollout_id)
 
     async def phase():
         return await asyncio.gather(*(run_rollout(j, rollout_fn=sync_agent if k % 2 else async_agent,
@@ -69,19 +71,20 @@ def test_50_concurrent_rollouts_x_20_calls_lose_no_span(server, store):
                                       for k, j in enumerate(jobs)))
 
     results = asyncio.run(phase())
+    assert gw.capture.flush()
     tracing.flush()
-    assert tracing.writer_errors() == []
+    assert tracing.writer_errors() == [] and gw.capture.errors == []
     assert [r.status for r in results] == ["succeeded"] * ROLLOUTS, [r.error for r in results if r.error]
     assert made == {"calls": ROLLOUTS * CALLS, "rewards": ROLLOUTS * CALLS // 5}
 
     llm_spans = sum(store.call_counts([j.rollout_id for j in jobs]).values())
-    reward_spans = store._read("SELECT COUNT(*) AS n FROM spans WHERE name = ?", (REWARD_SPAN,))[0]["n"]
-    intermediate = store._read("SELECT COUNT(*) AS n FROM rewards WHERE kind = 'intermediate'")[0]["n"]
+    reward_spans = sum(s.name == REWARD_SPAN for j in jobs for s in store.spans(j.rollout_id))
+    intermediate = store.count("rewards") - ROLLOUTS  # the view holds each rollout's final reward too
     lost = made["calls"] - llm_spans
     print(f"store load: {made['calls']} LLM calls made, {llm_spans} spans stored, {lost} lost; "
           f"{made['rewards']} emit_reward, {reward_spans} reward spans, {intermediate} reward rows")
     assert lost == 0 and llm_spans == ROLLOUTS * CALLS
     assert reward_spans == intermediate == made["rewards"]
     for j in jobs:  # every stored call has its exact token ids, and each rollout has all 20 of its own calls
-        spans = [s for s in store.spans(j.rollout_id) if s.name != REWARD_SPAN]
+        spans = [s for s in store.spans(j.rollout_id) if tracing.is_llm_call(s)]
         assert len(spans) == CALLS and all(s.attributes.get(COMPLETION_IDS) for s in spans)

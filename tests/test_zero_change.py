@@ -1,6 +1,7 @@
 """An agent written for OpenAI as most are trains with no change but the two decorators: its client is built from
-the environment (`OpenAI()`, LangChain's `ChatOpenAI()`, at import time too), it names its own model, and its
-@rollout takes only the task. A real short run each (embedded runtime, tiny model, real server and trainer)."""
+the environment (`OpenAI()`, LangChain's `ChatOpenAI()`, LiteLLM, DSPy, a raw `httpx.post` or `requests.post`, at
+import time too), it names its own model, and its @rollout takes only the task. A real short run each (embedded
+runtime, tiny model, real server and trainer); the calls are trained from the gateway's records."""
 
 from __future__ import annotations
 
@@ -54,6 +55,40 @@ solver = Agent(name="solver", model="gpt-4o-mini", model_settings=ModelSettings(
 async def solve(task):
     return (await Runner.run(solver, task["question"])).final_output
 ''' + REWARD
+LITELLM = '''
+import litellm
+import lightning_sdk as ls
+
+@ls.rollout
+def solve(task):
+    out = litellm.completion(model="openai/gpt-4o-mini", max_tokens=8,
+                             messages=[{"role": "user", "content": task["question"]}])
+    return out.choices[0].message.content
+''' + REWARD
+DSPY = '''
+import dspy
+import lightning_sdk as ls
+
+lm = dspy.LM("openai/gpt-4o-mini", max_tokens=8, temperature=1.0, cache=False, num_retries=0)
+
+@ls.rollout
+def solve(task):
+    return lm(messages=[{"role": "user", "content": task["question"]}])[0]
+''' + REWARD
+RAW_HTTPX = '''
+import os
+import httpx
+import lightning_sdk as ls
+
+@ls.rollout
+def solve(task):
+    r = httpx.post(os.environ["OPENAI_BASE_URL"] + "/chat/completions", timeout=30,
+                   headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]},
+                   json={"model": "gpt-4o-mini", "max_tokens": 8,
+                         "messages": [{"role": "user", "content": task["question"]}]})
+    return r.json()["choices"][0]["message"]["content"]
+''' + REWARD
+REQUESTS = RAW_HTTPX.replace("import httpx", "import requests").replace("httpx.post", "requests.post")
 
 
 def project(tmp_path: Path, source: str, **agent) -> Path:
@@ -94,19 +129,21 @@ def _openai_env() -> dict:
     return {k: v for k, v in os.environ.items() if k.startswith("OPENAI")}
 
 
-@pytest.mark.parametrize("source", [PLAIN, LANGCHAIN, AGENTS_SDK], ids=["openai-client", "langchain", "agents-sdk"])
-def test_an_unchanged_agent_trains(tmp_path, openai_elsewhere, source, caplog):
+@pytest.mark.parametrize("source", [PLAIN, LANGCHAIN, AGENTS_SDK, LITELLM, DSPY, RAW_HTTPX, REQUESTS],
+                         ids=["openai-client", "langchain", "agents-sdk", "litellm", "dspy", "httpx", "requests"])
+def test_an_unchanged_agent_trains(tmp_path, openai_elsewhere, source, caplog, monkeypatch):
     """The Agents SDK's `Agent` given only a model name calls the Responses API (`/v1/responses`)."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM would fetch its price list otherwise
     with caplog.at_level("INFO", logger="lightning_sdk"):
         result = ls.run(project(tmp_path, source))
     assert [row["iteration"] for row in result.history] == [1, 2]
     assert all(row["failed"] == 0 and row["transitions"] == 8 for row in result.history)
     store = Store(tmp_path / "run/store.sqlite")
-    calls = [s for r in store.rollouts(phase="train") for s in store.spans(r.rollout_id)
-             if "lightning.llm.completion_token_ids" in s.attributes]
-    assert len(calls) == 16
+    calls = [s for r in store.rollouts(phase="train") for s in store.spans(r.rollout_id) if s.source == "gateway"]
+    assert len(calls) == 16 and all(s.attributes["lightning.llm.completion_token_ids"] for s in calls)
     assert {s.attributes["gen_ai.request.model"] for s in calls} == {"gpt-4o-mini"}  # what the agent asked for
-    assert {s.name for s in calls} == {"openai.response" if source is AGENTS_SDK else "openai.chat"}
+    assert {s.attributes["lightning.llm.api"] for s in calls} == {
+        "responses" if source is AGENTS_SDK else "chat.completions"}
     assert {s.attributes["gen_ai.response.model"] for s in calls} == {"builtin:tiny-arith", "zero-iter1"}  # served
     assert any("the agent asked for model 'gpt-4o-mini'" in r.getMessage() for r in caplog.records)
     assert _openai_env() == openai_elsewhere  # the agent's environment is its own again after the run

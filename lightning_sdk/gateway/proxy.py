@@ -253,8 +253,14 @@ class Gateway:
         if not isinstance(body, dict):
             raise GatewayError(400, "the request body must be a JSON object")
         asked = body.get("model")
-        served = self.serve_as(asked)
         where = origin(request.headers, self.rollouts, request.scope.get("state", {}).get(ROLLOUT_KEY))
+        try:
+            served = self.serve_as(asked)
+        except GatewayError as e:  # refused here: a failed call of its rollout all the same
+            call = self.capture.begin(where, api, body, asked=str(asked)[:200], policy="")
+            call.fail(e.status, e.message)
+            call.end()
+            raise
         sent_body = {**body, "model": served, "return_token_ids": True, "logprobs": True}
         if api == "completions":
             sent_body["logprobs"] = max(1, body["logprobs"]) if type(body.get("logprobs")) is int else 1

@@ -1,0 +1,37 @@
+"""The private names of other libraries lightning_sdk touches (lightning_sdk/compat.py), each checked against the
+installed version: when one is gone, this fails loudly, instead of a run quietly losing what it did."""
+
+import importlib
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+
+from lightning_sdk import compat
+
+
+def test_an_sdk_tracer_provider_still_holds_its_processors_where_we_reach_them():
+    provider = TracerProvider()
+    processors = compat.span_processors(provider)
+    assert processors is not None and callable(getattr(processors, "on_end", None)), \
+        "opentelemetry-sdk moved TracerProvider._active_span_processor: update compat.span_processors"
+
+
+def test_the_agents_sdk_still_keeps_its_shared_client_where_we_drop_it():
+    provider = pytest.importorskip("agents.models.openai_provider")
+    assert hasattr(provider, "_http_client"), \
+        "the OpenAI Agents SDK moved openai_provider._http_client: update compat.drop_agents_sdk_client"
+    provider._http_client = object()
+    compat.drop_agents_sdk_client()
+    assert provider._http_client is None
+
+
+def test_nothing_else_in_lightning_sdk_touches_another_library_s_private_names():
+    """The issue's own check: none of the names the old tracing layers patched is used anywhere."""
+    import pathlib
+
+    root = pathlib.Path(importlib.import_module("lightning_sdk").__file__).parent
+    banned = ("_handle_request", "_handle_response", "chat_wrappers", "_active_span_processor", "_span_limits",
+              "_http_client", "_legacy_response", "_instrumentation_scope")
+    found = [f"{p.relative_to(root)}: {b}" for p in root.rglob("*.py") if p.name != "compat.py"
+             for b in banned if b in p.read_text()]
+    assert found == []
