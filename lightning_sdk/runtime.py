@@ -118,6 +118,10 @@ class Runtime:
         abandoned = store.abandon_running()
         if abandoned:
             self.console.print(f"[yellow]{abandoned} rollout(s) left running by the previous process marked abandoned")
+        untrained = store.mark_untrained(state.completed)
+        if untrained:
+            self.console.print(f"[yellow]{untrained} rollout(s) collected after iteration {state.completed}, whose update "
+                               f"never completed, marked untrained; that iteration is collected again")
         store.add_tasks((data.task_id(t), t) for t in train_tasks + eval_tasks)
         metrics = MetricsLog(self.run_dir, report_to=cfg.run.report_to, name=cfg.run.name,
                              config=cfg.model_dump(mode="json"))

@@ -19,12 +19,13 @@ from lightning_sdk.errors import CaptureError
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.records import messages
 from lightning_sdk.tracing.records import COMPLETION_IDS, PROMPT_IDS, REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord
-from lightning_sdk.train.checkpoint import STATE, latest_checkpoint
+from lightning_sdk.train.checkpoint import (STATE, checkpoint_name, completed_iterations, latest_checkpoint,
+                                            trained_into)
 from lightning_sdk.transitions import is_llm_call, to_transitions
 
 STORE_FILE = "store.sqlite"
 METRICS_FILE = "metrics.jsonl"
-STATUSES = ("running", "succeeded", "failed", "abandoned")
+STATUSES = ("running", "succeeded", "failed", "abandoned", "untrained")
 MAX_PAGE = 500
 
 
@@ -105,7 +106,10 @@ class RunReader:
             evals.insert(0, {"iteration": 0, "label": "before training", "mean": state["baseline_eval"],
                              "finished": None, "running": 0})
         return {
-            "id": run_id, "path": str(path), "history": history, "evals": evals,
+            "id": run_id, "path": str(path), "evals": evals,
+            # the checkpoint each iteration's update made: the page lists the rollouts it trained on
+            "history": [{**h, "checkpoint": checkpoint_name(h["iteration"]) if isinstance(h.get("iteration"), int)
+                         else None} for h in history],
             "counts": self._with_store(path, _status_counts, {}),
             "components": self._with_store(path, _components, []),
             "credit": asdict(self.credit),
@@ -134,6 +138,7 @@ class RunReader:
             args.append(component)
         cond = (" WHERE " + " AND ".join(where)) if where else ""
         limit = max(1, min(int(limit), MAX_PAGE))
+        completed = completed_iterations(path)
 
         def query(store: Store) -> dict[str, Any]:
             total = store._read(f"SELECT COUNT(*) AS n FROM rollouts{cond}", args)[0]["n"]
@@ -145,7 +150,8 @@ class RunReader:
                 {"rollout_id": r.rollout_id, "phase": r.phase, "iteration": r.iteration, "status": r.status,
                  "reward": r.reward, "calls": calls.get(r.rollout_id, (0, 0))[0],
                  "spans": calls.get(r.rollout_id, (0, 0))[1], "seconds": r.seconds,
-                 "model": r.model, "task_id": r.task_id, "error": r.error} for r in records]}
+                 "model": r.model, "task_id": r.task_id, "error": r.error,
+                 "checkpoint": trained_into(r.phase, r.iteration, r.status, completed)} for r in records]}
 
         return self._with_store(path, query, {"total": 0, "offset": offset, "limit": limit, "rows": []})
 
