@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+command -v "$PYTHON" >/dev/null || { echo "gpu_proof: no $PYTHON here (set PYTHON)" >&2; exit 2; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 # module -> the distribution that provides it
@@ -21,10 +22,16 @@ rich:rich wrapt:wrapt opentelemetry.sdk:opentelemetry-sdk
 opentelemetry.instrumentation.openai:opentelemetry-instrumentation-openai==0.62.4
 opentelemetry.exporter.otlp.proto.http:opentelemetry-exporter-otlp-proto-http opentelemetry.proto:opentelemetry-proto
 google.rpc:googleapis-common-protos matplotlib:matplotlib numpy:numpy"
-missing() {
-  for pair in $needed; do
-    "$PYTHON" -c "import ${pair%%:*}" >/dev/null 2>&1 || printf '%s ' "${pair#*:}"
-  done
+missing() {  # one interpreter for all of them: torch alone takes seconds to import
+  "$PYTHON" - $needed <<'PY' 2>/dev/null
+import importlib, sys
+for pair in sys.argv[1:]:
+    module, dist = pair.split(":", 1)
+    try:
+        importlib.import_module(module)
+    except Exception:
+        print(dist, end=" ")
+PY
 }
 lacking="$(missing)"
 if [[ -n "$lacking" && -n "${WHEELS:-}" ]]; then
