@@ -124,10 +124,13 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="The run's directory.")
 @click.option("-n", "--limit", default=20, show_default=True, type=click.IntRange(min=1))
 @click.option("--rollout", "rollout_id", help="Show one rollout's spans.")
-@click.option("--status", type=click.Choice(["running", "succeeded", "failed", "abandoned"]))
-def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str | None, status: str | None) -> None:
+@click.option("--status", type=click.Choice(["running", "succeeded", "failed", "abandoned", "untrained"]))
+@click.option("--checkpoint", help="Only the rollouts this checkpoint's update trained on (iter-00003, or a path).")
+def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str | None, status: str | None,
+           checkpoint: str | None) -> None:
     """List recent rollouts with their reward and LLM calls (or one rollout's spans)."""
     from lightning_sdk.store import Store
+    from lightning_sdk.train.checkpoint import checkpoint_name, completed_iterations, trained_into
 
     console = make_console()
     if run_dir is None:
@@ -153,15 +156,30 @@ def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str 
                 console.print(f"      {role:>9}: " + text.replace("\n", "\n" + " " * 17), highlight=False,
                               markup=False)  # agent text is not rich markup
         return
-    rows = store.rollouts(status=status, limit=limit, newest_first=True)
+    completed = completed_iterations(Path(run_dir))
+    title = f"{db}: {store.count('rollouts')} rollouts, {store.count('spans')} spans"
+    if checkpoint is None:
+        rows = store.rollouts(status=status, limit=limit, newest_first=True)
+    else:
+        name = Path(checkpoint).name
+        n = next((k for k in range(1, completed + 1) if checkpoint_name(k) == name), None)
+        if n is None:
+            _fail(console, f"--checkpoint {checkpoint}: no update of this run made it (expected iter-NNNNN, at most "
+                           f"{checkpoint_name(completed)})" if completed else
+                  f"--checkpoint {checkpoint}: no update of this run has completed yet")
+        rows = [r for r in store.rollouts(phase="train", iteration=n, status=status, newest_first=True)
+                if trained_into(r.phase, r.iteration, r.status, completed) == name]
+        title += f"; the {len(rows)} rollouts {name} trained on"
+        rows = rows[:limit]
     calls = store.call_counts([r.rollout_id for r in rows])
-    table = Table(title=f"{db}: {store.count('rollouts')} rollouts, {store.count('spans')} spans")
-    for col in ("rollout", "phase", "iter", "status", "reward", "calls", "seconds", "error"):
+    table = Table(title=title)
+    for col in ("rollout", "phase", "iter", "status", "reward", "calls", "seconds", "trained into", "error"):
         table.add_column(col)
     for r in rows:
         table.add_row(r.rollout_id, r.phase, str(r.iteration), r.status,
                       "" if r.reward is None else f"{r.reward:.3f}", str(calls.get(r.rollout_id, 0)),
-                      "" if r.seconds is None else f"{r.seconds:.2f}", (r.error or "")[:60])
+                      "" if r.seconds is None else f"{r.seconds:.2f}",
+                      trained_into(r.phase, r.iteration, r.status, completed) or "", (r.error or "")[:60])
     console.print(table)
 
 

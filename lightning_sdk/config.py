@@ -128,6 +128,16 @@ class ServeConfig(_Section):
     max_batch_size: int = Field(64, ge=1)
     max_model_len: int = Field(2048, ge=16)
     startup_timeout: float = Field(120.0, gt=0)
+    device: str = Field("cpu", description="where the built-in server (backend 'cpu', transformers) runs the "
+                                           "model: 'cpu', 'cuda' or 'cuda:N'; vLLM always takes the GPU")
+
+    @field_validator("device")
+    @classmethod
+    def _serve_device(cls, v):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
+            raise ValueError("expected 'cpu', 'cuda' or 'cuda:N'")
+        return v
+
     # backend = "vllm" only (docs/gpu.md):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of GPU memory vLLM may take")
     sleep_level: Literal[0, 1] = Field(1, description="vLLM sleep mode during the update phase: 1 = offload "

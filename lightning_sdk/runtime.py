@@ -118,6 +118,10 @@ class Runtime:
         abandoned = store.abandon_running()
         if abandoned:
             self.console.print(f"[yellow]{abandoned} rollout(s) left running by the previous process marked abandoned")
+        untrained = store.mark_untrained(state.completed)
+        if untrained:
+            self.console.print(f"[yellow]{untrained} rollout(s) collected after iteration {state.completed}, whose update "
+                               f"never completed, marked untrained; that iteration is collected again")
         store.add_tasks((data.task_id(t), t) for t in train_tasks + eval_tasks)
         metrics = MetricsLog(self.run_dir, report_to=cfg.run.report_to, name=cfg.run.name,
                              config=cfg.model_dump(mode="json"))
@@ -254,16 +258,18 @@ class Runtime:
             from lightning_sdk.servers.select import make_server
 
             make_server(cfg, "", d / "server.log")  # refuses vllm where it cannot run; builds, starts nothing
-        device = cfg.train.device
-        if device.startswith("cuda"):
-            import torch
+        for key, device in (("serve.device", cfg.serve.device), ("train.device", cfg.train.device)):
+            if device.startswith("cuda"):
+                import torch
 
-            if not torch.cuda.is_available():
-                raise SetupError(f"train.device = {device!r}: no CUDA GPU is visible to torch; use 'cpu' or 'auto'")
-            index = int(device.partition(":")[2] or 0)
-            if index >= torch.cuda.device_count():
-                raise SetupError(f"train.device = {device!r}: torch sees {torch.cuda.device_count()} GPU(s)")
-        elif device == "mps":
+                if not torch.cuda.is_available():
+                    raise SetupError(f"{key} = {device!r}: no CUDA GPU is visible to torch; use 'cpu'"
+                                     + (" or 'auto'" if key == "train.device" else ""))
+                index = int(device.partition(":")[2] or 0)
+                if index >= torch.cuda.device_count():
+                    raise SetupError(f"{key} = {device!r}: torch sees {torch.cuda.device_count()} GPU(s)")
+        device = cfg.train.device
+        if device == "mps":
             import torch
 
             if not torch.backends.mps.is_available():

@@ -34,7 +34,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     phase      TEXT NOT NULL,          -- 'train' | 'eval'
     attempt    INTEGER NOT NULL DEFAULT 1,
     model      TEXT,
-    status     TEXT NOT NULL,          -- 'running' | 'succeeded' | 'failed' | 'abandoned'
+    status     TEXT NOT NULL,          -- 'running' | 'succeeded' | 'failed' | 'abandoned' | 'untrained'
     output     TEXT,
     reward     REAL,
     error      TEXT,
@@ -176,6 +176,17 @@ class Store:
             cur = self._db.execute(
                 "UPDATE rollouts SET status='abandoned', error='process ended before the rollout finished',"
                 " ended_at=? WHERE status='running'", (time.time(),))
+            return cur.rowcount
+
+    def mark_untrained(self, completed: int) -> int:
+        """Mark the finished train rollouts of iterations after `completed` 'untrained': collected by an iteration
+        whose update never completed (a killed run), so no checkpoint trained on them; resume collects that
+        iteration afresh. What they were stays in `error`. Returns how many."""
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE rollouts SET status='untrained', error='iteration ' || iteration || ' was not trained: the run"
+                " stopped before its update completed (was ' || status || COALESCE(': ' || error, '') || ')'"
+                " WHERE phase='train' AND iteration > ? AND status IN ('succeeded', 'failed')", (completed,))
             return cur.rowcount
 
     def abandon(self, rollout_id: str, error: str) -> bool:

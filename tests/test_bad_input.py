@@ -133,6 +133,9 @@ MORE_CASES = {
                                      "model '/no/such/model': no such directory"),
     "bogus device": (config(train='device = "bogus"'), GOOD_ROWS, "train.device: expected 'auto', 'cpu'"),
     "host 256.1.1.1": (config(serve='host = "256.1.1.1"'), GOOD_ROWS, "serve.host: expected an IP address"),
+    "bogus serve device": (config(serve='device = "gpu"'), GOOD_ROWS, "serve.device: expected 'cpu', 'cuda'"),
+    "serve device cuda without a GPU": (config(serve='device = "cuda"'), GOOD_ROWS,
+                                        "serve.device = 'cuda': no CUDA GPU is visible to torch; use 'cpu'"),
     "run.dir under /proc": (config(run='dir = "/proc/lightning-run"'), GOOD_ROWS, "is on a virtual file system"),
 }
 
@@ -140,6 +143,10 @@ MORE_CASES = {
 @pytest.mark.parametrize("case", list(MORE_CASES))
 def test_more_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, case):
     toml, rows, message = MORE_CASES[case]
+    if case == "serve device cuda without a GPU":
+        torch = pytest.importorskip("torch")
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is visible here")
     if case == "non-UTF-8 dataset":
         (tmp_path / "train.jsonl").write_bytes(GOOD_ROWS.splitlines()[0].encode() + b'\n{"question": "\xff"}\n')
     elif case == "dataset is a directory":

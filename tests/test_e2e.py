@@ -249,6 +249,25 @@ def test_kill_9_during_collection_and_during_update_then_resume_loses_nothing(pr
     assert [r["iteration"] for r in rows] == [1, 2, 3] == [r["iteration"] for r in state["history"]]
     assert [r["train.step"] for r in rows] == [1, 2, 3] and trainer_state["global_step"] == 3 == state["completed"]
     assert [r["policy"] for r in rows] == ["builtin:tiny-arith", "e2e-iter1", "e2e-iter2"]
+
+    # The killed iterations' finished rollouts are marked untrained: per iteration, the succeeded rows are the 16
+    # an update trained on, beside the rows no checkpoint trained on.
+    assert "marked untrained" in final.stdout
+    by_status = dict.fromkeys([1, 2, 3], None)
+    for it in by_status:
+        by_status[it] = dict(_query(db, "SELECT status, COUNT(*) FROM rollouts WHERE iteration = ? AND phase = "
+                                        "'train' GROUP BY status", it))
+    assert [by_status[it].get("succeeded") for it in (1, 2, 3)] == [16, 16, 16], by_status
+    finished_2 = {rid for rid, it, s in before_1 if it == 2 and s == "succeeded"}
+    running_2 = {rid for rid, it, s in before_1 if it == 2 and s == "running"}
+    assert by_status[3].get("untrained") == 16 and by_status[2].get("untrained", 0) == len(finished_2)
+    now = {rid: s for rid, _, s in after}
+    assert {now[r] for r in finished_2} <= {"untrained"} and {now[r] for r in running_2} <= {"abandoned"}
+    trained_3 = {rid for rid, it, s in after if it == 3 and s == "succeeded"}
+    shown = lightning("traces", "--run-dir", str(run), "--checkpoint", "iter-00003", "-n", "100", cwd=tmp_path)
+    assert shown.returncode == 0 and "the 16 rollouts iter-00003 trained on" in shown.stdout, shown.stdout
+    listed = {w for line in shown.stdout.splitlines() for w in line.split() if w.startswith("it0003-")}
+    assert listed == trained_3, shown.stdout
     print(f"kill -9 x2: {len(before_2)} rollouts and {len(stored)} spans stored before the kills, "
           f"{lost} lost or changed after resume ({len(stored) - len(changed)} kept with their content); "
           f"training steps {[r['train.step'] for r in rows]}")

@@ -135,3 +135,33 @@ def test_malformed_protobuf_encoding_and_size():
     with pytest.raises(OtlpError) as e:
         decode(b"{}", content_type="application/json", content_encoding="br", limit=LIMIT)
     assert e.value.status == 415
+
+
+def test_every_gzip_member_is_read_or_the_body_refused():
+    """`cat a.gz b.gz` is one valid gzip body (RFC 1952): its spans are all taken, never only the first member's."""
+    first, second = (_doc([_span(spanId=s)]) for s in ("eee19b7ec3c1b174", "eee19b7ec3c1b175"))
+    raws = []
+    for doc in (first, second):
+        request = ExportTraceServiceRequest()
+        json_format.ParseDict(otlp._hex_ids_to_base64(json.loads(json.dumps(doc))), request, ignore_unknown_fields=True)
+        raws.append(request.SerializeToString())
+    got = decode(gzip.compress(raws[0]) + gzip.compress(raws[1]), content_type="application/x-protobuf",
+                 content_encoding="gzip", limit=LIMIT)
+    assert [r.span_id for r in got.records] == ["eee19b7ec3c1b174", "eee19b7ec3c1b175"]
+    # Two JSON documents one after the other are not one OTLP JSON body: refused, not cut to the first.
+    with pytest.raises(OtlpError, match="not a valid OTLP JSON") as e:
+        decode(gzip.compress(json.dumps(first).encode()) + gzip.compress(json.dumps(second).encode()),
+               content_type="application/json", content_encoding="gzip", limit=LIMIT)
+    assert e.value.status == 400
+    for body, encoding, words in ((gzip.compress(raws[0]) + b"\x00\x00", "gzip", "not valid gzip"),
+                                  (gzip.compress(raws[0]) + gzip.compress(raws[1])[:9], "gzip", "truncated"),
+                                  (zlib.compress(raws[0]) + zlib.compress(raws[1]), "deflate", "after the end"),
+                                  (gzip.compress(b"") * (otlp.MAX_GZIP_MEMBERS + 1), "gzip", "gzip members")):
+        with pytest.raises(OtlpError, match=words) as e:
+            decode(body, content_type="application/x-protobuf", content_encoding=encoding, limit=LIMIT)
+        assert e.value.status == 400
+    # The limit counts every member's output together.
+    with pytest.raises(OtlpError) as e:
+        decode(gzip.compress(b"\x00" * (LIMIT // 2 + 1)) * 2, content_type="application/x-protobuf",
+               content_encoding="gzip", limit=LIMIT)
+    assert e.value.status == 413

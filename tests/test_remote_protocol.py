@@ -296,3 +296,33 @@ def test_a_worker_s_garbage_fails_its_rollout_with_one_line_naming_the_field(api
     assert result.status == row.status == "failed" and row.reward is None
     assert field in row.error and "\n" not in row.error, row.error
     assert api.store.count("spans") == 0  # the bad reward span was not stored
+
+
+def _otlp_protobuf(rollout_id: str, span_id: str, claim: str) -> bytes:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest()
+    span = request.resource_spans.add().scope_spans.add().spans.add(
+        trace_id=bytes.fromhex("4bf92f3577b34da6a3ce929d0e0e4736"), span_id=bytes.fromhex(span_id), name="tool",
+        start_time_unix_nano=1, end_time_unix_nano=2)
+    span.attributes.add(key="lightning.rollout.id").value.string_value = rollout_id
+    span.attributes.add(key="lightning.rollout.attempt").value.int_value = 1
+    span.attributes.add(key="lightning.claim").value.string_value = claim
+    return request.SerializeToString()
+
+
+def test_a_gzip_body_of_several_members_stores_every_span(api):
+    """Over HTTP: a body of two gzip members (two exports concatenated, as `cat a.gz b.gz` makes) stores both
+    exports' spans; two JSON documents so joined are refused whole. Never some spans dropped and 200."""
+    api.queue([job(0, {"question": "?"})])
+    secret = api.dispatch.claim_now("w").secret
+    post = lambda body, ctype: httpx.post(f"{api.url}/v1/traces", content=body, timeout=30, headers={  # noqa: E731
+        **AUTH, "Content-Type": ctype, "Content-Encoding": "gzip"})
+    ids = ("00f067aa0ba902b7", "00f067aa0ba902b8")
+    r = post(b"".join(gzip.compress(json.dumps(_otlp_json("r-0", span_id=s, claim=secret)).encode()) for s in ids),
+             "application/json")
+    assert r.status_code == 400 and "not a valid OTLP JSON" in r.json()["message"]
+    assert api.store.count("spans") == 0
+    r = post(b"".join(gzip.compress(_otlp_protobuf("r-0", s, secret)) for s in ids), "application/x-protobuf")
+    assert r.status_code == 200
+    assert sorted(s.span_id for s in api.store.spans("r-0")) == list(ids)

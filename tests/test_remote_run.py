@@ -47,6 +47,29 @@ def test_the_light_environment_has_the_agent_side_only(light_venv, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_the_run_prints_where_the_token_is_never_the_token(tmp_path):
+    """The trainer's output lands in CI logs and nohup files: it names worker.token, and the token is not in it."""
+    (tmp_path / "train.jsonl").write_text('{"question": "What is 1 + 2?", "answer": "3"}\n')
+    (tmp_path / "lightning.toml").write_text('[run]\ndir = "run"\nruntime = "remote"\n[data]\ntrain = "train.jsonl"\n'
+                                             'tasks_per_iteration = 1\ngroup_size = 2\n[remote]\nworker_timeout = 2\n')
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    trainer = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "run"], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    token_file, token = tmp_path / "run/worker.token", ""
+    try:
+        end = time.monotonic() + 180
+        while not token:  # read while the run lives: the file goes with it
+            assert trainer.poll() is None and time.monotonic() < end, trainer.stdout.read()
+            token = token_file.read_text().strip() if token_file.exists() else ""
+            time.sleep(0.05)
+        out, _ = trainer.communicate(timeout=180)  # no worker comes: the run stops after remote.worker_timeout
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 1 and "no worker contacted the server" in out, out
+    assert len(token) >= 40 and token not in out
+    assert f"The token is in {token_file} (readable by this user only)" in out, out
+
+
 def test_two_workers_train_the_default_task_through_the_remote_runtime(tmp_path, light_venv):
     d = tmp_path
     # The agent refuses to be imported anywhere but in a worker: the trainer must never import it.

@@ -6,6 +6,7 @@ An empty serve.api_key is refused at the edge instead of turning authentication 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from lightning_sdk import cli, config, models
+from lightning_sdk.gateway.guard import RefusedRequests
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.select import make_server
 
@@ -80,6 +82,48 @@ def test_without_the_key_every_route_but_health_is_401(server):
     stats = httpx.get(f"{server.url}/stats", headers=auth).json()
     assert stats["adapters"] == []  # nothing was swapped in by the refused load_lora_adapter calls
     print(f"auth: {tried} requests without a valid key, {tried} refused with 401")
+
+
+def test_500_bad_keys_write_a_bounded_small_amount_of_log(server):
+    """A flood of refused requests (serve.host = 0.0.0.0 lets anyone on the network send them) is summarised, a
+    line per source per minute, instead of a line each."""
+    size = server.log_path.stat().st_size
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        for i in range(500):
+            r = c.request(*(("GET", "/stats"), ("POST", "/v1/chat/completions"))[i % 2],
+                          headers={"Authorization": f"Bearer wrong-{i}"})
+            assert r.status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200  # the log is written before this answer
+    grown = server.log_path.stat().st_size - size
+    assert grown < 1024, server.log_tail(20)
+    assert "-> 401 (missing or wrong API key); further refusals from it are counted" in server.log_tail(400)
+    print(f"500 bad-key requests wrote {grown} bytes of log")
+
+
+def test_refusals_are_counted_per_minute_per_source(caplog):
+    now = [0.0]
+    refused = RefusedRequests(max_sources=2, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="lightning_sdk.servers"):
+        assert refused.note("10.0.0.1", "GET", "/stats") is True  # opens the minute
+        for i in range(499):
+            assert refused.note("10.0.0.1", "POST", f"/v1/x{i}") is False
+        for source in ("10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.3"):
+            refused.note(source, "GET", "/")
+        assert [r.getMessage() for r in caplog.records] == [
+            "GET '/stats' from 10.0.0.1 -> 401 (missing or wrong API key); further refusals from it are counted, "
+            "one line a minute",
+            "GET '/' from 10.0.0.2 -> 401 (missing or wrong API key); further refusals from it are counted, "
+            "one line a minute",
+            "GET '/' from other sources -> 401 (missing or wrong API key); further refusals from it are counted, "
+            "one line a minute"]
+        caplog.clear()
+        now[0] = 60.0  # the next minute's first refusal logs the last minute's counts
+        assert refused.note("10.0.0.2", "GET", "/") is True
+        assert [r.getMessage() for r in caplog.records] == [
+            "499 more request(s) from 10.0.0.1 refused with 401 in the last 60s",
+            "2 more request(s) from other sources refused with 401 in the last 60s",
+            "GET '/' from 10.0.0.2 -> 401 (missing or wrong API key); further refusals from it are counted, "
+            "one line a minute"]
 
 
 def test_the_gateway_checks_its_own_key_and_keeps_adapters_out_of_reach(server):

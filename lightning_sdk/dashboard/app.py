@@ -16,9 +16,10 @@ import json
 import math
 import secrets
 import socket
+import unicodedata
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, PlainTextResponse, RedirectResponse, Response
@@ -57,6 +58,24 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def control_character_in(request: Request) -> str | None:
+    """One line naming the query parameter (or the path) that holds a control character, else None. No run, rollout
+    or filter value has one, and a NUL would fail deep inside (a path, SQLite) as a 500 instead."""
+    for key, value in request.query_params.multi_items():
+        for what, text in ((f"query parameter {key!r}", value), ("a query parameter's name", key)):
+            if any(unicodedata.category(c) == "Cc" for c in text):
+                return f"{what}: holds a control character; expected plain text"
+    if any(unicodedata.category(c) == "Cc" for c in request.scope["path"]):  # decoded: %00 is a NUL here
+        return "the path holds a control character"
+    return None
+
+
+def same_origin(path: str) -> str:
+    """`path` as a redirect target on this server: `//host/x` (and `/\\host/x`, which browsers read the same way) would
+    send the browser to another site, so leading slashes collapse to one and the rest is percent-encoded."""
+    return "/" + quote(path.lstrip("/\\"), safe="/")
+
+
 def create_app(reader: RunReader, token: str, cookie: str) -> FastAPI:
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, default_response_class=JSON,
                   telemetry={"tracing": False})  # FastAPI's own spans would land in a traced process's store
@@ -65,12 +84,17 @@ def create_app(reader: RunReader, token: str, cookie: str) -> FastAPI:
     async def guard(request: Request, call_next):
         given = request.query_params.get("token")
         if given is not None and secrets.compare_digest(given, token):
-            # Drop the token from the address bar (and history); the cookie carries it from now on.
-            rest = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
-            response: Response = RedirectResponse(request.url.path + ("?" + urlencode(rest) if rest else ""), 303)
-            response.set_cookie(cookie, token, httponly=True, samesite="strict", path="/")
+            if (bad := control_character_in(request)) is not None:
+                response: Response = PlainTextResponse(bad, 400)
+            else:  # drop the token from the address bar (and history); the cookie carries it from now on
+                rest = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
+                response = RedirectResponse(same_origin(request.scope["path"]) + ("?" + urlencode(rest) if rest else ""),
+                                            303)
+                response.set_cookie(cookie, token, httponly=True, samesite="strict", path="/")
         elif secrets.compare_digest(request.cookies.get(cookie, ""), token):
-            if request.method not in ("GET", "HEAD"):
+            if (bad := control_character_in(request)) is not None:
+                response = PlainTextResponse(bad, 400)
+            elif request.method not in ("GET", "HEAD"):
                 response = PlainTextResponse("the dashboard is read-only", 405)
             else:
                 response = await call_next(request)

@@ -19,12 +19,13 @@ from lightning_sdk.errors import CaptureError
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.records import messages
 from lightning_sdk.tracing.records import COMPLETION_IDS, PROMPT_IDS, REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord
-from lightning_sdk.train.checkpoint import STATE, latest_checkpoint
+from lightning_sdk.train.checkpoint import (STATE, checkpoint_name, completed_iterations, latest_checkpoint,
+                                            trained_into)
 from lightning_sdk.transitions import is_llm_call, to_transitions
 
 STORE_FILE = "store.sqlite"
 METRICS_FILE = "metrics.jsonl"
-STATUSES = ("running", "succeeded", "failed", "abandoned")
+STATUSES = ("running", "succeeded", "failed", "abandoned", "untrained")
 MAX_PAGE = 500
 
 
@@ -105,7 +106,10 @@ class RunReader:
             evals.insert(0, {"iteration": 0, "label": "before training", "mean": state["baseline_eval"],
                              "finished": None, "running": 0})
         return {
-            "id": run_id, "path": str(path), "history": history, "evals": evals,
+            "id": run_id, "path": str(path), "evals": evals,
+            # the checkpoint each iteration's update made: the page lists the rollouts it trained on
+            "history": [{**h, "checkpoint": checkpoint_name(h["iteration"]) if isinstance(h.get("iteration"), int)
+                         else None} for h in history],
             "counts": self._with_store(path, Store.status_counts, {}),
             "components": self._with_store(path, Store.components, []),
             "credit": asdict(self.credit),
@@ -119,6 +123,7 @@ class RunReader:
         """One page of rollouts, newest first, with the filters applied in SQL (a big store is never loaded whole)."""
         path = self.run_dir(run_id)
         limit = max(1, min(int(limit), MAX_PAGE))
+        completed = completed_iterations(path)
 
         def query(store: Store) -> dict[str, Any]:
             total, records = store.rollout_page(status=status, phase=phase, iteration=iteration, min_reward=min_reward,
@@ -129,7 +134,8 @@ class RunReader:
                 {"rollout_id": r.rollout_id, "phase": r.phase, "iteration": r.iteration, "status": r.status,
                  "reward": r.reward, "calls": calls.get(r.rollout_id, (0, 0))[0],
                  "spans": calls.get(r.rollout_id, (0, 0))[1], "seconds": r.seconds,
-                 "model": r.model, "task_id": r.task_id, "error": r.error} for r in records]}
+                 "model": r.model, "task_id": r.task_id, "error": r.error,
+                 "checkpoint": trained_into(r.phase, r.iteration, r.status, completed)} for r in records]}
 
         return self._with_store(path, query, {"total": 0, "offset": offset, "limit": limit, "rows": []})
 

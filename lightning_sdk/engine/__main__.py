@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="none", choices=["none", "4bit"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the runtime) is gone")
     p.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 16 MiB)")
     p.add_argument("--header-timeout", type=float, default=None,
@@ -46,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--api-key / $LIGHTNING_SDK_SERVE_API_KEY is empty: give a key, or unset it for a server without one")
     if args.header_timeout is not None and args.header_timeout <= 0:
         p.error(f"--header-timeout must be above 0 (got {args.header_timeout})")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        p.error(f"--device must be cpu, cuda or cuda:N (got {args.device!r})")
     if args.max_connections is not None and args.max_connections < 1:
         p.error(f"--max-connections must be at least 1 (got {args.max_connections})")
 
@@ -64,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine(models.resolve(args.model), dtype=args.dtype, quantization=args.quantization,
-                    max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, seed=args.seed)
+                    max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, seed=args.seed,
+                    device=args.device)
     app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                      **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}))
     if args.api_key is None:

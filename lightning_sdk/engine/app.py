@@ -187,7 +187,7 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
     @app.get("/stats")
     async def stats() -> dict:
         """Engine counters (requests, generate batches): how well concurrent requests were batched (key needed)."""
-        return {**engine.stats, "adapters": engine.adapters}
+        return {**engine.stats, "adapters": engine.adapters, **engine.memory()}
 
     @v1.get("/models")
     async def list_models() -> dict:

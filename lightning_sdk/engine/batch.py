@@ -48,8 +48,9 @@ class _Batch:
         if not keep:
             return
         index = torch.tensor(keep)
-        self.cache.batch_select_indices(index)
-        self.mask, self.positions = self.mask[index], self.positions[index]
+        here = index.to(self.mask.device)  # the cache, mask and positions live on the model's device
+        self.cache.batch_select_indices(here)
+        self.mask, self.positions = self.mask[here], self.positions[here]
         self.temps, self.top_ps, self.tokens = self.temps[index], self.top_ps[index], self.tokens[index]
         used = self.mask.any(dim=0).nonzero()
         start = int(used[0]) if len(used) else 0

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import resource
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -39,11 +40,12 @@ MAX_TOP_LOGPROBS = 20
 
 class Engine:
     def __init__(self, model_path: str, *, dtype: str = "auto", quantization: str = "none",
-                 max_batch_size: int = 64, max_model_len: int = 2048, seed: int = 0):
+                 max_batch_size: int = 64, max_model_len: int = 2048, seed: int = 0, device: str = "cpu"):
         t0 = time.monotonic()
+        self.device = torch.device(device)
         self.tokenizer = models.load_tokenizer(model_path)
         # Serve the base exactly as the trainer holds it (4bit for QLoRA), so sampled logprobs match its own.
-        self.model = models.load_causal_lm(model_path, dtype=dtype, quantization=quantization)
+        self.model = models.load_causal_lm(model_path, dtype=dtype, quantization=quantization, device=device)
         self.model.eval()
         self.model.requires_grad_(False)
         self.max_batch_size = max_batch_size
@@ -70,14 +72,21 @@ class Engine:
                       "generated_tokens": 0}
         self._scheduler = Scheduler(self._prefill, self._forward, self._adapter_context,
                                     max_batch_size=max_batch_size, stats=self.stats)
-        log.info("loaded %s in %.1fs (%s, max_model_len %d)", model_path, time.monotonic() - t0,
-                 self.model.dtype, self.max_model_len)
+        log.info("loaded %s in %.1fs (%s on %s, max_model_len %d)", model_path, time.monotonic() - t0,
+                 self.model.dtype, self.device, self.max_model_len)
 
     # ---- used from the event loop ----
 
     @property
     def adapters(self) -> list[str]:
         return list(self._adapter_names)
+
+    def memory(self) -> dict[str, int | str | None]:
+        """The device, the most memory this process has had allocated on it if it is a GPU, and its peak resident
+        size (bytes)."""
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        return {"device": str(self.device), "max_memory_allocated": peak, "max_rss": rss}
 
     def encode_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
@@ -175,6 +184,7 @@ class Engine:
             p = r.req.prompt_ids
             ids[b, longest - len(p):] = torch.tensor(p)
             mask[b, longest - len(p):] = 1
+        mask = mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         batch = _Batch(rows, None, mask, positions,
                        temps=torch.tensor([r.req.temperature for r in rows], dtype=torch.float32),
@@ -189,11 +199,12 @@ class Engine:
             batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
             batch.positions = batch.positions[:, -1:] + 1
         self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], len(batch.rows))
-        out = self.model(input_ids=ids, attention_mask=batch.mask, position_ids=batch.positions, use_cache=True,
+        out = self.model(input_ids=ids.to(self.device), attention_mask=batch.mask, position_ids=batch.positions, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: batch.cache})
         batch.cache = out.cache if hasattr(out, "cache") else out.past_key_values
         batch.positions = batch.positions[:, -1:]
-        tokens, logps, top = _sample(out.logits[:, -1, :].float(), batch.temps, batch.top_ps, batch.rows, self._gen)
+        # Sampling stays on the CPU, where the requests' seeded generators are.
+        tokens, logps, top = _sample(out.logits[:, -1, :].float().cpu(), batch.temps, batch.top_ps, batch.rows, self._gen)
         batch.tokens = tokens
         keep = [b for b, r in enumerate(batch.rows)
                 if not self._append(r, int(tokens[b]), float(logps[b]), top[b] if top else None)]
@@ -220,7 +231,10 @@ class Engine:
         self.model.eval()
         self._adapters[name] = path
         self._adapter_names = tuple(self._adapters)
-        log.info("loaded lora adapter %s from %s", name, path)
+        memory = self.memory()  # the peak through the collection before this hot-load (benchmarks/gpu_proof.py)
+        peak = (f"GPU memory allocated {memory['max_memory_allocated'] / 2**20:.0f}"
+                if memory["max_memory_allocated"] is not None else f"RSS {memory['max_rss'] / 2**20:.0f}")
+        log.info("loaded lora adapter %s from %s (peak %s MiB)", name, path, peak)
 
     def _unload_adapter(self, name: str) -> None:
         if name not in self._adapters:

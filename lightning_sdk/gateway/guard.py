@@ -106,11 +106,48 @@ async def _send_json(send: Any, status: int, body: dict) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
+class RefusedRequests:
+    """401s summarised as a reverse proxy does, so that a flood of bad keys cannot grow the log without bound: the
+    first refusal from a source in a minute is logged at once, the rest are counted and logged as one line per
+    source when the minute ends. At most `max_sources` sources are told apart per minute; more are counted together.
+    """
+
+    def __init__(self, *, window: float = 60.0, max_sources: int = 64, clock: Callable[[], float] = time.monotonic):
+        self.window, self.max_sources, self.clock = window, max_sources, clock
+        self.counts: dict[str, int] = {}
+        self.until: float | None = None  # the end of the current minute; None while nothing was refused
+
+    def note(self, source: str, method: str, path: str) -> bool:
+        """Count one refusal; True when it opened a new minute (the caller arranges a `flush` at its end)."""
+        now = self.clock()
+        if self.until is not None and now >= self.until:
+            self.flush()
+        opened = self.until is None
+        if opened:
+            self.until = now + self.window
+        if source not in self.counts and len(self.counts) >= self.max_sources:
+            source = "other sources"
+        self.counts[source] = self.counts.get(source, 0) + 1
+        if self.counts[source] == 1:
+            log.warning("%s %r from %s -> 401 (missing or wrong API key); further refusals from it are counted, "
+                        "one line a minute", method, path[:200], source)
+        return opened
+
+    def flush(self) -> None:
+        """Log the minute's counts (refusals after the first, per source) and start afresh."""
+        for source, n in self.counts.items():
+            if n > 1:
+                log.warning("%d more request(s) from %s refused with 401 in the last %.0fs", n - 1, source,
+                            self.window)
+        self.counts, self.until = {}, None
+
+
 class KeyCheck:
     """ASGI middleware: every route but /health needs `Authorization: Bearer KEY`, checked before the body is
     read or parsed, so a caller without the key gets 401 and learns nothing else (not /stats, not /docs, not
     which routes exist). `route_keys` (path prefix -> key) gives some routes a key of their own, which opens
-    those routes only (the remote runtime's work routes: the agents' key cannot claim work)."""
+    those routes only (the remote runtime's work routes: the agents' key cannot claim work). Refusals are logged
+    summarised (`RefusedRequests`)."""
 
     def __init__(self, app: Any, api_key: str, route_keys: dict[str, str] | None = None):
         if not api_key or not all((route_keys or {}).values()):
@@ -118,6 +155,7 @@ class KeyCheck:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
         self.route_keys = sorted(((prefix, f"Bearer {key}".encode()) for prefix, key in (route_keys or {}).items()),
                                  key=lambda pk: -len(pk[0]))
+        self.refused = RefusedRequests()
 
     def _expected(self, path: str) -> bytes:
         for prefix, key in self.route_keys:
@@ -129,10 +167,17 @@ class KeyCheck:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             header = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(header, self._expected(scope["path"])):
-                log.warning("%s %s -> 401", scope.get("method"), scope["path"].encode("utf-8", "replace")[:200])
+                source = (scope.get("client") or ("unknown",))[0]
+                if self.refused.note(str(source), str(scope.get("method")), scope["path"]):
+                    # the minute's counts are logged when it ends, even if nothing is refused after it
+                    asyncio.get_running_loop().call_later(self.refused.window, self._end_minute, self.refused.until)
                 return await _send_json(send, 401, error_body(
                     401, "Unauthorized: missing or wrong API key (Authorization: Bearer ...)"))
         await self.app(scope, receive, send)
+
+    def _end_minute(self, until: float) -> None:
+        if self.refused.until == until:  # not already flushed by a refusal after the minute's end
+            self.refused.flush()
 
 
 def connection_cap(wanted: int) -> int:

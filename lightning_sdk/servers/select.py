@@ -45,7 +45,7 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
     return CPUServer(
         model_path, served_model_name=cfg.model.name, host=BACKEND_HOST, port=0,
         api_key=api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
-        dtype=cfg.model.dtype, startup_timeout=cfg.serve.startup_timeout, log_path=log_path,
+        dtype=cfg.model.dtype, startup_timeout=cfg.serve.startup_timeout, log_path=log_path, device=cfg.serve.device,
     )
 
 

@@ -32,6 +32,7 @@ _STATUS = {SpanStatus.STATUS_CODE_UNSET: "UNSET", SpanStatus.STATUS_CODE_OK: "OK
            SpanStatus.STATUS_CODE_ERROR: "ERROR"}
 _ID_KEYS = {"traceId", "trace_id", "spanId", "span_id", "parentSpanId", "parent_span_id"}
 _INVALID_ARGUMENT = 3  # google.rpc.Code
+MAX_GZIP_MEMBERS = 16  # far above what an exporter sends (one); concatenated files stay readable
 
 
 class OtlpError(ValueError):
@@ -110,16 +111,26 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
     if encoding not in ("gzip", "deflate"):
         raise OtlpError(415, f"Content-Encoding {encoding!r}: expected gzip, deflate or none")
     # Bounded: a small compressed body may expand to gigabytes (a zip bomb); stop one byte past the limit.
-    inflater = zlib.decompressobj(31 if encoding == "gzip" else 15)
-    try:
-        raw = inflater.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise OtlpError(400, f"the body is not valid {encoding} data ({e})") from None
-    if len(raw) > limit:
-        raise OtlpError(413, f"the body decompresses to more than the limit of {limit} bytes")
-    if not inflater.eof:
-        raise OtlpError(400, f"the body is truncated {encoding} data")
-    return raw
+    # A gzip body may hold several members (RFC 1952; `cat a.gz b.gz`): each is read, as gunzip does, so that no
+    # span is dropped while the export is answered 200. Members are capped because each one copies the rest of the
+    # body (`unused_data`); bytes after a deflate stream are refused.
+    raw, rest = b"", body
+    for _ in range(MAX_GZIP_MEMBERS):
+        inflater = zlib.decompressobj(31 if encoding == "gzip" else 15)
+        try:
+            raw += inflater.decompress(rest, limit + 1 - len(raw))
+        except zlib.error as e:
+            raise OtlpError(400, f"the body is not valid {encoding} data ({e})") from None
+        if len(raw) > limit:
+            raise OtlpError(413, f"the body decompresses to more than the limit of {limit} bytes")
+        if not inflater.eof:
+            raise OtlpError(400, f"the body is truncated {encoding} data")
+        rest = inflater.unused_data
+        if not rest:
+            return raw
+        if encoding != "gzip":
+            raise OtlpError(400, f"the body has {len(rest)} byte(s) after the end of its deflate data")
+    raise OtlpError(400, f"the body holds more than {MAX_GZIP_MEMBERS} gzip members")
 
 
 def _hex_ids_to_base64(doc: Any) -> Any:

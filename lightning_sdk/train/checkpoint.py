@@ -39,10 +39,36 @@ class RunState:
         return cls(**json.loads((checkpoint / STATE).read_text()))
 
 
+def checkpoint_name(iteration: int) -> str:
+    return f"iter-{iteration:05d}"
+
+
+def trained_into(phase: str, iteration: int, status: str, completed: int) -> str | None:
+    """The checkpoint whose update trained on a rollout, given the run's completed iterations; None if none did.
+
+    Update N trains on the succeeded train rollouts of iteration N and is checkpointed as iter-N (the name stays
+    though only the newest checkpoints are kept). A rollout of an iteration whose update never completed is not
+    trained on: resume marks it 'untrained' (Store.mark_untrained). Failed rollouts trained at
+    rollout.failed_reward are not named here.
+    """
+    if phase == "train" and status == "succeeded" and 1 <= iteration <= completed:
+        return checkpoint_name(iteration)
+    return None
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     # A checkpoint directory only ever appears by an atomic rename of a complete one.
     done = sorted((Path(run_dir) / CHECKPOINTS).glob("iter-*"))
     return done[-1] if done else None
+
+
+def completed_iterations(run_dir: Path) -> int:
+    """Iterations whose update completed, as the latest checkpoint records them (0 without one, or unreadable)."""
+    checkpoint = latest_checkpoint(run_dir)
+    try:
+        return int(json.loads((checkpoint / STATE).read_text())["completed"]) if checkpoint is not None else 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def adapter_dir(checkpoint: Path) -> Path:
@@ -53,7 +79,7 @@ def adapter_dir(checkpoint: Path) -> Path:
 def write_checkpoint(run_dir: Path, iteration: int, trainer: Any, state: RunState, keep: int = 3) -> Path:
     """Checkpoint `trainer` and `state` as iter-<iteration>; only the newest `keep` checkpoints stay."""
     root = Path(run_dir) / CHECKPOINTS
-    final = root / f"iter-{iteration:05d}"
+    final = root / checkpoint_name(iteration)
     with atomic_dir(final) as tmp:
         trainer.save_state(tmp / TRAINER)
         (tmp / STATE).write_text(state.to_json())

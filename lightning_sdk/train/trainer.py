@@ -233,7 +233,12 @@ class GRPOTrainer:
             m.update(adv_mean=kept.mean().item(), adv_std=kept.std().item() if len(plan.order) > 1 else 0.0,
                      num_transitions=float(len(plan.order)),
                      num_tokens=float(sum(len(plan.ts[i].completion_ids) for i in plan.order)),
+                     # every token a forward pass reads (prompt + completion): what the update's FLOPs scale with
+                     num_input_tokens=float(sum(len(plan.ts[i].prompt_ids) + len(plan.ts[i].completion_ids)
+                                                for i in plan.order)),
                      logprob_gap=gap / gap_n if gap_n else math.nan)
+        if self.device.startswith("cuda"):  # this process's peak so far, in bytes
+            m["max_memory_allocated"] = float(torch.cuda.max_memory_allocated(self.device))
         return {**m, "step": float(self.global_step), "seconds": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------------------------------- checkpoints

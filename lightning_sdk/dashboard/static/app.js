@@ -195,8 +195,10 @@ const ITER_COLS = [
   ["update s", "", (h) => num1(h.update_s), true], ["hot-load s", "", (h) => num(h.hotload_s, 2)],
 ];
 
-function iterationTable(s, compact) {
-  const cols = ITER_COLS.filter((c) => !compact || c[3]);
+// trainedOn(iteration): show the rollouts that iteration's update (its checkpoint) trained on; absent when compact
+function iterationTable(s, compact, trainedOn) {
+  const link = (h) => (h.checkpoint ? el("a", { href: "#", class: "trained-on", title: "the rollouts this checkpoint's update trained on", onclick: (e) => { e.preventDefault(); trainedOn(h.iteration); } }, h.checkpoint) : "");
+  const cols = [...ITER_COLS.filter((c) => !compact || c[3]), ...(trainedOn ? [["checkpoint", "l", link]] : [])];
   const evalRow = (e) => el("tr", { class: "eval" }, cols.map(([name], i) => el("td", { class: i === 1 ? "l" : "" },
     i === 0 ? "eval" : i === 1 ? e.label : name === "reward" ? num(e.mean) :
       name === "rollouts" ? (e.running ? `${e.finished} + ${e.running} running` : e.finished ?? "") : "")));
@@ -219,14 +221,16 @@ function runView(main, run) {
   const filters = { status: "", phase: "", component: "", min_reward: "", max_reward: "", iteration: "", offset: 0 };
   const head = el("div"), chart = el("div", { class: "card" }), iters = el("div"), list = el("div");
   const comp = el("select", { name: "component" }, el("option", { value: "" }, "any"));
+  const controls = {};
   const field = (name, node) => {
+    controls[name] = node;
     node.addEventListener("change", () => { filters[name] = node.value; filters.offset = 0; tick(); });
     return node;
   };
   const choose = (name, values) => field(name, el("select", { name }, el("option", { value: "" }, "any"), values.map((v) => el("option", { value: v }, v))));
   const box = (name, ph) => field(name, el("input", { name, type: "number", step: "any", placeholder: ph }));
   const bar = el("div", { class: "filters" },
-    el("label", {}, "status", choose("status", ["succeeded", "failed", "abandoned", "running"])),
+    el("label", {}, "status", choose("status", ["succeeded", "failed", "abandoned", "running", "untrained"])),
     el("label", {}, "phase", choose("phase", ["train", "eval"])),
     el("label", {}, "component", field("component", comp)),
     el("label", {}, "min reward", box("min_reward", "≥")), el("label", {}, "max reward", box("max_reward", "≤")),
@@ -235,25 +239,31 @@ function runView(main, run) {
     el("h3", {}, "Rollouts"), bar, list);
   let components = "";
   const changed = differ();
+  // What checkpoint iter-N trained on: iteration N's succeeded train rollouts (train/checkpoint.trained_into).
+  const trainedOn = (n) => {
+    Object.assign(filters, { status: "succeeded", phase: "train", iteration: String(n), offset: 0 });
+    for (const k of ["status", "phase", "iteration"]) controls[k].value = filters[k];
+    tick();
+  };
   return {
     async refresh() {
       const [s, page] = await Promise.all([api("summary", { run }), api("rollouts", { run, limit: PAGE, ...filters })]);
       if (!changed([s, page, filters])) return;
       fill(head, el("h2", {}, run), el("div", { class: "muted" }, s.path), countsLine(s));
       fill(chart, el("b", {}, "Reward per iteration"), el("br"), rewardChart([{ name: run, history: s.history, evals: s.evals }]));
-      fill(iters, iterationTable(s));
+      fill(iters, iterationTable(s, false, trainedOn));
       if (components !== JSON.stringify(s.components)) {
         components = JSON.stringify(s.components);
         fill(comp, el("option", { value: "" }, "any"), s.components.map((c) => el("option", { value: c, selected: c === filters.component }, c)));
       }
       const go = (d) => { filters.offset = Math.max(0, filters.offset + d); tick(); };
       fill(list,
-        table([["rollout", "l"], ["phase", "l"], ["iter"], ["status", "l"], ["reward"], ["LLM calls"], ["spans"], ["seconds"], ["model", "l"], ["error", "l"]],
+        table([["rollout", "l"], ["phase", "l"], ["iter"], ["status", "l"], ["reward"], ["LLM calls"], ["spans"], ["seconds"], ["model", "l"], ["trained into", "l"], ["error", "l"]],
           page.rows.map((r) => el("tr", { class: "click", "data-rollout": r.rollout_id, onclick: () => { location.hash = href("run", run, "rollout", r.rollout_id); } },
             el("td", { class: "l" }, el("a", { href: href("run", run, "rollout", r.rollout_id) }, r.rollout_id)),
             el("td", { class: "l" }, r.phase), el("td", {}, iterLabel(r)), el("td", { class: "l" }, badge(r.status)),
             el("td", {}, num(r.reward)), el("td", {}, r.calls), el("td", {}, r.spans), el("td", {}, num(r.seconds, 2)), el("td", { class: "l" }, r.model ?? ""),
-            el("td", { class: "err", title: r.error ?? "" }, r.error ?? "")))),
+            el("td", { class: "l" }, r.checkpoint ?? ""), el("td", { class: "err", title: r.error ?? "" }, r.error ?? "")))),
         el("div", { class: "pager" },
           el("button", { disabled: filters.offset === 0, onclick: () => go(-PAGE) }, "← newer"),
           el("span", { class: "muted" }, page.total ? `${page.offset + 1}–${page.offset + page.rows.length} of ${page.total}` : "no rollout matches"),

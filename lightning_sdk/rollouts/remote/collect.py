@@ -68,7 +68,8 @@ class RemoteCollector(EmbeddedCollector):
         self.console.print(
             f"Lightning server for run {cfg.run.name!r} at {url}: waiting for workers. In the agent's folder and "
             f"environment, start one with\n  lightning worker --server {url} --token-file {self.token_file}\n"
-            f"(on this machine: lightning worker --run-dir {self.run_dir}; the token: {self.worker_token})"
+            f"(on this machine: lightning worker --run-dir {self.run_dir}). The token is in {self.token_file} "
+            f"(readable by this user only); it is never printed, so it stays out of logs"
             + ("" if cfg.serve.host not in ("127.0.0.1", "::1", "localhost") else
                "\nIt listens on this machine only: set serve.host (e.g. 0.0.0.0) for workers on others."),
             highlight=False, soft_wrap=True, markup=False)
