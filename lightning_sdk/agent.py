@@ -28,6 +28,10 @@ from lightning_sdk.files import load_py_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# The largest |reward| a run takes. Far beyond any score's scale, yet a group's std of rewards this size stays
+# finite (squares of ~1e155 overflow a float64, and every advantage would silently become 0).
+MAX_ABS_REWARD = 1e6
+
 ROLLOUT_MARK = "__lightning_rollout__"
 REWARD_MARK = "__lightning_reward__"
 
@@ -141,11 +145,12 @@ def _drop_cached_clients() -> None:
 
 
 class RewardError(ValueError):
-    """A reward that is not a finite number."""
+    """A reward that is not a finite number within +-MAX_ABS_REWARD."""
 
 
 def reward_value(value: Any, what: str, where: str = "") -> float:
-    """`value` as a float if it is a finite real number (bools count: `output == answer` is a fine reward).
+    """`value` as a float if it is a finite real number within +-MAX_ABS_REWARD (bools count: `output == answer`
+    is a fine reward).
 
     The error reads "{what} {value!r} ({type}){where}; expected ...", e.g. what="@reward returned".
     """
@@ -156,8 +161,11 @@ def reward_value(value: Any, what: str, where: str = "") -> float:
             number = float(value)
         except (OverflowError, ValueError, TypeError):
             number = math.nan
-        if math.isfinite(number):
+        if math.isfinite(number) and abs(number) <= MAX_ABS_REWARD:
             return number
+        if math.isfinite(number):
+            raise RewardError(f"{what} {value!r} ({type(value).__name__}){where}; expected a reward within "
+                              f"+-{MAX_ABS_REWARD:g}: rescale it")
     raise RewardError(f"{what} {value!r} ({type(value).__name__}){where}; expected a finite float: a finite number "
                       f"or a bool")
 

@@ -10,6 +10,7 @@ AdamW. One `step(transitions)` is one update phase over one collected batch:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import warnings
@@ -23,15 +24,19 @@ import torch
 
 from lightning_sdk import models
 from lightning_sdk.config import TrainConfig
+from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
+from lightning_sdk.models.adapter import first_nonfinite
 from lightning_sdk.train.microbatch import Batch, collate, drop_single_rollout_groups
 from lightning_sdk.train.checkpoint import ADAPTER
 from lightning_sdk.train.grpo import (entropy, group_advantages, grpo_loss, sampler_is_weight, token_weights,
                                      top_p_keep, zero_variance_groups)
 from lightning_sdk.transitions import Transition
 
+log = logging.getLogger("lightning_sdk")
+
 # What step() reports when a batch leaves nothing to train on (e.g. every group has a single rollout).
-_EMPTY_METRICS = {"loss": 0.0, "grad_norm": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 1.0, "adv_mean": 0.0,
+_EMPTY_METRICS = {"loss": 0.0, "grad_norm": 0.0, "skipped_steps": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 1.0, "adv_mean": 0.0,
                   "adv_std": 0.0, "num_transitions": 0.0, "num_tokens": 0.0, "logprob_gap": math.nan,
                   "entropy": math.nan}
 
@@ -159,9 +164,16 @@ class GRPOTrainer:
                                      log_ratio_clamp=cfg.log_ratio_clamp, dual_clip=cfg.dual_clip)
                 loss.backward()  # weights sum to 1 over the whole batch: accumulated grads == full-batch grads
                 totals.update({"loss": loss.item(), **{k: v.item() for k, v in st.items()}})
-            totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
             totals["lr"] += self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
+            if math.isfinite(norm):
+                totals["grad_norm"] += norm
+                self.optimizer.step()
+            else:  # a nan/inf gradient would make every adapter tensor (and Adam's moments) non-finite at once
+                totals["skipped_steps"] += 1
+                log.warning("update %d, epoch %d: gradient norm is %s; optimizer step skipped (train.skipped_steps)",
+                            self.global_step + 1, epoch, norm)
+            self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         self.model.eval()
         self.global_step += 1
@@ -219,8 +231,9 @@ class GRPOTrainer:
         return olds, refs
 
     def _metrics(self, transitions: Sequence[Transition], plan: _Plan, totals: Counter, t0: float) -> dict[str, float]:
-        """Loss statistics averaged over epochs; logprob_gap is the mean |trainer - sampler| log-prob before the
-        update (the train/inference mismatch)."""
+        """Loss statistics averaged over epochs (grad_norm over the steps taken; skipped_steps counts the steps left
+        out for a non-finite gradient); logprob_gap is the mean |trainer - sampler| log-prob before the update (the
+        train/inference mismatch)."""
         m = {**_EMPTY_METRICS, **_rollout_means(transitions), "lr": self.optimizer.param_groups[0]["lr"],
              "num_skipped": float(len(transitions) - len(plan.ts)), "zero_variance_frac": plan.zero_variance_frac,
              "num_masked_truncated": float(plan.num_masked)}
@@ -229,7 +242,10 @@ class GRPOTrainer:
             ent, ent_w = totals.pop("entropy_sum", 0.0), totals.pop("weight_sum", 0.0)
             m["entropy"] = ent / ent_w if ent_w else math.nan
             kept = plan.adv[plan.order]
-            m.update({k: v / self.config.epochs for k, v in totals.items()})
+            skipped = totals.pop("skipped_steps", 0)
+            stepped = self.config.epochs - skipped
+            m["grad_norm"] = totals.pop("grad_norm", 0.0) / stepped if stepped else math.nan
+            m.update({k: v / self.config.epochs for k, v in totals.items()}, skipped_steps=float(skipped))
             m.update(adv_mean=kept.mean().item(), adv_std=kept.std().item() if len(plan.order) > 1 else 0.0,
                      num_transitions=float(len(plan.order)),
                      num_tokens=float(sum(len(plan.ts[i].completion_ids) for i in plan.order)),
@@ -244,6 +260,12 @@ class GRPOTrainer:
             self._save_adapter_files(tmp)
 
     def _save_adapter_files(self, path: Path) -> None:
+        # An adapter with a nan or inf is never written, so it is never served or published either.
+        bad = first_nonfinite((n, p.detach()) for n, p in self.model.named_parameters() if p.requires_grad)
+        if bad is not None:
+            raise RunError(f"the adapter after update {self.global_step} holds nan or inf (first in {bad}); it is "
+                           f"not saved, served or published. The previous checkpoint is intact: lower train.lr or "
+                           f"train.max_grad_norm and --resume")
         # The adapter only: with lm_head targeted peft would also copy the frozen head (vocab x hidden), which
         # the base model already has.
         self.model.save_pretrained(path, save_embedding_layers=False)
