@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
 
 # Rewards set here (rollout.error_reward, failed_reward) have the bound every reward has (agent.MAX_ABS_REWARD,
-# which this module cannot import: tests/test_config.py checks both agree).
+# which this module cannot import: tests/test_nonfinite.py checks both agree).
 MAX_ABS_REWARD = 1e6
 
 

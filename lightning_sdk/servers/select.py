@@ -22,7 +22,8 @@ BACKEND_HOST = "127.0.0.1"  # agents call the gateway (serve.host); the backend 
 
 def make_server(cfg: Config, model_path: str, log_path: Path):
     """The run's inference backend on 127.0.0.1 (a free port), behind a key of its own made for this run: agents
-    reach it only through the gateway (gateway/proxy.py), which holds the key."""
+    reach it only through the gateway (gateway/proxy.py), which holds the key. The CPU server holds the base as the
+    trainer does (nf4 for model.quantization = "4bit"), so it samples from the policy being trained."""
     from lightning_sdk.servers.cpu import CPUServer
 
     api_key = new_api_key()
@@ -45,7 +46,8 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
     return CPUServer(
         model_path, served_model_name=cfg.model.name, host=BACKEND_HOST, port=0,
         api_key=api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
-        dtype=cfg.model.dtype, startup_timeout=cfg.serve.startup_timeout, log_path=log_path,
+        dtype=cfg.model.dtype, quantization=cfg.model.quantization, startup_timeout=cfg.serve.startup_timeout,
+        log_path=log_path,
     )
 
 
