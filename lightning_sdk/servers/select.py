@@ -47,8 +47,20 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
         model_path, served_model_name=cfg.model.name, host=BACKEND_HOST, port=0,
         api_key=api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
         dtype=cfg.model.dtype, quantization=cfg.model.quantization, startup_timeout=cfg.serve.startup_timeout,
-        log_path=log_path,
+        log_path=log_path, seed=server_seed(cfg),
     )
+
+
+def server_seed(cfg: Config) -> int:
+    """The sampler's seed: run.seed and the iterations run.dir's checkpoints already hold, so another run.seed and
+    every resume draw a stream of their own instead of replaying the first start's."""
+    import hashlib
+
+    from lightning_sdk.train.checkpoint import RunState, latest_checkpoint
+
+    done = latest_checkpoint(cfg.run.dir)
+    completed = RunState.read(done).completed if done is not None else 0
+    return int.from_bytes(hashlib.sha256(f"{cfg.run.seed}:{completed}".encode()).digest()[:4], "big")
 
 
 def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):

@@ -106,6 +106,12 @@ class GRPOTrainer:
         self._train_forward_is_eval = not any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()
         ) and not any(getattr(base.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout"))
+        if config.epochs > 1 and not self._train_forward_is_eval:
+            # The old policy's log-probs come from a dropout-free pass, the new ones from a dropout pass: epoch 0's
+            # ratio is then not 1, and the clip acts on dropout noise as well as on the policy's change.
+            log.warning("train.lora_dropout = %g (or the model's own dropout) with train.epochs = %d: the GRPO ratio "
+                        "compares a dropout pass with a dropout-free one, so it differs from 1 before any update; "
+                        "set train.lora_dropout = 0 for an exact ratio", config.lora_dropout, config.epochs)
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = _lr_scheduler(self.optimizer, config, total_steps)
 
@@ -140,6 +146,7 @@ class GRPOTrainer:
         t0, cfg = time.perf_counter(), self.config
         plan = self._prepare(transitions)
         if not plan.batches:  # nothing left to learn from: no update, not an error
+            self._advance_schedule(cfg.epochs)  # the schedule's horizon counts these steps: it must end on time
             return self._metrics(transitions, plan, Counter(), t0)
         olds, refs = self._frozen_logprobs(plan.batches)
         self.model.train()
@@ -174,13 +181,21 @@ class GRPOTrainer:
                 log.warning("update %d, epoch %d: gradient norm is %s; optimizer step skipped (train.skipped_steps)",
                             self.global_step + 1, epoch, norm)
             self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
+            self._advance_schedule(1)
         self.model.eval()
         self.global_step += 1
         if self.device.startswith("cuda"):
             # Hand the allocator's cached blocks back, so a sleeping inference server on this GPU can wake into them.
             torch.cuda.empty_cache()
         return self._metrics(transitions, plan, totals, t0)
+
+    def _advance_schedule(self, steps: int) -> None:
+        """The learning-rate schedule moves on by `steps` optimizer steps, taken or not (skipped, nothing to
+        train), so it ends when the run does."""
+        with warnings.catch_warnings():  # torch's "scheduler.step() before optimizer.step()": deliberate here
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*", category=UserWarning)
+            for _ in range(steps):
+                self.scheduler.step()
 
     def _prepare(self, transitions: Sequence[Transition]) -> _Plan:
         """Advantages and token weights over the whole batch, then micro-batches of similar lengths (less padding).
@@ -296,13 +311,16 @@ class GRPOTrainer:
         if missing:
             raise ValueError(f"{path}: adapter does not match this model (missing {missing[:3]}...)")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
-        if (path / "scheduler.pt").exists():  # checkpoints from before train.lr_schedule have none: constant lr
+        global_step = json.loads((path / "trainer_state.json").read_text())["global_step"]
+        if (path / "scheduler.pt").exists():
             self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
+        else:  # a checkpoint without one: its position from the updates made, not warmup again from 0
+            self._advance_schedule(global_step * self.config.epochs)
         rng = torch.load(path / "rng.pt")
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-        self.global_step = json.loads((path / "trainer_state.json").read_text())["global_step"]
+        self.global_step = global_step
 
 
 def _rollout_means(ts: Sequence[Transition]) -> dict[str, float]:
