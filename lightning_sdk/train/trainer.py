@@ -296,7 +296,8 @@ class GRPOTrainer:
             rng = {"torch": torch.get_rng_state(),
                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
             torch.save(rng, tmp / "rng.pt")
-            (tmp / "trainer_state.json").write_text(json.dumps({"global_step": self.global_step}))
+            fixed = {k: getattr(self.config, k) for k in ADAPTER_SHAPE}
+            (tmp / "trainer_state.json").write_text(json.dumps({"global_step": self.global_step, "adapter": fixed}))
 
     def load_state(self, path: str | Path) -> None:
         from peft.utils import set_peft_model_state_dict
@@ -311,6 +312,7 @@ class GRPOTrainer:
         if missing:
             raise ValueError(f"{path}: adapter does not match this model (missing {missing[:3]}...)")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
+        saved_lr = self.optimizer.param_groups[0].get("initial_lr", self.optimizer.param_groups[0]["lr"])
         global_step = json.loads((path / "trainer_state.json").read_text())["global_step"]
         if (path / "scheduler.pt").exists():
             self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
@@ -321,6 +323,44 @@ class GRPOTrainer:
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.global_step = global_step
+        self._apply_config_over_checkpoint(saved_lr)
+
+    def _apply_config_over_checkpoint(self, saved_lr: float) -> None:
+        """train.lr and train.weight_decay as configured now, not as the checkpoint's optimizer state has them
+        (a documented override, logged): the schedule keeps its place, scaled to the new peak."""
+        cfg = self.config
+        for g in self.optimizer.param_groups:
+            if g["weight_decay"] != cfg.weight_decay:
+                log.warning("resume: train.weight_decay = %g applies from here (the checkpoint's was %g)",
+                            cfg.weight_decay, g["weight_decay"])
+                g["weight_decay"] = cfg.weight_decay
+            if saved_lr != cfg.lr:
+                g["lr"] *= cfg.lr / saved_lr
+                g["initial_lr"] = cfg.lr
+        if saved_lr != cfg.lr:
+            self.scheduler.base_lrs = [cfg.lr] * len(self.optimizer.param_groups)
+            log.warning("resume: train.lr = %g applies from here (the checkpoint's was %g)", cfg.lr, saved_lr)
+
+
+# What the adapter's weights mean: a checkpoint made with other values cannot continue under these.
+ADAPTER_SHAPE = ("lora_r", "lora_alpha", "target_modules")
+
+
+def checkpoint_conflict(path: str | Path, config: TrainConfig) -> str | None:
+    """Why the trainer checkpoint at `path` cannot resume under `config` (a changed ADAPTER_SHAPE key would load
+    the adapter and silently move the policy), naming the key; None when it can."""
+    path = Path(path)
+    state = json.loads((path / "trainer_state.json").read_text())
+    saved = state.get("adapter")
+    if saved is None:  # a checkpoint without the record: what peft's adapter_config.json says
+        peft = json.loads((path / ADAPTER / "adapter_config.json").read_text())
+        saved = {"lora_r": peft.get("r"), "lora_alpha": peft.get("lora_alpha")}
+    for key, value in saved.items():
+        if getattr(config, key) != value:
+            return (f"train.{key} = {getattr(config, key)!r}, but the checkpoint {path.parent.name} was trained with "
+                    f"{value!r}: its adapter means something else under the new value. Set train.{key} = "
+                    f"{value!r} to resume, or start a new run (--run-dir, --overwrite)")
+    return None
 
 
 def _rollout_means(ts: Sequence[Transition]) -> dict[str, float]:
