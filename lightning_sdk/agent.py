@@ -28,6 +28,10 @@ from lightning_sdk.files import load_py_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# The largest |reward| a run takes. Far beyond any score's scale, yet a group's std of rewards this size stays
+# finite (squares of ~1e155 overflow a float64, and every advantage would silently become 0).
+MAX_ABS_REWARD = 1e6
+
 ROLLOUT_MARK = "__lightning_rollout__"
 REWARD_MARK = "__lightning_reward__"
 
@@ -132,17 +136,12 @@ def run_environment(base_url: str, api_key: str, *, redirect_openai: bool = True
 
 
 class RewardError(ValueError):
-    """A reward that is not a finite number."""
-
-
-# Rewards beyond this are refused where they come in: group statistics of rewards near 1e154 overflow, and no
-# reward anyone meant is that large.
-MAX_REWARD = 1e6
+    """A reward that is not a finite number within +-MAX_ABS_REWARD."""
 
 
 def reward_value(value: Any, what: str, where: str = "") -> float:
-    """`value` as a float if it is a finite real number within +-MAX_REWARD (bools count: `output == answer` is a
-    fine reward).
+    """`value` as a float if it is a finite real number within +-MAX_ABS_REWARD (bools count: `output == answer`
+    is a fine reward).
 
     The error reads "{what} {value!r} ({type}){where}; expected ...", e.g. what="@reward returned".
     """
@@ -153,10 +152,13 @@ def reward_value(value: Any, what: str, where: str = "") -> float:
             number = float(value)
         except (OverflowError, ValueError, TypeError):
             number = math.nan
-        if math.isfinite(number) and abs(number) <= MAX_REWARD:
+        if math.isfinite(number) and abs(number) <= MAX_ABS_REWARD:
             return number
-    raise RewardError(f"{what} {value!r} ({type(value).__name__}){where}; expected a finite float within "
-                      f"+-{MAX_REWARD:g}: a number or a bool")
+        if math.isfinite(number):
+            raise RewardError(f"{what} {value!r} ({type(value).__name__}){where}; expected a reward within "
+                              f"+-{MAX_ABS_REWARD:g}: rescale it")
+    raise RewardError(f"{what} {value!r} ({type(value).__name__}){where}; expected a finite float: a finite number "
+                      f"or a bool")
 
 
 class AgentLoadError(SetupError):

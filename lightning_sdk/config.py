@@ -25,8 +25,14 @@ class ConfigError(ValueError):
     """A broken `lightning.toml`: the message names the key and what was expected."""
 
 
+# Rewards set here (rollout.error_reward, failed_reward) have the bound every reward has (agent.MAX_ABS_REWARD,
+# which this module cannot import: tests/test_nonfinite.py checks both agree).
+MAX_ABS_REWARD = 1e6
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No float key takes nan or inf (TOML can write both): one would reach the loss and every adapter tensor.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
@@ -167,12 +173,14 @@ class RolloutConfig(_Section):
     concurrency: int = Field(32, ge=1)
     timeout: float = Field(120.0, gt=0, description="seconds one rollout may take before it is recorded as failed")
     components: list[str] = Field(default_factory=list, description="LLM-call components to train; empty = all")
-    error_reward: float = Field(-1.0, description="intermediate reward for each failed tool span, credited to the "
-                                                  "LLM call before it (docs/credit.md); failed LLM calls get none")
+    error_reward: float = Field(-1.0, ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD,
+                                description="intermediate reward for each failed tool span, credited to the LLM call "
+                                            "before it (docs/credit.md); failed LLM calls get none")
     credit: str = Field("lightning_rl", description="credit-assignment rule: a builtin name or 'module:function'")
     failed_reward: float | None = Field(
-        None, description="episode reward for a rollout whose agent raised: its captured LLM calls train with it; "
-                          "none = failed rollouts are left out. Timeouts and server faults are never penalised")
+        None, ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD,
+        description="episode reward for a rollout whose agent raised: its captured LLM calls train with it; "
+                    "none = failed rollouts are left out. Timeouts and server faults are never penalised")
     on_reward_error: Literal["skip", "stop"] = Field(
         "skip", description="a @reward that raises or returns no finite number: 'skip' fails that rollout (it is "
                             "left out of training), 'stop' ends the run after the phase, naming rollout and value")

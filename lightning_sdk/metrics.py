@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from lightning_sdk.agent import MAX_ABS_REWARD
 from lightning_sdk.errors import SetupError
 from lightning_sdk.files import atomic_write_text
 
@@ -163,13 +165,18 @@ class MetricsLog:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        # A value no reward can reach (non-finite, beyond the reward bound) is left out of the picture: matplotlib
+        # cannot lay out an axis up to ~1e308, and the numbers stay in metrics.jsonl.
+        def shown(v: float | None) -> bool:
+            return v is not None and math.isfinite(v) and abs(v) <= MAX_ABS_REWARD
+
         its = [row["iteration"] for row in history]  # numbered from 1, as everywhere
-        means = [row["reward_mean"] for row in history]
+        means = [row["reward_mean"] if shown(row["reward_mean"]) else math.nan for row in history]
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
         ax.plot(its, means, marker="o", label="training rollouts (mean reward)")
-        if baseline is not None:
+        if shown(baseline):
             ax.axhline(baseline, color="grey", linestyle="--", label=f"eval, untrained: {baseline:.3f}")
-        if final is not None:
+        if shown(final):
             ax.axhline(final, color="green", linestyle=":", label=f"eval, trained: {final:.3f}")
         ax.set_xlabel("iteration")
         ax.set_ylabel("reward")

@@ -113,6 +113,10 @@ class Runtime:
         check_trackers(cfg.run.report_to)
         self._preflight()
         checkpoint = self._prepare_run_dir(stack)
+        from lightning_sdk.train.trainer import GRPOTrainer, checkpoint_conflict
+
+        if checkpoint is not None and (conflict := checkpoint_conflict(checkpoint / TRAINER, cfg.train)):
+            raise SetupError(conflict)  # before the store or the metrics are touched
         state = RunState.read(checkpoint) if checkpoint is not None else RunState()
         store = Store(self.run_dir / "store.sqlite")
         abandoned = store.abandon_running()
@@ -127,8 +131,6 @@ class Runtime:
                              config=cfg.model_dump(mode="json"))
         metrics.rewrite(state.history, baseline_eval=state.baseline_eval)
         feed = TaskFeed(train_tasks, cfg.data.tasks_per_iteration, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
-
-        from lightning_sdk.train.trainer import GRPOTrainer
 
         try:
             with self._session(agent, gateway, model_path, store, self.run_dir) as collector:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from lightning_sdk import credit as credit_rules
-from lightning_sdk.agent import MAX_REWARD
+from lightning_sdk.agent import RewardError, reward_value
 from lightning_sdk.credit import CreditRule, lightning_rl
 from lightning_sdk.store import RolloutRecord
 from lightning_sdk.tracing.records import (AFTER_CALL, COMPLETION_IDS, COMPLETION_LOGPROBS, POLICY, PROMPT_IDS,
@@ -183,12 +183,12 @@ def _intermediate_rewards(spans: Sequence[SpanRecord], error_reward: float,
         after = s.attributes.get(AFTER_CALL)
         after = after if isinstance(after, str) else None
         if s.name == REWARD_SPAN:
-            value = s.attributes.get(REWARD_VALUE)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or abs(value) > MAX_REWARD:
+            try:
+                value = reward_value(s.attributes.get(REWARD_VALUE), "reward span")
+            except RewardError:
                 skipped["bad_reward"] += 1  # a worker's span is checked where it comes in; this is the last guard
                 continue
-            out.append((float(value), after, s))
+            out.append((value, after, s))
         elif s.is_error and s.span_id not in has_failed_child:
             out.append((error_reward, after, s))
     return out

@@ -32,6 +32,7 @@ from lightning_sdk.engine.requests import (
 )
 from lightning_sdk.engine.sampling import _eos_ids, _find_stop, _sample
 from lightning_sdk.engine.scheduler import Scheduler
+from lightning_sdk.models.adapter import nonfinite_in_adapter
 
 log = logging.getLogger("lightning_sdk.servers")
 
@@ -216,6 +217,10 @@ class Engine:
 
         if name in self._adapters and not replace:
             raise RequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        bad = nonfinite_in_adapter(path)
+        if bad is not None:
+            raise RequestError(f"cannot load lora adapter '{name}' from {path!r}: tensor {bad} holds nan or inf",
+                               "lora_path")
         if name in self._adapters:
             self._unload_adapter(name)
         try:

@@ -37,13 +37,13 @@ def _sample(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, row
             seeded.setdefault(id(r.job), []).append(b)
     for bs in seeded.values():
         u[bs] = torch.rand(len(bs), generator=rows[bs[0]].job.generator)
-    picked = _inverse_cdf(probs, u)
+    picked = inverse_cdf(probs, u)
     nucleus = ((top_ps < 1) & ~greedy).nonzero().squeeze(1)
     if len(nucleus):
         # One mask for drawing and for reporting: the token drawn is always inside the nucleus reported.
         keep = top_p_keep(probs[nucleus], top_ps[nucleus].unsqueeze(1))
         order = probs[nucleus].argsort(dim=-1, descending=True, stable=True)
-        picked[nucleus] = order.gather(1, _inverse_cdf((probs[nucleus] * keep).gather(1, order), u[nucleus]))
+        picked[nucleus] = order.gather(1, inverse_cdf((probs[nucleus] * keep).gather(1, order), u[nucleus]))
         logp[nucleus] = torch.log_softmax(logp[nucleus].masked_fill(~keep, -math.inf), dim=-1)
     tokens = torch.where(greedy, logits.argmax(-1), picked.squeeze(1))
     token_logp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -56,10 +56,13 @@ def _sample(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, row
     return tokens, token_logp, top
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """[B, 1] index of the token each row's uniform falls on, under its (unnormalised) probabilities."""
-    cdf = probs.cumsum(-1)
-    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=cdf.shape[1] - 1)
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B, 1] index of the token each row's uniform falls on, under its (unnormalised) probabilities.
+
+    In float64: a float32 running sum over a 150k-token vocabulary drifts far enough that the tokens drawn no
+    longer follow the probabilities reported for them."""
+    cdf = probs.double().cumsum(-1)
+    return torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=cdf.shape[1] - 1)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

@@ -154,7 +154,8 @@ def load_tokenizer(name_or_path: str):
 
 
 def load_causal_lm(name_or_path: str, *, dtype: str = "auto", quantization: str = "none", device: str = "cpu") -> Any:
-    """Load the base model. `quantization="4bit"` loads nf4 weights through bitsandbytes (QLoRA)."""
+    """Load the base model. `quantization="4bit"` loads nf4 weights through bitsandbytes (QLoRA), every other
+    tensor in fp32; trainer and server both load it here."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -181,4 +182,11 @@ def load_causal_lm(name_or_path: str, *, dtype: str = "auto", quantization: str 
         raise ModelLoadError(f"model {name_or_path!r}: cannot load ({e})") from e
     if quantization == "none":
         model.to(device)
+    else:
+        # Every tensor nf4 leaves alone (norms, embeddings, the head) in fp32: what QLoRA's
+        # prepare_model_for_kbit_training makes of it in the trainer. Done here, the server samples from the same
+        # model the trainer scores, whatever the dtype.
+        for param in model.parameters():
+            if param.dtype in (torch.float16, torch.bfloat16) and type(param).__name__ != "Params4bit":
+                param.data = param.data.to(torch.float32)
     return model

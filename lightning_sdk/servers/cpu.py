@@ -16,7 +16,8 @@ class CPUServer(ServerProcess):
                  api_key: str | None = None, max_batch_size: int = 64, max_model_len: int = 2048,
                  dtype: str = "auto", quantization: str = "none", threads: int | None = None,
                  startup_timeout: float = 120, log_path: str | Path | None = None,
-                 header_timeout: float | None = None, max_connections: int | None = None, device: str = "cpu"):
+                 header_timeout: float | None = None, max_connections: int | None = None, device: str = "cpu",
+                 seed: int = 0):
         super().__init__(served_model_name=served_model_name, host=host, port=port, api_key=api_key,
                          startup_timeout=startup_timeout, log_path=log_path)
         self.model = model
@@ -28,12 +29,14 @@ class CPUServer(ServerProcess):
         self.header_timeout = header_timeout  # None: the server's defaults (gateway/guard.py)
         self.max_connections = max_connections
         self.device = device
+        self.seed = seed  # of the sampler's random stream (requests without a seed of their own)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "lightning_sdk.engine", "--model", self.model,
                "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
                "--max-batch-size", str(self.max_batch_size), "--max-model-len", str(self.max_model_len),
-               "--dtype", self.dtype, "--quantization", self.quantization, "--parent-pid", str(os.getpid())]
+               "--dtype", self.dtype, "--quantization", self.quantization, "--seed", str(self.seed),
+               "--parent-pid", str(os.getpid())]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
         if self.device != "cpu":

@@ -22,7 +22,8 @@ BACKEND_HOST = "127.0.0.1"  # agents call the gateway (serve.host); the backend 
 
 def make_server(cfg: Config, model_path: str, log_path: Path):
     """The run's inference backend on 127.0.0.1 (a free port), behind a key of its own made for this run: agents
-    reach it only through the gateway (gateway/proxy.py), which holds the key."""
+    reach it only through the gateway (gateway/proxy.py), which holds the key. The CPU server holds the base as the
+    trainer does (nf4 for model.quantization = "4bit"), so it samples from the policy being trained."""
     from lightning_sdk.servers.cpu import CPUServer
 
     api_key = new_api_key()
@@ -45,8 +46,21 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
     return CPUServer(
         model_path, served_model_name=cfg.model.name, host=BACKEND_HOST, port=0,
         api_key=api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
-        dtype=cfg.model.dtype, startup_timeout=cfg.serve.startup_timeout, log_path=log_path, device=cfg.serve.device,
+        dtype=cfg.model.dtype, quantization=cfg.model.quantization, startup_timeout=cfg.serve.startup_timeout,
+        log_path=log_path, seed=server_seed(cfg), device=cfg.serve.device,
     )
+
+
+def server_seed(cfg: Config) -> int:
+    """The sampler's seed: run.seed and the iterations run.dir's checkpoints already hold, so another run.seed and
+    every resume draw a stream of their own instead of replaying the first start's."""
+    import hashlib
+
+    from lightning_sdk.train.checkpoint import RunState, latest_checkpoint
+
+    done = latest_checkpoint(cfg.run.dir)
+    completed = RunState.read(done).completed if done is not None else 0
+    return int.from_bytes(hashlib.sha256(f"{cfg.run.seed}:{completed}".encode()).digest()[:4], "big")
 
 
 def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):

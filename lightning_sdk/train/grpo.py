@@ -7,6 +7,7 @@ credit rule and names each option's TRL / verl equivalent.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
@@ -65,6 +66,13 @@ def group_advantages(
     s = torch.zeros(n_t, dtype=torch.float64) if shaping is None else torch.as_tensor(shaping, dtype=torch.float64)
     if bool((c < 0).any()):
         raise ValueError("credit weights must be >= 0 (a call's share of its rollout's advantage)")
+    # One nan or inf here would make every advantage, the loss and then every adapter tensor non-finite.
+    for name, v in (("outcomes", torch.as_tensor(outcomes, dtype=torch.float64)), ("credit", c), ("shaping", s)):
+        bad = (~torch.isfinite(v)).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"group_advantages: {name}[{i}] = {v[i].item()} (rollout {rollout_ids[i]}) is not "
+                             f"finite")
     groups = _groups(outcomes, group_ids, rollout_ids)
     live = {g: v for g, v in groups.items() if len(v[0]) > 1}
     batch_d = 1.0
@@ -86,6 +94,9 @@ def group_advantages(
             continue
         a = adv(x)
         d = x.std().item() + STD_EPS if scale == "group" else batch_d
+        if not math.isfinite(d):  # rewards near 1e154 and beyond (agent.MAX_ABS_REWARD keeps them out)
+            raise ValueError(f"group_advantages: group {g}'s rewards {x.tolist()} are too large: their std "
+                             f"overflows, which would make every advantage 0")
         for j, rid in enumerate(rids):
             worst, best = x.clone(), x.clone()
             worst[j], best[j] = x.min(), x.max()
@@ -96,6 +107,8 @@ def group_advantages(
         if rid in base:
             lo, hi = bounds[rid]
             out[i] = c[i] * base[rid] + min(max(s[i].item() / divisor[rid], lo), hi)
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError("group_advantages: an advantage overflowed; rewards of this size cannot be normalised")
     return out.float()
 
 

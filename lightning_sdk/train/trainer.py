@@ -10,6 +10,7 @@ AdamW. One `step(transitions)` is one update phase over one collected batch:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import warnings
@@ -23,15 +24,19 @@ import torch
 
 from lightning_sdk import models
 from lightning_sdk.config import TrainConfig
+from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
+from lightning_sdk.models.adapter import first_nonfinite
 from lightning_sdk.train.microbatch import Batch, collate, drop_single_rollout_groups
 from lightning_sdk.train.checkpoint import ADAPTER
 from lightning_sdk.train.grpo import (entropy, group_advantages, grpo_loss, sampler_is_weight, token_weights,
                                      top_p_keep, zero_variance_groups)
 from lightning_sdk.transitions import Transition
 
+log = logging.getLogger("lightning_sdk")
+
 # What step() reports when a batch leaves nothing to train on (e.g. every group has a single rollout).
-_EMPTY_METRICS = {"loss": 0.0, "grad_norm": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 1.0, "adv_mean": 0.0,
+_EMPTY_METRICS = {"loss": 0.0, "grad_norm": 0.0, "skipped_steps": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 1.0, "adv_mean": 0.0,
                   "adv_std": 0.0, "num_transitions": 0.0, "num_tokens": 0.0, "logprob_gap": math.nan,
                   "entropy": math.nan}
 
@@ -101,6 +106,12 @@ class GRPOTrainer:
         self._train_forward_is_eval = not any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()
         ) and not any(getattr(base.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout"))
+        if config.epochs > 1 and not self._train_forward_is_eval:
+            # The old policy's log-probs come from a dropout-free pass, the new ones from a dropout pass: epoch 0's
+            # ratio is then not 1, and the clip acts on dropout noise as well as on the policy's change.
+            log.warning("train.lora_dropout = %g (or the model's own dropout) with train.epochs = %d: the GRPO ratio "
+                        "compares a dropout pass with a dropout-free one, so it differs from 1 before any update; "
+                        "set train.lora_dropout = 0 for an exact ratio", config.lora_dropout, config.epochs)
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = _lr_scheduler(self.optimizer, config, total_steps)
 
@@ -135,6 +146,7 @@ class GRPOTrainer:
         t0, cfg = time.perf_counter(), self.config
         plan = self._prepare(transitions)
         if not plan.batches:  # nothing left to learn from: no update, not an error
+            self._advance_schedule(cfg.epochs)  # the schedule's horizon counts these steps: it must end on time
             return self._metrics(transitions, plan, Counter(), t0)
         olds, refs = self._frozen_logprobs(plan.batches)
         self.model.train()
@@ -159,16 +171,31 @@ class GRPOTrainer:
                                      log_ratio_clamp=cfg.log_ratio_clamp, dual_clip=cfg.dual_clip)
                 loss.backward()  # weights sum to 1 over the whole batch: accumulated grads == full-batch grads
                 totals.update({"loss": loss.item(), **{k: v.item() for k, v in st.items()}})
-            totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
             totals["lr"] += self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
-            self.scheduler.step()
+            if math.isfinite(norm):
+                totals["grad_norm"] += norm
+                self.optimizer.step()
+            else:  # a nan/inf gradient would make every adapter tensor (and Adam's moments) non-finite at once
+                totals["skipped_steps"] += 1
+                log.warning("update %d, epoch %d: gradient norm is %s; optimizer step skipped (train.skipped_steps)",
+                            self.global_step + 1, epoch, norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            self._advance_schedule(1)
         self.model.eval()
         self.global_step += 1
         if self.device.startswith("cuda"):
             # Hand the allocator's cached blocks back, so a sleeping inference server on this GPU can wake into them.
             torch.cuda.empty_cache()
         return self._metrics(transitions, plan, totals, t0)
+
+    def _advance_schedule(self, steps: int) -> None:
+        """The learning-rate schedule moves on by `steps` optimizer steps, taken or not (skipped, nothing to
+        train), so it ends when the run does."""
+        with warnings.catch_warnings():  # torch's "scheduler.step() before optimizer.step()": deliberate here
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*", category=UserWarning)
+            for _ in range(steps):
+                self.scheduler.step()
 
     def _prepare(self, transitions: Sequence[Transition]) -> _Plan:
         """Advantages and token weights over the whole batch, then micro-batches of similar lengths (less padding).
@@ -219,8 +246,9 @@ class GRPOTrainer:
         return olds, refs
 
     def _metrics(self, transitions: Sequence[Transition], plan: _Plan, totals: Counter, t0: float) -> dict[str, float]:
-        """Loss statistics averaged over epochs; logprob_gap is the mean |trainer - sampler| log-prob before the
-        update (the train/inference mismatch)."""
+        """Loss statistics averaged over epochs (grad_norm over the steps taken; skipped_steps counts the steps left
+        out for a non-finite gradient); logprob_gap is the mean |trainer - sampler| log-prob before the update (the
+        train/inference mismatch)."""
         m = {**_EMPTY_METRICS, **_rollout_means(transitions), "lr": self.optimizer.param_groups[0]["lr"],
              "num_skipped": float(len(transitions) - len(plan.ts)), "zero_variance_frac": plan.zero_variance_frac,
              "num_masked_truncated": float(plan.num_masked)}
@@ -229,7 +257,10 @@ class GRPOTrainer:
             ent, ent_w = totals.pop("entropy_sum", 0.0), totals.pop("weight_sum", 0.0)
             m["entropy"] = ent / ent_w if ent_w else math.nan
             kept = plan.adv[plan.order]
-            m.update({k: v / self.config.epochs for k, v in totals.items()})
+            skipped = totals.pop("skipped_steps", 0)
+            stepped = self.config.epochs - skipped
+            m["grad_norm"] = totals.pop("grad_norm", 0.0) / stepped if stepped else math.nan
+            m.update({k: v / self.config.epochs for k, v in totals.items()}, skipped_steps=float(skipped))
             m.update(adv_mean=kept.mean().item(), adv_std=kept.std().item() if len(plan.order) > 1 else 0.0,
                      num_transitions=float(len(plan.order)),
                      num_tokens=float(sum(len(plan.ts[i].completion_ids) for i in plan.order)),
@@ -249,6 +280,12 @@ class GRPOTrainer:
             self._save_adapter_files(tmp)
 
     def _save_adapter_files(self, path: Path) -> None:
+        # An adapter with a nan or inf is never written, so it is never served or published either.
+        bad = first_nonfinite((n, p.detach()) for n, p in self.model.named_parameters() if p.requires_grad)
+        if bad is not None:
+            raise RunError(f"the adapter after update {self.global_step} holds nan or inf (first in {bad}); it is "
+                           f"not saved, served or published. The previous checkpoint is intact: lower train.lr or "
+                           f"train.max_grad_norm and --resume")
         # The adapter only: with lm_head targeted peft would also copy the frozen head (vocab x hidden), which
         # the base model already has.
         self.model.save_pretrained(path, save_embedding_layers=False)
@@ -264,7 +301,8 @@ class GRPOTrainer:
             rng = {"torch": torch.get_rng_state(),
                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
             torch.save(rng, tmp / "rng.pt")
-            (tmp / "trainer_state.json").write_text(json.dumps({"global_step": self.global_step}))
+            fixed = {k: getattr(self.config, k) for k in ADAPTER_SHAPE}
+            (tmp / "trainer_state.json").write_text(json.dumps({"global_step": self.global_step, "adapter": fixed}))
 
     def load_state(self, path: str | Path) -> None:
         from peft.utils import set_peft_model_state_dict
@@ -279,13 +317,55 @@ class GRPOTrainer:
         if missing:
             raise ValueError(f"{path}: adapter does not match this model (missing {missing[:3]}...)")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
-        if (path / "scheduler.pt").exists():  # checkpoints from before train.lr_schedule have none: constant lr
+        saved_lr = self.optimizer.param_groups[0].get("initial_lr", self.optimizer.param_groups[0]["lr"])
+        global_step = json.loads((path / "trainer_state.json").read_text())["global_step"]
+        if (path / "scheduler.pt").exists():
             self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
+        else:  # a checkpoint without one: its position from the updates made, not warmup again from 0
+            self._advance_schedule(global_step * self.config.epochs)
         rng = torch.load(path / "rng.pt")
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-        self.global_step = json.loads((path / "trainer_state.json").read_text())["global_step"]
+        self.global_step = global_step
+        self._apply_config_over_checkpoint(saved_lr)
+
+    def _apply_config_over_checkpoint(self, saved_lr: float) -> None:
+        """train.lr and train.weight_decay as configured now, not as the checkpoint's optimizer state has them
+        (a documented override, logged): the schedule keeps its place, scaled to the new peak."""
+        cfg = self.config
+        for g in self.optimizer.param_groups:
+            if g["weight_decay"] != cfg.weight_decay:
+                log.warning("resume: train.weight_decay = %g applies from here (the checkpoint's was %g)",
+                            cfg.weight_decay, g["weight_decay"])
+                g["weight_decay"] = cfg.weight_decay
+            if saved_lr != cfg.lr:
+                g["lr"] *= cfg.lr / saved_lr
+                g["initial_lr"] = cfg.lr
+        if saved_lr != cfg.lr:
+            self.scheduler.base_lrs = [cfg.lr] * len(self.optimizer.param_groups)
+            log.warning("resume: train.lr = %g applies from here (the checkpoint's was %g)", cfg.lr, saved_lr)
+
+
+# What the adapter's weights mean: a checkpoint made with other values cannot continue under these.
+ADAPTER_SHAPE = ("lora_r", "lora_alpha", "target_modules")
+
+
+def checkpoint_conflict(path: str | Path, config: TrainConfig) -> str | None:
+    """Why the trainer checkpoint at `path` cannot resume under `config` (a changed ADAPTER_SHAPE key would load
+    the adapter and silently move the policy), naming the key; None when it can."""
+    path = Path(path)
+    state = json.loads((path / "trainer_state.json").read_text())
+    saved = state.get("adapter")
+    if saved is None:  # a checkpoint without the record: what peft's adapter_config.json says
+        peft = json.loads((path / ADAPTER / "adapter_config.json").read_text())
+        saved = {"lora_r": peft.get("r"), "lora_alpha": peft.get("lora_alpha")}
+    for key, value in saved.items():
+        if getattr(config, key) != value:
+            return (f"train.{key} = {getattr(config, key)!r}, but the checkpoint {path.parent.name} was trained with "
+                    f"{value!r}: its adapter means something else under the new value. Set train.{key} = "
+                    f"{value!r} to resume, or start a new run (--run-dir, --overwrite)")
+    return None
 
 
 def _rollout_means(ts: Sequence[Transition]) -> dict[str, float]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import math
 import secrets
 import threading
 import time
@@ -22,7 +21,7 @@ from typing import Awaitable, Callable
 from lightning_sdk.rollouts.remote.protocol import Result
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk import tracing
-from lightning_sdk.agent import MAX_REWARD
+from lightning_sdk.agent import RewardError, reward_value
 from lightning_sdk.gateway.capture import OpenRollouts
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.otlp import Decoded
@@ -284,11 +283,10 @@ def _bad_reward(r) -> str | None:
     """The one line naming what is wrong with a reward span's value, or None (not a reward span, or a good one)."""
     if r.name != REWARD_SPAN:
         return None
-    value = r.attributes.get(REWARD_VALUE)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or abs(value) > MAX_REWARD:
-        return (f"span {r.span_id[:32]} ({REWARD_SPAN}): {REWARD_VALUE} = {str(value)[:100]!r}; expected a finite "
-                f"number within +-{MAX_REWARD:g}")
+    try:
+        reward_value(r.attributes.get(REWARD_VALUE), f"span {r.span_id[:32]} ({REWARD_SPAN}): {REWARD_VALUE} =")
+    except RewardError as e:
+        return str(e)
     return None
 
 
