@@ -29,7 +29,7 @@ def quiet_progress_bars() -> None:
 def make_console() -> Console:
     """The run's console. Not a terminal and no COLUMNS: rich would fall back to 80 columns and cut every value of
     the summary table ('ari…'); a log file has no width to respect, so lines may be as long as the table needs."""
-    console = Console()
+    console = Console(emoji=False)  # what it prints quotes tasks and errors: ":x:" in them stays ":x:"
     if not console.is_terminal and not console.is_jupyter and "COLUMNS" not in os.environ:
-        console = Console(width=LOG_WIDTH)
+        console = Console(width=LOG_WIDTH, emoji=False)
     return console

@@ -374,7 +374,7 @@ class Runtime:
                                   error_reward=self.cfg.rollout.error_reward, skipped=skipped,
                                   failed_reward=self.cfg.rollout.failed_reward if r.status == "failed" else None)
         if not out:
-            raise CaptureError(_nothing_to_train(len(ok), skipped, capture.unattributed,
+            raise CaptureError(_nothing_to_train([r.job.rollout_id for r in ok], skipped, capture.unattributed,
                                                  self.cfg.rollout.components))
         return out
 
@@ -432,12 +432,13 @@ def _policy_failure(r: RolloutResult) -> bool:
             and not (r.error or "").startswith(tuple(f"{n}:" for n in _INFRASTRUCTURE)))
 
 
-def _nothing_to_train(rollouts: int, skipped: Counter, unattributed: int, components: list[str]) -> str:
+def _nothing_to_train(rollouts: list[str], skipped: Counter, unattributed: int, components: list[str]) -> str:
     """Why an iteration has no transition at all, in words, from what was seen."""
     seen = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()) if n) or "nothing left out"
-    if skipped["no_llm_call"] == rollouts:
-        why = ("no rollout made an LLM call the gateway could attribute to it: the agent must call the run's "
-               "server (OPENAI_BASE_URL, or the `llm` argument's base_url) inside the @rollout function")
+    if skipped["no_llm_call"] == len(rollouts):
+        why = (f"no LLM call was captured: no rollout (e.g. rollout {rollouts[0] if rollouts else '-'}) made an LLM "
+               f"call the gateway could attribute to it; the agent must call the run's server (OPENAI_BASE_URL, or "
+               f"the `llm` argument's base_url) inside the @rollout function")
         if unattributed:
             why += (f"; the gateway served {unattributed} call(s) of no rollout: a client that sends no W3C "
                     f"traceparent, or a call made outside the rollout's context (docs/remote.md: the per-rollout "
@@ -447,8 +448,8 @@ def _nothing_to_train(rollouts: int, skipped: Counter, unattributed: int, compon
         why = f"none of their LLM calls is of rollout.components = {components}"
     else:
         why = "every LLM call was left out"
-    return (f"no transitions from {rollouts} rollouts: {why} (left out: {seen}; greedy: temperature 0, n>1: "
-            f"several choices, setting:X: a sampling setting the trainer cannot reproduce; see docs/credit.md)")
+    return (f"no transitions from {len(rollouts)} rollouts: {why} (left out: {seen}; greedy: temperature 0, n>1: "
+            f"several choices, setting:<name>: a sampling setting the trainer cannot reproduce; see docs/credit.md)")
 
 
 def _fmt(value: float | None) -> str:

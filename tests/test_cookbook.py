@@ -16,6 +16,8 @@ import pytest
 from lightning_sdk import config, transitions
 from lightning_sdk.store import Store
 
+from .conftest import in_rollout
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -129,7 +131,7 @@ def test_rag_agents_sdk_trains(tmp_path):
         assert result["response"] == rag.search_passages(call["arguments"]["query"])
 
 
-def test_failed_autogen_tool_call_is_a_negative_intermediate_reward(server, store):
+def test_failed_autogen_tool_call_is_a_negative_intermediate_reward(gw, store):
     """A calculator call with a bad expression, run by AutoGen's own tool machinery after a real LLM call: its
     ERROR span reaches the store by itself and costs the call before it `error_reward`."""
     import asyncio
@@ -142,16 +144,16 @@ def test_failed_autogen_tool_call_is_a_negative_intermediate_reward(server, stor
 
     calc = load_module(ROOT / "cookbook/calc/agent.py")
     tool = FunctionTool(calc.calculator, description="calculator")
-    tracing.request_token_ids_from(server.base_url)
-    client = openai.OpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0)
+    client = openai.OpenAI(base_url=gw.base_url, api_key=gw.api_key, max_retries=0)
     store.start_rollout("r1", task_id="t", group_id="0:0", iteration=0, phase="train")
-    with tracing.rollout_context("r1"):
-        client.chat.completions.create(model=server.served_model_name, max_tokens=4,
+    with in_rollout(gw, "r1"):
+        client.chat.completions.create(model="gpt-4o-mini", max_tokens=4,
                                        messages=[{"role": "user", "content": "What is 2 + 3?"}])
         assert asyncio.run(tool.run_json({"expression": "2+3"}, CancellationToken())) == "5"
         with pytest.raises(ValueError, match="cannot evaluate"):
             asyncio.run(tool.run_json({"expression": "2*"}, CancellationToken()))
     store.finish_rollout("r1", status="succeeded", output="5", reward=1.0)
+    assert gw.capture.flush()
     tracing.flush()
     spans = store.spans("r1")
     tools = [s for s in spans if s.name == "execute_tool calculator"]

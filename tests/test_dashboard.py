@@ -191,7 +191,7 @@ def test_dashboard_in_a_browser(live, project, browser, tmp_path):
     with Store(live["dir"] / "store.sqlite", read_only=True) as store:
         probe_rollout = next(r for r in store.rollouts(phase="train", iteration=1) if r.task_id == "probe")
         spans = store.spans(probe_rollout.rollout_id)
-    call = next(s for s in spans if s.name == "openai.chat")
+    call = next(s for s in spans if s.source == "gateway")  # the gateway's record of the call
     completion = json.loads(call.attributes["gen_ai.output.messages"])[0]["parts"][0]["content"]
 
     cells = page.locator(f"tr[data-rollout='{probe_rollout.rollout_id}'] td").all_text_contents()
@@ -218,11 +218,11 @@ def test_dashboard_in_a_browser(live, project, browser, tmp_path):
     page.screenshot(path=str(shots / "rollout.png"), full_page=True)
     assert _digest(live["dir"]) == before  # browsing wrote nothing
 
-    # A completion that is itself a script probe (written into the store as a server would have returned it).
+    # A completion that is itself a script probe (recorded as the gateway would have, had the server returned it).
     with Store(live["dir"] / "store.sqlite") as store:
         rid = "probe-completion"
         store.start_rollout(rid, task_id="probe", group_id="probe", iteration=1, phase="train")
-        store.write_spans([replace(call, span_id="ffffffffffffffff", rollout_id=rid, attributes={
+        store.write_calls([replace(call, span_id="ffffffffffffffff", rollout_id=rid, attributes={
             **call.attributes, "gen_ai.output.messages": json.dumps(
                 [{"role": "assistant", "parts": [{"type": "text", "content": PROBE}]}])})])
         store.finish_rollout(rid, status="succeeded", output=PROBE, reward=0.0)

@@ -1,4 +1,4 @@
-"""OTLP/HTTP trace bodies -> span records (tracing/otlp.py), both encodings, as the spec writes them; and every
+"""OTLP/HTTP trace bodies -> span records (rollouts/remote/otlp.py), both encodings, as the spec writes them; and every
 malformed body refused as a whole."""
 
 import gzip
@@ -10,8 +10,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTrac
                                                                       ExportTraceServiceResponse)
 from google.protobuf import json_format
 
-from lightning_sdk.tracing import otlp
-from lightning_sdk.tracing.otlp import OtlpError, decode
+from lightning_sdk.rollouts.remote import otlp
+from lightning_sdk.rollouts.remote.otlp import OtlpError, decode
 
 LIMIT = 1 << 20
 TRACE, SPAN, PARENT = "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174", "eee19b7ec3c1b173"

@@ -26,7 +26,7 @@ from lightning_sdk import tracing
 from lightning_sdk.rollouts.remote.protocol import Result
 from lightning_sdk.rollouts.episode import run_rollout
 from lightning_sdk.store import Store
-from lightning_sdk.tracing.ship import RolloutShipper
+from lightning_sdk.rollouts.remote.ship import RolloutShipper
 from lightning_sdk.transitions import to_transitions
 
 from .remote_harness import AGENTS_KEY, KEY, Api, job
@@ -50,7 +50,10 @@ def _otlp_json(rollout_id: str, attempt: int = 1, span_id: str = "00f067aa0ba902
     if claim is not None:
         attrs.append({"key": "lightning.claim", "value": {"stringValue": claim}})
     if reward is not None:
-        value = {"stringValue": reward} if isinstance(reward, str) else {"doubleValue": reward}
+        # OTLP JSON (protobuf's mapping) writes non-finite doubles as strings: "NaN", "Infinity"
+        value = ({"stringValue": reward} if isinstance(reward, str) else
+                 {"doubleValue": reward if reward == reward and abs(reward) != float("inf") else str(reward)
+                  .replace("nan", "NaN").replace("inf", "Infinity")})
         attrs.append({"key": "lightning.reward.value", "value": value})
     span = {"traceId": "4bf92f3577b34da6a3ce929d0e0e4736", "spanId": span_id,
             "name": "tool" if reward is None else "lightning.reward",
@@ -193,7 +196,8 @@ def test_malformed_bodies_get_4xx_and_store_nothing(api):
     for body in (b"not json", b'{"worker": ""}', b'{"worker": "w", "extra": 1}', b"[]"):
         r = post("/v1/work/claim", content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["message"], body
-    assert post("/v1/work/claim", json={"worker": "w"}).status_code == 200
+    claim = post("/v1/work/claim", json={"worker": "w"})
+    assert claim.status_code == 200
     row = api.store.rollout("r-0")
     for body, field in ((b'{"worker": "w", "status": "succeeded", "reward": NaN}', "reward"),
                         (b'{"worker": "w", "status": "succeeded", "reward": "1"}', "reward"),
@@ -225,7 +229,8 @@ def test_malformed_bodies_get_4xx_and_store_nothing(api):
         elif status != 415:
             assert json.loads(r.content)["message"]
     assert api.store.count("spans") == 0
-    assert post("/v1/traces", json=_otlp_json("r-0")).json() == {}  # the same span, well formed: taken
+    well_formed = _otlp_json("r-0", claim=claim.json()["secret"])
+    assert post("/v1/traces", json=well_formed).json() == {}  # the same span, well formed: taken
     assert api.store.count("spans") == 1
 
 
@@ -285,7 +290,7 @@ def test_a_worker_s_garbage_fails_its_rollout_with_one_line_naming_the_field(api
         assert r.status_code == 400
     else:
         reward = "abc" if sent == "span" else float("nan")
-        body = json.dumps(_otlp_json("r-0", claim=holder["secret"], reward=reward)).encode()  # NaN: as Python writes
+        body = json.dumps(_otlp_json("r-0", claim=holder["secret"], reward=reward)).encode()
         r = httpx.post(f"{api.url}/v1/traces", content=body, headers=headers)
         assert r.status_code == 200 and r.json()["partialSuccess"]["rejectedSpans"] == "1"
         r = httpx.post(f"{api.url}/v1/work/r-0/result", json={"worker": "w", "status": "succeeded", "reward": 1.0},

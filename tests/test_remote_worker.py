@@ -107,6 +107,7 @@ def remote(tiny_model_path, tmp_path_factory):
                                 log_dir=d, console=Console(file=io.StringIO(), width=200))
     collector.start()
     gateway.policy = collector.server.served_model_name
+    gateway.capture.record_to(store)  # as the runtime's session does
     yield collector
     collector.stop()
     gateway.stop()
@@ -115,7 +116,7 @@ def remote(tiny_model_path, tmp_path_factory):
 
 def test_no_worker_stops_the_run_with_how_to_start_one(remote):
     token = remote.run_dir / "worker.token"
-    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.read_text().strip() == remote.gateway.api_key
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.read_text().strip() == remote.worker_token
     assert json.loads((remote.run_dir / "server.json").read_text()) == {"url": remote.gateway.url}
     with pytest.raises(RunError) as e:
         remote.collect([job(0, {"question": "?"}, prefix="lonely")], remote.gateway.policy, label="lonely")
@@ -148,7 +149,7 @@ def test_a_killed_worker_s_rollout_is_abandoned_then_run_once_more(remote, tmp_p
         late = subprocess.run([sys.executable, "-c", (
             "import httpx, sys; r = httpx.post(sys.argv[1] + '/v1/work/kill-0/result', headers={'Authorization': "
             "'Bearer ' + sys.argv[2]}, json={'worker': 'late', 'status': 'succeeded', 'reward': 1.0}); "
-            "print(r.status_code)"), remote.gateway.url, remote.gateway.api_key],
+            "print(r.status_code)"), remote.gateway.url, remote.worker_token],
             capture_output=True, text=True, timeout=60)
         assert late.stdout.strip() == "409", late.stderr
     finally:
@@ -170,7 +171,7 @@ def test_a_result_after_the_deadline_is_refused(remote):
     """A worker alive but slower than rollout.timeout + remote.grace: its claim is abandoned, its result 409."""
     remote.cfg.remote.worker_timeout = 60.0
     remote.cfg.rollout.timeout, remote.cfg.remote.grace = 1.0, 0.5
-    url, auth = remote.gateway.url, {"Authorization": f"Bearer {remote.gateway.api_key}"}
+    url, auth = remote.gateway.url, {"Authorization": f"Bearer {remote.worker_token}"}
     jobs = [job(0, {"question": "?"}, prefix="slow")]
     out: dict = {}
     collecting = threading.Thread(target=lambda: out.update(results=remote.collect(jobs, remote.gateway.policy,
@@ -183,7 +184,7 @@ def test_a_result_after_the_deadline_is_refused(remote):
             claims.append(claim)
             assert claim["timeout"] == 1.0 and 0 < claim["deadline_s"] <= 1.5
             until(lambda c=claim: remote.store.rollout(c["rollout_id"]).status == "abandoned", 30, "the deadline")
-            r = http.post(f"/v1/work/{claim['rollout_id']}/result",
+            r = http.post(f"/v1/work/{claim['rollout_id']}/result", headers={"x-lightning-claim": claim["secret"]},
                           json={"worker": "slow", "status": "succeeded", "reward": 1.0})
             assert r.status_code == 409
     collecting.join(30)

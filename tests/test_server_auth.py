@@ -140,7 +140,8 @@ def test_the_gateway_checks_its_own_key_and_keeps_adapters_out_of_reach(server):
                           headers=backend_key, timeout=30).status_code == 401
         assert httpx.get(f"{gateway.url}/health", timeout=30).status_code == 200
         auth = {"Authorization": "Bearer agents-key"}
-        r = httpx.post(f"{gateway.base_url}/chat/completions", json={**CHAT, "model": "any-name"}, headers=auth,
+        r = httpx.post(f"{gateway.base_url}/chat/completions", json={**CHAT, "model": "any-name",
+                                                                     "return_token_ids": True}, headers=auth,
                        timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"]
         for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):  # with the agents' key: no such route

@@ -264,6 +264,17 @@ def _parts(content: Any) -> list[dict]:
     return []
 
 
+def _arguments(raw: Any) -> Any:
+    """A tool call's arguments as the conventions prefer them: the JSON object, when the string is one."""
+    if isinstance(raw, str):
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            return raw
+        return parsed if isinstance(parsed, dict) else raw
+    return raw
+
+
 def _input_messages(body: Mapping[str, Any]) -> list[dict]:
     """The request's messages (or prompt) as OpenTelemetry's gen_ai input messages."""
     if "prompt" in body:
@@ -278,7 +289,7 @@ def _input_messages(body: Mapping[str, Any]) -> list[dict]:
                 continue
             fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
             parts.append({"type": "tool_call", "id": tc.get("id"), "name": fn.get("name"),
-                          "arguments": fn.get("arguments")})
+                          "arguments": _arguments(fn.get("arguments"))})
         if m.get("role") == "tool":
             parts = [{"type": "tool_call_response", "id": m.get("tool_call_id"),
                       "response": m.get("content")}]
@@ -291,7 +302,7 @@ def _output_message(choice: _Choice) -> dict:
     for tc in choice.tool_calls.values():
         fn = tc.get("function") or {}
         parts.append({"type": "tool_call", "id": tc.get("id"), "name": fn.get("name"),
-                      "arguments": fn.get("arguments")})
+                      "arguments": _arguments(fn.get("arguments"))})
     return {"role": "assistant", "parts": parts, "finish_reason": choice.finish_reason or ""}
 
 

@@ -8,8 +8,7 @@ One idea per module:
 - `records`: the span record the store keeps, our attribute names, the sink protocols;
 - `writer`: the span processor and its writer thread;
 - `instrument`: `install`, turning the above on in a process;
-- `export`: spans to an OTLP/HTTP collector and to the application's own TracerProvider;
-- `otlp`: OTLP/HTTP bodies -> span records (a remote worker's spans); `ship`: a worker's span outlet.
+- `export`: spans to an OTLP/HTTP collector and to the application's own TracerProvider.
 """
 
 from lightning_sdk.tracing.context import (RolloutContext, component, current_component, current_rollout,

@@ -58,8 +58,10 @@ def install(sink: SpanSink, *, gateway_url: str | None = None, otlp_endpoint: st
                                                                          otlp_endpoint, outlets))
         _state.forward.target = processor
         _state.processor = processor
-        if bool(processor.exporters.processors) != _state.instrumented:  # only while spans go to the user's tools
-            _instrument_openai(_state.provider, on=not _state.instrumented)
+        # The OpenAI client's own spans are for the user's tools: kept only while spans go to them.
+        _state.openai_gate.open = bool(processor.exporters.processors)
+        if _state.openai_gate.open and not _state.instrumented:
+            _instrument_openai(_state.provider)
         if gateway_url is not None:
             propagation.enable(gateway_url)
         return processor
@@ -103,20 +105,20 @@ def _adopt_global(provider: TracerProvider) -> TracerProvider | None:
     return None
 
 
-def _instrument_openai(provider: TracerProvider, *, on: bool) -> None:
-    """The OpenAI client's own gen_ai spans, for the user's observability (its public `instrument()` and
-    `uninstrument()`); a run trains on the gateway's records, never on these."""
+def _instrument_openai(provider: TracerProvider) -> None:
+    """The OpenAI client's own gen_ai spans, for the user's observability (its public `instrument()`); a run
+    trains on the gateway's records, never on these. They go through a provider of their own, behind a gate that
+    `install` opens while spans are exported (the instrumentor's `uninstrument()` does not unwrap openai 3.x)."""
     try:
         from opentelemetry.instrumentation.openai import OpenAIInstrumentor
     except ImportError:
         log.info("opentelemetry-instrumentation-openai is not installed: the OpenAI client's own spans are not "
                  "exported (the gateway's records of the calls are)")
         return
-    if on:
-        OpenAIInstrumentor().instrument(tracer_provider=provider)
-    else:
-        OpenAIInstrumentor().uninstrument()
-    _state.instrumented = on
+    own = TracerProvider(sampler=ALWAYS_ON, id_generator=PrivateRandomIds(), resource=provider.resource)
+    own.add_span_processor(_state.openai_gate)
+    OpenAIInstrumentor().instrument(tracer_provider=own)
+    _state.instrumented = True
 
 
 def flush(timeout_s: float = 30.0, *, exporters: bool = False) -> None:
@@ -170,14 +172,31 @@ class _Forward(SpanProcessor):
         return self.target.force_flush(timeout_millis) if self.target is not None else True
 
 
+class _Gate(SpanProcessor):
+    """Passes spans on to `target` while open."""
+
+    def __init__(self, target: SpanProcessor) -> None:
+        self.target, self.open = target, False
+
+    def on_start(self, span, parent_context=None):
+        if self.open:
+            self.target.on_start(span, parent_context)
+
+    def on_end(self, span):
+        if self.open:
+            self.target.on_end(span)
+
+
 @dataclass
 class _State:
     provider: TracerProvider | None = None
     forward: _Forward = field(default_factory=_Forward)
+    openai_gate: "_Gate | None" = None
     processor: StoreSpanProcessor | None = None
     app_provider: TracerProvider | None = None
     instrumented: bool = False
 
 
 _state = _State()
+_state.openai_gate = _Gate(_state.forward)
 _install_lock = threading.Lock()

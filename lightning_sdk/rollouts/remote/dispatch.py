@@ -24,7 +24,7 @@ from lightning_sdk import tracing
 from lightning_sdk.agent import RewardError, reward_value
 from lightning_sdk.gateway.capture import OpenRollouts
 from lightning_sdk.store import Store
-from lightning_sdk.tracing.otlp import Decoded
+from lightning_sdk.rollouts.remote.otlp import Decoded
 from lightning_sdk.tracing.records import CLAIM, REWARD_SPAN, REWARD_VALUE
 
 

@@ -20,7 +20,7 @@ from lightning_sdk.rollouts.remote import protocol
 from lightning_sdk.rollouts.remote.dispatch import Dispatch, Forbidden
 from lightning_sdk.rollouts.remote.protocol import Claim, ClaimRequest, Endpoint, Result, RunInfo
 from lightning_sdk.gateway.guard import MAX_BODY_BYTES, error_body, parse_off_loop
-from lightning_sdk.tracing import otlp
+from lightning_sdk.rollouts.remote import otlp
 
 log = logging.getLogger("lightning_sdk")
 

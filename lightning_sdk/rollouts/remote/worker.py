@@ -35,7 +35,7 @@ from lightning_sdk.errors import RunError, SetupError
 from lightning_sdk.rollouts.remote import protocol
 from lightning_sdk.rollouts.remote.protocol import SERVER_FILE, TOKEN_FILE, Claim, Result, RunInfo
 from lightning_sdk.rollouts.episode import run_rollout
-from lightning_sdk.tracing.ship import RolloutShipper
+from lightning_sdk.rollouts.remote.ship import RolloutShipper
 
 SERVER_ENV, TOKEN_ENV = "LIGHTNING_SERVER", "LIGHTNING_TOKEN"
 MAX_BACKOFF_S = 10.0
