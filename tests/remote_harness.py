@@ -58,3 +58,21 @@ class Api:
 
 def job(k: int, task: dict, *, prefix: str = "r") -> RolloutJob:
     return RolloutJob(rollout_id=f"{prefix}-{k}", task_id=f"t{k}", group_id=f"g{k // 2}", task=task, iteration=1)
+
+
+def start_remote_run(d, env: dict, *, timeout: float = 180.0):
+    """`lightning run` in folder `d` (its lightning.toml: run.runtime = "remote", run.dir = "run"), waited for until
+    its server is up: (the process, the server's URL)."""
+    import json
+    import subprocess
+    import sys
+
+    trainer = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "run"], cwd=d, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    end = time.monotonic() + timeout
+    while not (d / "run/server.json").exists():
+        if trainer.poll() is not None or time.monotonic() > end:
+            trainer.kill()
+            raise AssertionError(trainer.stdout.read())
+        time.sleep(0.1)
+    return trainer, json.loads((d / "run/server.json").read_text())["url"]

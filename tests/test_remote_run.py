@@ -18,6 +18,8 @@ import pytest
 
 from lightning_sdk.store import Store
 
+from .remote_harness import start_remote_run
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 
@@ -97,15 +99,9 @@ name = "builtin:tiny-arith"
 worker_timeout = 120
 """)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    trainer = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "run"], cwd=d, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainer, url = start_remote_run(d, env)
     workers = []
     try:
-        end = time.monotonic() + 180
-        while not (d / "run/server.json").exists():
-            assert trainer.poll() is None and time.monotonic() < end, trainer.stdout.read()
-            time.sleep(0.1)
-        url = json.loads((d / "run/server.json").read_text())["url"]
         side = {**env, "AGENT_SIDE": "1"}
         side.pop("LIGHTNING_TOKEN", None)
         light = {k: v for k, v in side.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}

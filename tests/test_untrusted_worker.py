@@ -8,12 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from safetensors.numpy import load_file
 
 from lightning_sdk.store import Store
+
+from .remote_harness import start_remote_run
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -42,15 +43,9 @@ name = "builtin:tiny-arith"
 worker_timeout = 120
 """)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    trainer = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "run"], cwd=d, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainer, url = start_remote_run(d, env)
     workers = []
     try:
-        end = time.monotonic() + 180
-        while not (d / "run/server.json").exists():
-            assert trainer.poll() is None and time.monotonic() < end, trainer.stdout.read()
-            time.sleep(0.1)
-        url = json.loads((d / "run/server.json").read_text())["url"]
         token = (d / "run/worker.token").read_text().strip()
         evil = subprocess.run([sys.executable, str(HERE / "remote_evil_worker.py"), url, token, "6"], cwd=d,
                               capture_output=True, text=True, timeout=180, env={"PATH": "/usr/bin:/bin"})

@@ -16,7 +16,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -406,24 +406,21 @@ async def _completion_sse(engine: Engine, body: CompletionRequest, req: Generati
     def chunk(choice: dict, **extra: Any) -> str:
         return f"data: {json.dumps({**meta, 'choices': [choice], **extra})}\n\n"
 
-    try:
-        item, sent_prompt = first, False
-        while not isinstance(item, GenerationResult):
-            d: ChoiceDelta = item
-            extra = {} if sent_prompt else {"prompt_token_ids": req.prompt_ids}
-            sent_prompt = True
-            yield chunk({"index": d.index, "text": d.text, "finish_reason": d.finish_reason,
-                         "stop_reason": d.stop_reason, "token_ids": d.token_ids,
-                         "logprobs": _text_logprobs(engine, body, d.token_ids, d.logprobs, d.top_logprobs)}, **extra)
-            item = await anext(events)
-        if body.stream_options and body.stream_options.include_usage:
-            yield f"data: {json.dumps({**meta, 'choices': [], 'usage': _usage(item)})}\n\n"
-    except (RequestError, ModelNotFound, RuntimeError) as e:
-        status = 404 if isinstance(e, ModelNotFound) else 400 if isinstance(e, RequestError) else 500
-        yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
-    finally:
-        await events.aclose()
-    yield "data: [DONE]\n\n"
+    prompt_sent = []  # the first chunk carries the prompt's ids
+
+    def delta(d: ChoiceDelta) -> str:
+        extra = {} if prompt_sent else {"prompt_token_ids": req.prompt_ids}
+        prompt_sent.append(True)
+        return chunk({"index": d.index, "text": d.text, "finish_reason": d.finish_reason, "stop_reason": d.stop_reason,
+                      "token_ids": d.token_ids,
+                      "logprobs": _text_logprobs(engine, body, d.token_ids, d.logprobs, d.top_logprobs)}, **extra)
+
+    def usage(result: GenerationResult) -> list[str]:
+        include = body.stream_options and body.stream_options.include_usage
+        return [f"data: {json.dumps({**meta, 'choices': [], 'usage': _usage(result)})}\n\n"] if include else []
+
+    async for line in _events(first, events, delta, usage):
+        yield line
 
 
 async def _sse(engine: Engine, body: ChatCompletionRequest, req: GenerationRequest, meta: dict,
@@ -432,29 +429,35 @@ async def _sse(engine: Engine, body: ChatCompletionRequest, req: GenerationReque
     def chunk(choices: list[dict], **extra: Any) -> str:
         return f"data: {json.dumps({**meta, 'object': 'chat.completion.chunk', 'choices': choices, **extra})}\n\n"
 
+    def delta(d: ChoiceDelta) -> str:
+        message, finish_reason = shaper.delta(d.index, d.text, d.finish_reason)
+        return chunk([{"index": d.index, "delta": message,
+                       "logprobs": _logprobs(engine, body, d.token_ids, d.logprobs, d.top_logprobs),
+                       "finish_reason": finish_reason, "stop_reason": d.stop_reason, "token_ids": d.token_ids}])
+
     # The role comes first, one chunk per choice, as OpenAI does; the first also carries the prompt ids.
     for index in range(req.n):
         extra = {"prompt_token_ids": req.prompt_ids} if index == 0 else {}
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None, "token_ids": []}], **extra)
+    async for line in _events(first, events, delta, lambda result: [chunk([], usage=_usage(result))]
+                              if include_usage else []):
+        yield line
+
+
+async def _events(first: ChoiceDelta | GenerationResult, events: AsyncIterator,
+                  delta: Callable[[ChoiceDelta], str], tail: Callable[[GenerationResult], list[str]]
+                  ) -> AsyncIterator[str]:
+    """A stream's SSE lines: one per delta, then `tail` of the final result, then [DONE]. The status line is already
+    sent when an error comes: it is reported in the stream, as vLLM does."""
     try:
         item = first
         while not isinstance(item, GenerationResult):
-            d: ChoiceDelta = item
-            delta, finish_reason = shaper.delta(d.index, d.text, d.finish_reason)
-            yield chunk([{
-                "index": d.index,
-                "delta": delta,
-                "logprobs": _logprobs(engine, body, d.token_ids, d.logprobs, d.top_logprobs),
-                "finish_reason": finish_reason,
-                "stop_reason": d.stop_reason,
-                "token_ids": d.token_ids,
-            }])
+            yield delta(item)
             item = await anext(events)
-        if include_usage:
-            yield chunk([], usage=_usage(item))
+        for line in tail(item):
+            yield line
     except (RequestError, ModelNotFound, RuntimeError) as e:
-        # The status line is already sent: report the error in the stream, as vLLM does.
         status = 404 if isinstance(e, ModelNotFound) else 400 if isinstance(e, RequestError) else 500
         yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
     finally:

@@ -15,9 +15,7 @@ thread, off the event loop that relays the calls.
 
 from __future__ import annotations
 
-import collections
 import json
-import logging
 import random
 import threading
 import time
@@ -26,12 +24,11 @@ from typing import Any, Callable, Mapping
 
 from opentelemetry import baggage, trace
 
+from lightning_sdk.drain import Drain
 from lightning_sdk.tracing.context import COMPONENT_KEY, PROPAGATOR, ROLLOUT_KEY
 from lightning_sdk.tracing.propagation import CALL_ID_HEADER
 from lightning_sdk.tracing.records import (API, ATTEMPT, COMPLETION_IDS, COMPLETION_LOGPROBS, COMPONENT, GATEWAY,
                                            POLICY, PROMPT_IDS, ROLLOUT_ID, UNREPRODUCIBLE, CallSink, SpanRecord)
-
-log = logging.getLogger("lightning_sdk")
 
 __all__ = ["CALL_ID_HEADER", "Call", "Capture", "OpenRollouts", "Origin", "Rollout", "origin", "unreproducible"]
 
@@ -309,73 +306,45 @@ def _output_message(choice: _Choice) -> dict:
 class Capture:
     """Makes and writes the records of the calls the gateway serves: `begin` a call in a route, `Call.end` it.
 
-    Records go to `sink` (the run's store) from one writer thread; `flush` waits until every ended call is written
-    (the runtime calls it before it reads a phase's calls back). Without a sink nothing is recorded.
+    Records go to `sink` (the run's store) from a writer thread of their own (`drain.Drain`); `flush` waits until
+    every ended call is written (the runtime calls it before it reads a phase's calls back). Without a sink
+    nothing is recorded.
     """
 
-    def __init__(self, rollouts: OpenRollouts, *, interval: float = 0.05):
+    def __init__(self, rollouts: OpenRollouts):
         self.rollouts = rollouts
         self.sink: CallSink | None = None
         self.exported: Callable[[list[SpanRecord], str], None] | None = None  # records also go to the user's tools
         self.ids = random.Random()  # span ids: seeded from the OS, apart from the `random` a trainer seeds
         self.recorded = 0
         self.unattributed = 0  # calls of no open rollout
-        self.errors: list[str] = []
-        self._interval = interval
-        self._queue: collections.deque[Call] = collections.deque()
-        self._cond = threading.Condition()
-        self._busy = False
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._drain: Drain[Call] | None = None
+
+    @property
+    def errors(self) -> list[str]:
+        return self._drain.errors if self._drain is not None else []
 
     def record_to(self, sink: CallSink | None) -> None:
         self.flush()
         self.sink = sink
-        if sink is not None and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="lightning-gateway-records", daemon=True)
-            self._thread.start()
+        if sink is not None and self._drain is None:
+            self._drain = Drain(self._write, name="lightning-gateway-records")
 
     def begin(self, origin: Origin, api: str, request: dict, *, asked: str, policy: str) -> Call:
         return Call(self, origin, api, request, asked=asked, policy=policy)
 
     def finished(self, call: Call) -> None:
-        if self.sink is not None:
-            self._queue.append(call)
+        if self.sink is not None and self._drain is not None:
+            self._drain.put(call)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._wake.set()
-                self._cond.wait(min(left, self._interval))
-        return True
+        return self._drain.flush(timeout_s) if self._drain is not None else True
 
-    def _run(self) -> None:
-        while True:
-            self._wake.wait(self._interval)
-            self._wake.clear()
-            while True:
-                with self._cond:
-                    batch = [self._queue.popleft() for _ in range(min(len(self._queue), 512))]
-                    self._busy = bool(batch)
-                if not batch:
-                    break
-                try:
-                    records = [c.record() for c in batch]
-                    self.unattributed += sum(1 for r in records if not r.rollout_id)
-                    if self.sink is not None:
-                        self.sink.write_calls(records)
-                    self.recorded += len(records)
-                    if self.exported is not None:
-                        self.exported(records, "lightning_sdk.gateway")
-                except Exception as e:  # keep the writer alive; the runtime reports these loudly
-                    log.exception("gateway: recording %d call(s) failed", len(batch))
-                    self.errors.append(f"{type(e).__name__}: {e}")
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-            with self._cond:
-                self._cond.notify_all()
+    def _write(self, calls: list[Call]) -> None:
+        records = [c.record() for c in calls]
+        self.unattributed += sum(1 for r in records if not r.rollout_id)
+        if self.sink is not None:
+            self.sink.write_calls(records)
+        self.recorded += len(records)
+        if self.exported is not None:
+            self.exported(records, "lightning_sdk.gateway")

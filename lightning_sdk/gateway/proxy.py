@@ -32,7 +32,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lightning_sdk.gateway.capture import CALL_ID_HEADER, Call, Capture, OpenRollouts, origin
-from lightning_sdk.gateway.guard import MAX_BODY_BYTES, BodyLimit, GatewayError, KeyCheck, error_body, parse_off_loop
+from lightning_sdk.gateway.guard import (MAX_BODY_BYTES, PARSE_INLINE_BYTES, BodyLimit, GatewayError, KeyCheck,
+                                        error_body, parse_off_loop)
 from lightning_sdk.gateway.listen import ThreadedServer, bind, url_of
 from lightning_sdk.gateway.responses import responses_router
 
@@ -208,8 +209,9 @@ class Gateway:
             try:
                 reply = await parse_off_loop(content, json.loads)
                 call.whole(reply)
-                if sent.strip(reply):
-                    content = await parse_off_loop(reply, _dumps)
+                if sent.strip(reply):  # a long conversation's reply is serialised off the loop, as it was parsed
+                    content = _dumps(reply) if len(content) <= PARSE_INLINE_BYTES else \
+                        await asyncio.to_thread(_dumps, reply)
             except (ValueError, TypeError, AttributeError, KeyError) as e:
                 call.fail(502, f"the backend's reply is malformed: {type(e).__name__}: {e}")
             finally:
