@@ -117,7 +117,8 @@ def _instrument_openai(provider: TracerProvider) -> None:
         return
     own = TracerProvider(sampler=ALWAYS_ON, id_generator=PrivateRandomIds(), resource=provider.resource)
     own.add_span_processor(_state.openai_gate)
-    OpenAIInstrumentor().instrument(tracer_provider=own)
+    # Its own propagation would add a traceparent to calls toward any host: ours adds one toward the gateway only.
+    OpenAIInstrumentor(enable_trace_context_propagation=False).instrument(tracer_provider=own)
     _state.instrumented = True
 
 
