@@ -149,7 +149,8 @@ class ServeConfig(_Section):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of GPU memory vLLM may take")
     sleep_level: Literal[0, 1] = Field(1, description="vLLM sleep mode during the update phase: 1 = offload "
                                                       "weights, free the KV cache; 0 = stay awake")
-    max_loras: int = Field(2, ge=1, description="LoRA adapters vLLM holds on the GPU at once")
+    max_loras: int = Field(2, ge=1, description="LoRA adapters vLLM holds on the GPU at once; at least 2 per "
+                                                 "policy are given (each new adapter loads before the old one goes)")
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` flags, e.g. --enforce-eager")
 
     @field_validator("api_key")

@@ -178,3 +178,122 @@ def test_resume_restores_both_optimizers(model_path, tok, tmp_path):
         tmp_path / "ckpt", ps[0].train, [ps[0], config.Policy("rewriter", ("rewriter",), ps[0].train)])
     assert "policies: the checkpoint" in checkpoint_conflict(tmp_path / "ckpt", ps[0].train, ps[:1])
     assert "policies: the checkpoint" in checkpoint_conflict(tmp_path / "ckpt", ps[0].train)
+
+
+# ------------------------------------------------------------------------------------------------ a real run
+
+AGENT = '''
+from openai import AsyncOpenAI
+
+import lightning_sdk as ls
+
+
+@ls.rollout
+async def solve(task: dict, llm: ls.LLM) -> list:
+    async with AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key) as client:
+        async def ask(role: str) -> str:
+            with ls.component(role):
+                out = await client.chat.completions.create(
+                    model="gpt-4o-mini", messages=[{"role": "user", "content": task["question"]}], temperature=1.0,
+                    max_tokens=8)
+            return out.choices[0].message.content or ""
+        answers = [await ask("writer"), await ask("rewriter")]
+        await ask("judge")  # a component in no policy: served by the base model, never trained
+    return answers
+
+
+@ls.reward
+def score(task: dict, answers: list) -> float:
+    return sum(a.strip() == task["answer"] for a in answers) / 2
+'''
+
+
+@pytest.fixture(scope="module")
+def two_policy_run(tmp_path_factory):
+    """`ls.run` of two policies (writer, rewriter) over an agent with a third, untrained component; 2 iterations,
+    the second after a resume."""
+    import lightning_sdk as ls
+
+    d = tmp_path_factory.mktemp("policies")
+    (d / "agent.py").write_text(AGENT)
+    rows = (Path(__file__).parents[1] / "cookbook/arith/data/train.jsonl").read_text().splitlines()
+    (d / "train.jsonl").write_text("\n".join(rows[::9]) + "\n")
+    (d / "lightning.toml").write_text('''
+[run]
+name = "duo"
+dir = "run"
+iterations = 1
+[agent]
+module = "agent.py"
+[data]
+train = "train.jsonl"
+tasks_per_iteration = 3
+group_size = 4
+[model]
+name = "builtin:tiny-arith"
+dtype = "float32"
+[rollout]
+concurrency = 8
+[train]
+micro_batch_size = 16
+[policies.writer]
+components = ["writer"]
+[policies.rewriter]
+components = ["rewriter"]
+lora_r = 4
+''')
+    first = ls.run(d / "lightning.toml", run_dir=d / "run")
+    second = ls.run(d / "lightning.toml", run_dir=d / "run", iterations=2, resume=True)
+    return d, first, second
+
+
+def test_two_policies_each_call_served_by_its_components_adapter(two_policy_run):
+    from lightning_sdk import tracing
+    from lightning_sdk.store import Store
+    from lightning_sdk.tracing.records import COMPONENT, POLICY
+
+    d, first, second = two_policy_run
+    assert second.state.completed == 2 and second.state.adapter_names == {"writer": "duo-writer-iter2",
+                                                                           "rewriter": "duo-rewriter-iter2"}
+    store = Store(d / "run/store.sqlite")
+    served: dict[tuple[int, str], set] = {}
+    for r in store.rollouts(phase="train"):
+        for s in store.spans(r.rollout_id):
+            if tracing.is_llm_call(s) and s.source == "gateway":
+                served.setdefault((r.iteration, s.attributes[COMPONENT]), set()).add(s.attributes[POLICY])
+    base = "builtin:tiny-arith"
+    assert served == {(1, "writer"): {base}, (1, "rewriter"): {base}, (1, "judge"): {base},
+                      # iteration 2, after the resume: each component's call by its own policy's adapter
+                      (2, "writer"): {"duo-writer-iter1"}, (2, "rewriter"): {"duo-rewriter-iter1"},
+                      (2, "judge"): {base}}
+
+    rows = second.history
+    assert [r["policy"] for r in rows] == [f"writer={base}, rewriter={base}",
+                                           "writer=duo-writer-iter1, rewriter=duo-rewriter-iter1"]
+    for r in rows:  # 12 rollouts, one call of each role: each policy trains on its own 12, the judge's are counted
+        assert r["transitions.writer"] == r["transitions.rewriter"] == 12 and r["base_calls"] == 12
+        assert r["transitions"] == 24 and "train.loss" not in r
+        assert r["train.writer.num_transitions"] + r["train.writer.num_skipped"] == 12
+        assert all(isinstance(r[f"train.{p}.{k}"], float) for p in ("writer", "rewriter") for k in ("loss", "lr"))
+
+
+def test_two_policies_both_adapters_change_and_the_base_stays(two_policy_run):
+    from safetensors.torch import load_file
+
+    d, first, second = two_policy_run
+    assert set(second.adapters) == {"writer", "rewriter"} and second.adapter is None
+    assert second.adapters["writer"] == d / "run/checkpoints/iter-00002/trainer/adapters/writer"
+    trainer_dir = d / "run/checkpoints/iter-00002/trainer"
+    assert {p.name for p in trainer_dir.iterdir()} >= {"optimizer-writer.pt", "optimizer-rewriter.pt",
+                                                       "scheduler-writer.pt", "scheduler-rewriter.pt"}
+    for name, rank in (("writer", 8), ("rewriter", 4)):
+        one, two = (load_file(d / f"run/checkpoints/iter-0000{i}/trainer/adapters/{name}/adapter_model.safetensors")
+                    for i in (1, 2))
+        assert one and all("lora_" in k for k in one)  # the adapter only: no base weight is saved, or trained
+        assert any(v.abs().max() > 0 for k, v in one.items() if "lora_B" in k)  # LoRA B starts at zero
+        assert any(not torch.equal(one[k], two[k]) for k in one)  # the resumed update moved it again
+        assert {v.shape[0] for k, v in one.items() if "lora_A" in k} == {rank}
+    # resume restored both optimizers: their step counts went on from the checkpoint's
+    for name in ("writer", "rewriter"):
+        state = torch.load(trainer_dir / f"optimizer-{name}.pt")["state"]
+        assert {int(s["step"]) for s in state.values()} == {4}  # 2 updates x train.epochs = 2 (tiny defaults)
