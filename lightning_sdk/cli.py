@@ -110,7 +110,7 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
         if sorted(found) != names or not all((d / "adapter_config.json").exists() for d in found.values()):
             _fail(console, f"{checkpoint}: holds no adapter for each of [policies] {names} (a checkpoint's "
                            f"trainer/adapters/<policy>/, or a directory with one PEFT adapter per policy)")
-        adapter = found
+        adapter = {n: found[n] for n in cfg.policies}  # in the config's order
     elif checkpoint is not None:
         adapter = checkpoint if (checkpoint / "adapter_config.json").exists() else adapter_dir(checkpoint)
         if not (adapter / "adapter_config.json").exists():

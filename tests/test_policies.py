@@ -297,3 +297,21 @@ def test_two_policies_both_adapters_change_and_the_base_stays(two_policy_run):
     for name in ("writer", "rewriter"):
         state = torch.load(trainer_dir / f"optimizer-{name}.pt")["state"]
         assert {int(s["step"]) for s in state.values()} == {4}  # 2 updates x train.epochs = 2 (tiny defaults)
+
+
+def test_eval_trained_serves_every_policys_adapter(two_policy_run):
+    from click.testing import CliRunner
+
+    from lightning_sdk.cli import main
+
+    d, _, _ = two_policy_run
+    args = ["eval", "--trained", "--run-dir", str(d / "run"), "--data", str(d / "train.jsonl"), "--limit", "3"]
+    out = CliRunner().invoke(main, ["eval", "-c", str(d / "lightning.toml"), *args[1:]])
+    assert out.exit_code == 0, out.output
+    assert "writer=duo-writer-eval, rewriter=duo-rewriter-eval" in out.output.replace("\n", "")
+    assert "adapters writer: " in out.output.replace("\n", "")
+    # A config without the run's [policies] cannot serve them: one line, exit 2.
+    single = d / "single.toml"
+    single.write_text((d / "lightning.toml").read_text().split("[policies.writer]")[0])
+    out = CliRunner().invoke(main, ["eval", "-c", str(single), *args[1:]])
+    assert out.exit_code == 2 and "the config needs their [policies]" in out.output.replace("\n", "")
