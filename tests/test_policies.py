@@ -74,6 +74,18 @@ def test_bad_policy_exits_2_with_the_line(tmp_path):
     assert out.exit_code == 2 and "policies.w.components: an empty policy" in out.output
 
 
+def test_vllm_holds_two_adapters_per_policy_at_every_policys_rank(tmp_path):
+    from lightning_sdk.servers.select import vllm_server
+
+    policies = "".join(f'[policies.p{i}]\ncomponents = ["c{i}"]\n' for i in range(3))
+    cfg = load(tmp_path, '[serve]\nbackend = "vllm"\n[train]\nlora_r = 8\n' + policies + "lora_r = 20\n")
+    cmd = vllm_server(cfg, "/models/qwen", tmp_path / "server.log").command()
+    flags = dict(zip(cmd, cmd[1:]))
+    assert flags["--max-loras"] == "6" and flags["--max-lora-rank"] == "32"  # 2 x 3 policies; p2's r 20 -> 32
+    one = load(tmp_path, '[serve]\nbackend = "vllm"\nmax_loras = 3\n')
+    assert dict(zip(c := vllm_server(one, "m", tmp_path / "s.log").command(), c[1:]))["--max-loras"] == "3"
+
+
 # ------------------------------------------------------------------------------------------ real model steps
 
 
@@ -118,6 +130,9 @@ def test_each_policy_trains_its_own_adapter_on_its_own_calls(model_path, tok, tm
     tr = GRPOTrainer(model_path, ps[0].train, policies=ps, seed=0)
     assert set(tr.model.peft_config) == {"writer", "rewriter"}  # peft's named adapters on one model, no copy
     assert tr.model.peft_config["rewriter"].r == 4
+    # each policy targets what its config says, as a single policy would ("all-linear" + lm_head expanded)
+    assert tr.model.peft_config["rewriter"].target_modules == tr.model.peft_config["writer"].target_modules
+    assert "lm_head" in tr.model.peft_config["rewriter"].target_modules
     base, writer, rewriter = params_of(tr, None), params_of(tr, "writer"), params_of(tr, "rewriter")
 
     # A batch of writer calls only: the writer's adapter moves, the rewriter's and the base stay.

@@ -118,9 +118,11 @@ class GRPOTrainer:
             base.config.use_cache = False
             specs = [("default", config, ())] if policies is None else [(p.name, p.train, p.components)
                                                                         for p in policies]
+            # Named from the bare model: once the first adapter is in, its layers are peft's wrappers.
+            targets = [lora_targets(base, c.target_modules) for _, c, _ in specs]
             for i, (name, c, _) in enumerate(specs):
                 lora = LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=config.lora_dropout,
-                                  target_modules=lora_targets(base, c.target_modules), task_type="CAUSAL_LM")
+                                  target_modules=targets[i], task_type="CAUSAL_LM")
                 if i == 0:
                     self.model = get_peft_model(base, lora, adapter_name=name)
                 else:
