@@ -4,7 +4,7 @@
 
     import lightning_sdk as ls
     result = ls.run("lightning.toml", iterations=2, run_dir="runs/try", **{"train.lr": 1e-3})
-    result.eval_trained, result.history[-1]["reward_mean"], result.adapter
+    result.eval_trained, result.history[-1]["reward_mean"], result.adapter, result.adapters
 
 A notebook (Jupyter, IPython) runs its cells inside an event loop, and the embedded collector owns an
 asyncio.Runner, which refuses to start inside a running loop ("Runner.run() cannot be called from a running event
@@ -23,7 +23,7 @@ from lightning_sdk import config as config_mod
 from lightning_sdk.config import Config
 from lightning_sdk.distribution import missing_train_extra
 from lightning_sdk.errors import SetupError
-from lightning_sdk.train.checkpoint import RunState, adapter_dir, latest_checkpoint
+from lightning_sdk.train.checkpoint import RunState, adapter_dir, latest_checkpoint, policy_adapters
 
 __all__ = ["RunResult", "run"]
 
@@ -39,6 +39,7 @@ class RunResult:
     state: RunState
     eval_untrained: float | None
     eval_trained: float | None
+    name: str = "run"  # run.name: the single policy's name
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -47,9 +48,19 @@ class RunResult:
 
     @property
     def adapter(self) -> Path | None:
-        """The PEFT adapter of the last checkpoint (checkpoints/iter-0000N/trainer/adapter)."""
+        """The PEFT adapter of the last checkpoint (checkpoints/iter-0000N/trainer/adapter); None with [policies]:
+        see `adapters`."""
         checkpoint = latest_checkpoint(self.run_dir)
-        return adapter_dir(checkpoint) if checkpoint is not None else None
+        return adapter_dir(checkpoint) if checkpoint is not None and not policy_adapters(checkpoint) else None
+
+    @property
+    def adapters(self) -> dict[str, Path]:
+        """Each policy's PEFT adapter in the last checkpoint, by policy name (trainer/adapters/<policy>/; a run
+        without [policies]: its one adapter, under the run's name)."""
+        checkpoint = latest_checkpoint(self.run_dir)
+        if checkpoint is None:
+            return {}
+        return policy_adapters(checkpoint) or {self.name: adapter_dir(checkpoint)}
 
 
 def run(config: str | Path | Config = "lightning.toml", *, resume: bool = False, overwrite: bool = False,
@@ -87,4 +98,4 @@ def _run(cfg: Config, *, resume: bool, overwrite: bool) -> RunResult:
     runtime = Runtime(cfg, resume=resume, overwrite=overwrite, console=make_console())
     state = runtime.run()
     return RunResult(run_dir=Path(cfg.run.dir), state=state, eval_untrained=state.baseline_eval,
-                       eval_trained=runtime.final_eval)
+                     eval_trained=runtime.final_eval, name=cfg.run.name)

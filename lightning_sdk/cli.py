@@ -70,9 +70,11 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
 @main.command("eval")
 @click.option("-c", "--config", "config_path", default="lightning.toml", show_default=True,
               type=click.Path(dir_okay=False, path_type=Path), help="The run's configuration.")
-@click.option("--trained", is_flag=True, help="Score the adapter of the run's latest checkpoint (in run.dir).")
+@click.option("--trained", is_flag=True, help="Score the adapter (with [policies]: every policy's adapter) of the "
+                                              "run's latest checkpoint (in run.dir).")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Score this checkpoint (checkpoints/iter-N) or PEFT adapter directory.")
+              help="Score this checkpoint (checkpoints/iter-N) or PEFT adapter directory (with [policies]: a "
+                   "directory holding one per policy, by name).")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Override run.dir.")
 @click.option("--data", "data_path", type=click.Path(path_type=Path),  # a directory: a datasets save_to_disk
               help="Held-out tasks (default: data.eval).")
@@ -92,7 +94,7 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
     DatasetError, ModelLoadError, Runtime = _training_side(console, "lightning eval")
     from lightning_sdk import data
     from lightning_sdk.errors import RunError, SetupError
-    from lightning_sdk.train.checkpoint import adapter_dir, latest_checkpoint
+    from lightning_sdk.train.checkpoint import adapter_dir, latest_checkpoint, policy_adapters
 
     path = data_path or cfg.data.eval
     if path is None:
@@ -102,10 +104,19 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
         checkpoint = latest_checkpoint(Path(cfg.run.dir))
         if checkpoint is None:
             _fail(console, f"--trained: no checkpoint in {Path(cfg.run.dir) / 'checkpoints'}; run `lightning run` first")
-    if checkpoint is not None:
+    if checkpoint is not None and cfg.policies:  # every policy's adapter, each serving its components' calls
+        names = sorted(cfg.policies)
+        found = policy_adapters(checkpoint) or {n: checkpoint / n for n in names}
+        if sorted(found) != names or not all((d / "adapter_config.json").exists() for d in found.values()):
+            _fail(console, f"{checkpoint}: holds no adapter for each of [policies] {names} (a checkpoint's "
+                           f"trainer/adapters/<policy>/, or a directory with one PEFT adapter per policy)")
+        adapter = {n: found[n] for n in cfg.policies}  # in the config's order
+    elif checkpoint is not None:
         adapter = checkpoint if (checkpoint / "adapter_config.json").exists() else adapter_dir(checkpoint)
         if not (adapter / "adapter_config.json").exists():
-            _fail(console, f"--checkpoint {checkpoint}: neither a PEFT adapter directory nor a checkpoint holding one")
+            _fail(console, f"--checkpoint {checkpoint}: neither a PEFT adapter directory nor a checkpoint holding one"
+                  + ("; it holds one adapter per policy: the config needs their [policies]"
+                     if policy_adapters(checkpoint) else ""))
     try:
         tasks = data.load(path)[:limit]
         score = Runtime(cfg, console=console).evaluate(tasks, adapter)
@@ -114,7 +125,8 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
     except RunError as e:
         console.print(f"[bold red]eval stopped:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(1)
-    policy = f"adapter {adapter}" if adapter is not None else f"base {cfg.model.name}"
+    policy = (f"adapter {adapter}" if isinstance(adapter, Path) else f"base {cfg.model.name}" if adapter is None
+              else "adapters " + ", ".join(f"{k}: {v}" for k, v in adapter.items()))
     console.print(f"held-out score {score:.3f} over {len(tasks)} tasks ({policy})", highlight=False, soft_wrap=True)
 
 

@@ -10,6 +10,7 @@ import ipaddress
 import re
 import tomllib
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -148,7 +149,8 @@ class ServeConfig(_Section):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of GPU memory vLLM may take")
     sleep_level: Literal[0, 1] = Field(1, description="vLLM sleep mode during the update phase: 1 = offload "
                                                       "weights, free the KV cache; 0 = stay awake")
-    max_loras: int = Field(2, ge=1, description="LoRA adapters vLLM holds on the GPU at once")
+    max_loras: int = Field(2, ge=1, description="LoRA adapters vLLM holds on the GPU at once; at least 2 per "
+                                                 "policy are given (each new adapter loads before the old one goes)")
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` flags, e.g. --enforce-eager")
 
     @field_validator("api_key")
@@ -244,6 +246,59 @@ class TrainConfig(_Section):
         return v
 
 
+# The train.* keys a policy may set for itself: what its adapter and its optimizer are. Every other key shapes the one
+# update all policies share (its loss, its batches, its schedule), so it stays in [train].
+POLICY_KEYS = ("lr", "lora_r", "lora_alpha", "target_modules")
+
+
+class PolicyConfig(_Section):
+    """`[policies.NAME]`: one LoRA adapter, trained on the calls of `components` only, with its own optimizer."""
+
+    components: list[str] = Field(description="the `ls.component` names whose calls this policy serves and trains")
+    lr: float | None = Field(None, gt=0, description="this policy's train.lr; none = train.lr")
+    lora_r: int | None = Field(None, ge=1, description="this policy's train.lora_r; none = train.lora_r")
+    lora_alpha: int | None = Field(None, ge=1, description="this policy's train.lora_alpha; none = train.lora_alpha")
+    target_modules: list[str] | Literal["all-linear"] | None = Field(
+        None, description="this policy's train.target_modules; none = train.target_modules")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_policy_keys(cls, data):
+        # A shared key set here would be silently the same for every policy: name it, and where it belongs.
+        if isinstance(data, dict):
+            shared = [k for k in data if k in TrainConfig.model_fields and k not in POLICY_KEYS]
+            if shared:
+                raise ValueError(f"{shared[0]} cannot vary per policy (a policy may set only "
+                                 f"{', '.join(POLICY_KEYS)}); set train.{shared[0]} for all")
+        return data
+
+    @field_validator("components")
+    @classmethod
+    def _some(cls, v):
+        if not v:
+            raise ValueError("an empty policy: name the components whose calls it trains")
+        if any(not c or not c.isprintable() for c in v) or len(set(v)) != len(v):
+            raise ValueError("expected distinct, non-empty component names")
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _nonempty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("must name at least one module, or be 'all-linear'")
+        return v
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One adapter of a run, as the trainer, the server and the gateway see it: its name, the components whose
+    calls it serves and trains (empty: every component), and its train.* with the policy's own keys applied."""
+
+    name: str
+    components: tuple[str, ...]
+    train: TrainConfig
+
+
 class RayConfig(_Section):
     """Used when run.runtime = "ray" (the `[ray]` extra); see docs/scaling.md."""
 
@@ -292,6 +347,30 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
+    policies: dict[str, PolicyConfig] = Field(
+        default_factory=dict, description="one LoRA adapter per role: [policies.NAME] components = [...]; none = "
+        "one policy, named after the run, for rollout.components (docs: README, 'One policy per component')")
+
+    @model_validator(mode="after")
+    def _policies_partition(self):
+        if self.policies and self.rollout.components:
+            raise ValueError("rollout.components and [policies] both choose the components to train: keep one of "
+                             "them ([policies.NAME] components for an adapter per role, or rollout.components for "
+                             "one shared adapter)")
+        owner: dict[str, str] = {}
+        for name, p in self.policies.items():
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", name) or name in "lora_" or name == "default":
+                # It names the policy's adapters (peft's, the server's, a directory): peft takes names inside its
+                # 'lora_' prefix, and 'default', for its own.
+                raise ValueError(f"policies.{name}: expected 1-64 letters, digits, '-' or '_' (starting with a "
+                                 f"letter or digit), not 'default' nor part of 'lora_': it names the policy's "
+                                 f"adapters")
+            for c in p.components:
+                if c in owner:
+                    raise ValueError(f"policies.{name}.components: {c!r} is already in policies.{owner[c]}; a "
+                                     f"component's calls are served and trained by one policy")
+                owner[c] = name
+        return self
 
     @model_validator(mode="after")
     def _tiny_model_defaults(self):
@@ -319,6 +398,17 @@ class Config(_Section):
         return self
 
 
+def policies(cfg: Config) -> list[Policy]:
+    """The run's policies: its [policies] tables in order, or the one policy named after the run."""
+    if not cfg.policies:
+        return [Policy(cfg.run.name, tuple(cfg.rollout.components), cfg.train)]
+    out = []
+    for name, p in cfg.policies.items():
+        own = {k: getattr(p, k) for k in POLICY_KEYS if getattr(p, k) is not None}
+        out.append(Policy(name, tuple(p.components), cfg.train.model_copy(update=own)))
+    return out
+
+
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -329,6 +419,8 @@ def _format(err: ValidationError) -> str:
             lines.append(f"{key}: required key is missing")
         elif e["type"] == "value_error" and not e["loc"]:  # a rule across keys: its message names them
             lines.append(e["msg"].removeprefix("Value error, "))
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a rule over a table's keys
+            lines.append(f"{key}: {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"{key}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
     return "; ".join(lines)
@@ -378,8 +470,7 @@ def override(cfg: Config, values: dict[str, Any]) -> Config:
         return cfg
     # Only what was set (in the file, or by parse's path resolution): a default stays a default, so the per-model
     # defaults follow a changed model.name.
-    data = {name: getattr(cfg, name).model_dump(include=getattr(cfg, name).model_fields_set)
-            for name in Config.model_fields}
+    data = {name: _set_fields(getattr(cfg, name)) for name in Config.model_fields}
     for key, value in values.items():
         section, _, name = key.partition(".")
         if not name or "." in name:
@@ -389,3 +480,12 @@ def override(cfg: Config, values: dict[str, Any]) -> Config:
             raise ConfigError(f"{key}: {section} is not a table")
         table[name] = value
     return parse(data)
+
+
+def _set_fields(value: Any) -> Any:
+    """A table as written: only the keys that were set ([policies]: each policy's)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(include=value.model_fields_set)
+    if isinstance(value, dict):
+        return {k: _set_fields(v) for k, v in value.items()}
+    return value

@@ -2,7 +2,7 @@
 
 One iteration = a collection phase (the collector runs the agent against the inference server, spans land in
 the store) and an update phase (spans -> transitions -> one GRPO update -> a new LoRA adapter, hot-loaded into
-the server). Each finished iteration is checkpointed atomically, so `--resume` continues a killed run from its
+the server). With [policies] there is one adapter per policy: the gateway serves each call by its component's. Each finished iteration is checkpointed atomically, so `--resume` continues a killed run from its
 last complete update and never repeats one. `run` and `evaluate` share one session: agent, store, tracing,
 collector and server, set up and torn down in one place.
 """
@@ -28,7 +28,7 @@ from rich.table import Table
 
 from lightning_sdk import credit, data, models, tracing
 from lightning_sdk.agent import load_agent, run_environment
-from lightning_sdk.config import Config
+from lightning_sdk.config import Config, policies
 from lightning_sdk.errors import CaptureError, RunError, SetupError
 from lightning_sdk.files import DirBusyError, clean_atomic_leftovers, locked_dir
 from lightning_sdk.metrics import MetricsLog, check_trackers
@@ -38,7 +38,8 @@ from lightning_sdk.servers import ServerError, SleepableServer
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.process import new_api_key
 from lightning_sdk.store import Store, eval_score
-from lightning_sdk.train.checkpoint import CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint, write_checkpoint
+from lightning_sdk.train.checkpoint import (CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint,
+                                           policy_adapters, write_checkpoint)
 from lightning_sdk.transitions import Transition, to_transitions
 
 __all__ = ["RunError", "Runtime", "SetupError", "TaskFeed"]
@@ -97,6 +98,8 @@ class Runtime:
             raise SetupError(str(e)) from None
         self.collector: Collector | None = None  # set while a session is open
         self.final_eval: float | None = None
+        self.policies = policies(cfg)
+        self.multi = bool(cfg.policies)  # one adapter per policy, each call served by its component's
 
     # The whole run, top to bottom.
     def run(self) -> RunState:
@@ -115,7 +118,8 @@ class Runtime:
         checkpoint = self._prepare_run_dir(stack)
         from lightning_sdk.train.trainer import GRPOTrainer, checkpoint_conflict
 
-        if checkpoint is not None and (conflict := checkpoint_conflict(checkpoint / TRAINER, cfg.train)):
+        if checkpoint is not None and (conflict := checkpoint_conflict(checkpoint / TRAINER, cfg.train,
+                                                                       self.policies if self.multi else None)):
             raise SetupError(conflict)  # before the store or the metrics are touched
         state = RunState.read(checkpoint) if checkpoint is not None else RunState()
         store = Store(self.run_dir / "store.sqlite")
@@ -136,25 +140,30 @@ class Runtime:
             with self._session(agent, gateway, model_path, store, self.run_dir) as collector:
                 trainer = GRPOTrainer(model_path, cfg.train, quantization=cfg.model.quantization,
                                       dtype=cfg.model.dtype, seed=cfg.run.seed,
-                                      total_steps=cfg.run.iterations * cfg.train.epochs)
-                policy = collector.server.served_model_name
+                                      total_steps=cfg.run.iterations * cfg.train.epochs,
+                                      policies=self.policies if self.multi else None)
+                base = collector.server.served_model_name
+                policy = {p.name: base for p in self.policies}  # each policy's served adapter (the base at first)
                 if checkpoint is not None:
                     trainer.load_state(checkpoint / TRAINER)
-                    policy = state.adapter_name
-                    collector.hot_load(policy, adapter_dir(checkpoint))
+                    policy = state.adapter_names if self.multi else {cfg.run.name: state.adapter_name}
+                    paths = self._adapter_paths(checkpoint)
+                    for name, served in policy.items():
+                        collector.hot_load(served, paths[name])
                     self.console.print(f"resumed {self.run_dir} after iteration {state.completed} ({checkpoint.name})")
                 if not eval_tasks:
                     self.console.print("no eval: data.eval is not set, so the untrained and trained models are not "
                                        "scored on held-out tasks; set data.eval (a dataset) for a before/after score",
                                        highlight=False, soft_wrap=True)
                 if eval_tasks and state.baseline_eval is None:
-                    state.baseline_eval = self._evaluate(eval_tasks, collector.server.served_model_name, "untrained")
-                    metrics.log_eval("untrained", state.baseline_eval, 0, policy=collector.server.served_model_name)
+                    state.baseline_eval = self._evaluate(eval_tasks, {p.name: base for p in self.policies},
+                                                         "untrained")
+                    metrics.log_eval("untrained", state.baseline_eval, 0, policy=base)
                 for it in range(state.completed, cfg.run.iterations):
                     policy = self._iteration(it, feed.batch_for(it), policy, state, store, trainer, metrics)
                 final = self._evaluate(eval_tasks, policy, "trained") if eval_tasks else None
                 if final is not None:
-                    metrics.log_eval("trained", final, cfg.run.iterations, policy=policy)
+                    metrics.log_eval("trained", final, cfg.run.iterations, policy=self._label(policy))
         finally:
             metrics.close()
         metrics.plot(state.history, baseline=state.baseline_eval, final=final)
@@ -162,8 +171,9 @@ class Runtime:
         self.final_eval = final
         return state
 
-    def evaluate(self, tasks: list[dict], adapter: Path | None = None) -> float:
-        """Score the base model, or the base with `adapter` (a PEFT directory), on `tasks`: `lightning eval`.
+    def evaluate(self, tasks: list[dict], adapter: Path | dict[str, Path] | None = None) -> float:
+        """Score the base model, or the base with `adapter` (a PEFT directory; with [policies], one per policy,
+        each serving its components' calls), on `tasks`: `lightning eval`.
 
         Its spans go to a throwaway store, so evaluating never touches a run's own store or checkpoints.
         """
@@ -175,10 +185,11 @@ class Runtime:
             store = stack.enter_context(Store(Path(tmp) / "store.sqlite"))
             store.add_tasks((data.task_id(t), t) for t in tasks)
             with self._session(agent, gateway, model_path, store, Path(tmp)) as collector:
-                policy = collector.server.served_model_name
-                if adapter is not None:
-                    policy = f"{self.cfg.run.name}-eval"
-                    collector.hot_load(policy, adapter)
+                policy = {p.name: collector.server.served_model_name for p in self.policies}
+                adapters = {self.cfg.run.name: adapter} if isinstance(adapter, Path) else adapter or {}
+                for name, path in adapters.items():
+                    policy[name] = f"{self.cfg.run.name}-eval" if not self.multi else f"{self.cfg.run.name}-{name}-eval"
+                    collector.hot_load(policy[name], path)
                 return self._evaluate(tasks, policy, "trained" if adapter is not None else "untrained")
 
     # ------------------------------------------------------------------------------------------ the session
@@ -304,14 +315,16 @@ class Runtime:
 
     # ------------------------------------------------------------------------------------------ one iteration
 
-    def _iteration(self, it: int, tasks: list[dict], policy: str, state: RunState, store: Store, trainer: Any,
-                   metrics: MetricsLog) -> str:
+    def _iteration(self, it: int, tasks: list[dict], policy: dict[str, str], state: RunState, store: Store,
+                   trainer: Any, metrics: MetricsLog) -> dict[str, str]:
+        """One iteration under `policy` (each policy's served adapter); returns the adapters it trained."""
         cfg, collector = self.cfg, self.collector
         n = it + 1  # iterations are numbered from 1 everywhere a user sees one (table, store, metrics, adapter names)
         jobs = [RolloutJob(rollout_id=f"it{n:04d}-{i:03d}-{g}-{uuid.uuid4().hex[:8]}", task_id=data.task_id(t),
                            group_id=f"{n}:{i}", task=t, iteration=n)
                 for i, t in enumerate(tasks) for g in range(cfg.data.group_size)]
         t0 = time.perf_counter()
+        base_calls = sum(collector.gateway.base_served.values())
         results = self._collect(jobs, policy, f"iteration {n}/{cfg.run.iterations} collect")
         collect_s = time.perf_counter() - t0
         ok = [r for r in results if r.status == "succeeded"]
@@ -333,19 +346,30 @@ class Runtime:
         # statistics: exact sums, so a finite reward as large as 1e200 gives a finite mean, not an OverflowError
         mean = float(statistics.mean(rewards))
         row = {
-            "iteration": n, "policy": policy, "reward_mean": mean, "reward_std": statistics.pstdev(rewards),
+            "iteration": n, "policy": self._label(policy), "reward_mean": mean, "reward_std": statistics.pstdev(rewards),
             "rollouts": len(results), "failed": failed, "transitions": len(transitions),
             "completion_tokens": sum(len(t.completion_ids) for t in transitions),
             "failed_trained": len(penalised), **{f"skipped.{k}": v for k, v in sorted(skipped.items()) if v},
             "collect_s": collect_s, "update_s": update_s, **handover,
             **{f"train.{k}": v for k, v in train_metrics.items()},
         }
-        new_policy = f"{cfg.run.name}-iter{n}"  # trained by iteration n, sampled by iteration n + 1
-        state.completed, state.adapter_name = n, new_policy
+        # trained by iteration n, sampled by iteration n + 1
+        new_policy = {name: f"{cfg.run.name}-{name}-iter{n}" if self.multi else f"{cfg.run.name}-iter{n}"
+                      for name in policy}
+        if self.multi:
+            # the calls each policy trained on, and those of components in no policy (served by the base)
+            row.update({f"transitions.{p.name}": sum(t.component in p.components for t in transitions)
+                        for p in self.policies}, base_calls=sum(collector.gateway.base_served.values()) - base_calls)
+            state.adapter_names = new_policy
+        else:
+            state.adapter_name = new_policy[cfg.run.name]
+        state.completed = n
         state.history.append(row)
         checkpoint = write_checkpoint(self.run_dir, n, trainer, state)
         t2 = time.perf_counter()
-        collector.hot_load(new_policy, adapter_dir(checkpoint), previous=policy)
+        paths = self._adapter_paths(checkpoint)
+        for name, served in new_policy.items():  # each new adapter loaded before its previous one goes
+            collector.hot_load(served, paths[name], previous=policy[name])
         row["hotload_s"] = time.perf_counter() - t2
         metrics.log(row)
         self.console.print(f"iteration {n}: reward {mean:.3f}  ({len(ok)} rollouts, {len(transitions)} "
@@ -370,24 +394,41 @@ class Runtime:
         out = []
         for r in [*ok, *penalised]:
             out += to_transitions(store.rollout(r.job.rollout_id), store.spans(r.job.rollout_id),
-                                  credit=self.credit_rule, components=self.cfg.rollout.components,
+                                  credit=self.credit_rule, components=self._trained_components(),
                                   error_reward=self.cfg.rollout.error_reward, skipped=skipped,
                                   failed_reward=self.cfg.rollout.failed_reward if r.status == "failed" else None)
         if not out:
             raise CaptureError(_nothing_to_train([r.job.rollout_id for r in ok], skipped, capture.unattributed,
-                                                 self.cfg.rollout.components))
+                                                 self._trained_components()))
         return out
 
-    def _collect(self, jobs: list[RolloutJob], policy: str, label: str) -> list[RolloutResult]:
-        self.collector.gateway.policy = policy  # whatever model name the agent asks for
-        results = self.collector.collect(jobs, policy, label=label)
+    def _trained_components(self) -> list[str]:
+        """The components whose calls become transitions (empty: all)."""
+        return [c for p in self.policies for c in p.components]
+
+    def _adapter_paths(self, checkpoint: Path) -> dict[str, Path]:
+        """Each policy's adapter directory in `checkpoint`."""
+        return policy_adapters(checkpoint) if self.multi else {self.cfg.run.name: adapter_dir(checkpoint)}
+
+    def _label(self, policy: dict[str, str]) -> str:
+        """The served adapters as one line: the adapter's name, or `policy=adapter` for each of several."""
+        return ", ".join(f"{k}={v}" for k, v in policy.items()) if self.multi else policy[self.cfg.run.name]
+
+    def _collect(self, jobs: list[RolloutJob], policy: dict[str, str], label: str) -> list[RolloutResult]:
+        gateway = self.collector.gateway
+        if self.multi:  # each call by its component's policy; components in no policy by the base model
+            gateway.policy = self.collector.server.served_model_name
+            gateway.by_component = {c: policy[p.name] for p in self.policies for c in p.components}
+        else:
+            gateway.policy = policy[self.cfg.run.name]  # whatever model name the agent asks for
+        results = self.collector.collect(jobs, gateway.policy, label=label)
         bad = [r for r in results if r.failed_in == "reward"]
         if bad and self.cfg.rollout.on_reward_error == "stop":
             raise RunError(f"{len(bad)} rollout(s) got no usable reward and rollout.on_reward_error = 'stop'; "
                            f"first: {bad[0].error}")
         return results
 
-    def _evaluate(self, tasks: list[dict], policy: str, label: str) -> float:
+    def _evaluate(self, tasks: list[dict], policy: dict[str, str], label: str) -> float:
         phase_it = 0 if label == "untrained" else self.cfg.run.iterations
         jobs = [RolloutJob(rollout_id=f"eval-{label}-{i:04d}-{uuid.uuid4().hex[:8]}", task_id=data.task_id(t),
                            group_id=f"eval:{label}:{i}", task=t, iteration=phase_it, phase="eval")
@@ -395,7 +436,7 @@ class Runtime:
         results = self._collect(jobs, policy, f"eval ({label})")
         scores = [eval_score(r.reward) for r in results]
         mean = sum(scores) / len(scores)
-        self.console.print(f"eval ({label}, {policy}): mean reward {mean:.3f} over {len(scores)} tasks")
+        self.console.print(f"eval ({label}, {self._label(policy)}): mean reward {mean:.3f} over {len(scores)} tasks")
         return mean
 
     def _print_table(self, state: RunState, final: float | None) -> None:
@@ -417,7 +458,9 @@ class Runtime:
         last = latest_checkpoint(self.run_dir)
         self.console.print(f"run directory: {self.run_dir}  (metrics.jsonl, reward_curve.png, tensorboard/, "
                            f"store.sqlite, checkpoints/)"
-                           + (f"; trained adapter: {adapter_dir(last)}" if last is not None else ""),
+                           + (f"; trained adapter: {adapter_dir(last)}" if last is not None and not self.multi else
+                              f"; trained adapters: {', '.join(f'{k}: {v}' for k, v in self._adapter_paths(last).items())}"
+                              if last is not None else ""),
                            highlight=False, soft_wrap=True)
 
 

@@ -3,6 +3,9 @@
 - Every model name the agent asks for is served by the policy being trained (`Gateway.policy`, set for each
   phase), so an agent that names its own model (`model="gpt-4o-mini"`) trains unchanged. With
   `serve.model_names` only those names are served (others get 404). Each new name is logged once.
+- With several policies (`Gateway.by_component`) the call's component (its baggage, `ls.component`) picks the
+  adapter; a call of a component in no policy is served by `Gateway.policy` (then the base model) and counted in
+  `base_served`.
 - Every call is recorded here, as the training record (`capture`): chat completions, completions and the
   Responses API (served over chat completions, `gateway/responses.py`), streamed or not. Requests go to the
   backend asking for token ids and log-probs (`return_token_ids`, `logprobs`: vLLM's fields, which the built-in
@@ -79,6 +82,8 @@ class Gateway:
         self._route_keys: dict[str, str] = {}
         self.model_names = tuple(model_names)
         self.policy: str | None = None  # every request is served by this adapter (or base model) name
+        self.by_component: dict[str, str] = {}  # ...but a call of one of these components by its policy's adapter
+        self.base_served: Counter[str] = Counter()  # with by_component: calls of other components, by component
         self.asked: Counter[str] = Counter()  # model names the agent asked for, and how often
         self.backends: Backends | None = None
         self._sock = bind(host, port)
@@ -122,13 +127,15 @@ class Gateway:
 
     # ------------------------------------------------------------------------------------------ model names
 
-    def serve_as(self, asked: Any) -> str:
-        """The name a request for model `asked` is served under: the policy; GatewayError if it is not served."""
+    def serve_as(self, asked: Any, component: str | None = None) -> str:
+        """The name a request for model `asked` from `component` is served under: its component's policy, else the
+        policy; GatewayError if it is not served."""
         if not isinstance(asked, str) or not asked:
             raise GatewayError(400, "model: expected the name of a model (a non-empty string)", "model")
         if self.policy is None:
             raise GatewayError(503, "no policy is being served right now (between runs)")
-        if self.model_names and asked not in self.model_names and asked != self.policy:
+        served = self.by_component.get(component) if component is not None else None
+        if self.model_names and asked not in self.model_names and asked != (served or self.policy):
             raise GatewayError(404, f"The model `{asked[:200]}` does not exist: this run serves the policy being "
                                     f"trained as {list(self.model_names)} (serve.model_names)", "model")
         if asked not in self.asked and len(self.asked) < _MAX_NAMES:
@@ -139,7 +146,9 @@ class Gateway:
             self.asked[asked] = 0
         if asked in self.asked:
             self.asked[asked] += 1
-        return self.policy
+        if self.by_component and served is None:
+            self.base_served[component or ""] += 1
+        return served or self.policy
 
     # --------------------------------------------------------------------------------------------- the app
 
@@ -168,8 +177,8 @@ class Gateway:
         @app.get("/gateway/stats")
         async def stats() -> dict:
             b = self.backends
-            return {"policy": self.policy, "asked": dict(self.asked), "backends": b.urls, "in_flight": b.in_flight,
-                    "served": b.served}
+            return {"policy": self.policy, "by_component": self.by_component, "base_served": dict(self.base_served),
+                    "asked": dict(self.asked), "backends": b.urls, "in_flight": b.in_flight, "served": b.served}
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
@@ -257,7 +266,7 @@ class Gateway:
         asked = body.get("model")
         where = origin(request.headers, self.rollouts, request.scope.get("state", {}).get(ROLLOUT_KEY))
         try:
-            served = self.serve_as(asked)
+            served = self.serve_as(asked, where.component)
         except GatewayError as e:  # refused here: a failed call of its rollout all the same
             call = self.capture.begin(where, api, body, asked=str(asked)[:200], policy="")
             call.fail(e.status, e.message)

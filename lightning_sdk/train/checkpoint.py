@@ -4,6 +4,7 @@
         state.json              RunState: iterations done, their metrics, the eval scores, the policy's name
         trainer/                GRPOTrainer.save_state: adapter/, optimizer, RNG, step counter
             adapter/            the PEFT adapter (what the server hot-loads and `lightning eval` scores)
+            adapters/NAME/      instead, with [policies]: one PEFT adapter per policy
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ CHECKPOINTS = "checkpoints"
 STATE = "state.json"
 TRAINER = "trainer"
 ADAPTER = "adapter"  # inside TRAINER: GRPOTrainer.save_state puts the PEFT adapter there
+ADAPTERS = "adapters"  # inside TRAINER, with [policies]: one PEFT adapter directory per policy
 
 
 @dataclass
@@ -30,6 +32,7 @@ class RunState:
     history: list[dict[str, Any]] = field(default_factory=list)
     baseline_eval: float | None = None
     adapter_name: str | None = None
+    adapter_names: dict[str, str] | None = None  # with [policies]: each policy's served adapter name
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -74,6 +77,12 @@ def completed_iterations(run_dir: Path) -> int:
 def adapter_dir(checkpoint: Path) -> Path:
     """The checkpoint's PEFT adapter (what `PeftModel.from_pretrained` and the server's hot-load take)."""
     return checkpoint / TRAINER / ADAPTER
+
+
+def policy_adapters(checkpoint: Path) -> dict[str, Path]:
+    """Each policy's PEFT adapter in a checkpoint of a run with [policies] (empty for a single-policy one)."""
+    root = checkpoint / TRAINER / ADAPTERS
+    return {d.name: d for d in sorted(root.iterdir()) if d.is_dir()} if root.is_dir() else {}
 
 
 def write_checkpoint(run_dir: Path, iteration: int, trainer: Any, state: RunState, keep: int = 3) -> Path:

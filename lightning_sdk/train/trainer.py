@@ -5,6 +5,10 @@ AdamW. One `step(transitions)` is one update phase over one collected batch:
   advantages per transition (rollout outcome vs its group, credit weight, bounded shaping; docs/credit.md)
   -> per-token weights fixed over the whole batch
   -> (old / reference log-probs, no grad) -> for each epoch: accumulate grads over micro-batches, clip, step.
+
+With several policies ([policies]) the base model carries one named peft adapter per policy, each with its own
+AdamW: advantages are computed over every call of the batch (each rollout's outcome against its whole group, so
+the roles share the episode's credit), then each policy takes the update above on its own calls, its adapter active.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from typing import Any
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +28,12 @@ from pathlib import Path
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.config import TrainConfig
+from lightning_sdk.config import Policy, TrainConfig
 from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
 from lightning_sdk.models.adapter import first_nonfinite
 from lightning_sdk.train.microbatch import Batch, collate, drop_single_rollout_groups
-from lightning_sdk.train.checkpoint import ADAPTER
+from lightning_sdk.train.checkpoint import ADAPTER, ADAPTERS
 from lightning_sdk.train.grpo import (entropy, group_advantages, grpo_loss, sampler_is_weight, token_weights,
                                      top_p_keep, zero_variance_groups)
 from lightning_sdk.transitions import Transition
@@ -53,6 +58,18 @@ class _Plan:
     batches: list[Batch]
 
 
+@dataclass
+class _Adapter:
+    """One policy's adapter on the shared model: what trains it and what it trains on."""
+
+    name: str  # peft's adapter name: "default" for a run's single policy, else the policy's name
+    config: TrainConfig  # train.* with the policy's own lr / lora_r / lora_alpha / target_modules
+    components: tuple[str, ...]  # whose calls it trains; empty: every call (the single policy)
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
 def lora_targets(model: torch.nn.Module, target_modules: list[str] | str) -> list[str] | str:
     """peft's target_modules. "all-linear" alone is peft's own shorthand (every linear layer but the output head);
     a list may hold "all-linear" plus extras such as "lm_head", which peft does not accept, so expand it here."""
@@ -74,9 +91,10 @@ class GRPOTrainer:
     """A LoRA (or QLoRA) adapter on a frozen base model, trained with GRPO from transitions."""
 
     def __init__(self, model_path: str, config: TrainConfig, *, quantization: str = "none", dtype: str = "auto",
-                 seed: int = 0, total_steps: int | None = None) -> None:
+                 seed: int = 0, total_steps: int | None = None, policies: Sequence[Policy] | None = None) -> None:
         """`total_steps`: optimizer steps of the whole run (iterations x epochs), the horizon of a linear or cosine
-        train.lr_schedule."""
+        train.lr_schedule. `policies`: one named adapter each (config.policies of a run with [policies]); none =
+        one adapter, peft's "default", trained on every transition."""
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         self.config = config
@@ -98,10 +116,27 @@ class GRPOTrainer:
                 else:  # transformers < 5.20 (what vllm 0.32, the [gpu] extra, allows) has only the older name
                     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
             base.config.use_cache = False
-            lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                              target_modules=lora_targets(base, config.target_modules), task_type="CAUSAL_LM")
-            self.model = get_peft_model(base, lora)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+            specs = [("default", config, ())] if policies is None else [(p.name, p.train, p.components)
+                                                                        for p in policies]
+            # Named from the bare model: once the first adapter is in, its layers are peft's wrappers.
+            targets = [lora_targets(base, c.target_modules) for _, c, _ in specs]
+            for i, (name, c, _) in enumerate(specs):
+                lora = LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=config.lora_dropout,
+                                  target_modules=targets[i], task_type="CAUSAL_LM")
+                if i == 0:
+                    self.model = get_peft_model(base, lora, adapter_name=name)
+                else:
+                    self.model.add_adapter(name, lora)
+        self.adapters: dict[str, _Adapter] = {}
+        self._multi = policies is not None  # named adapters, metrics and checkpoint files per policy
+        for name, c, components in specs:
+            params = ([p for p in self.model.parameters() if p.requires_grad] if policies is None
+                      else _adapter_params(self.model, name))
+            optimizer = torch.optim.AdamW(params, lr=c.lr, weight_decay=config.weight_decay)
+            self.adapters[name] = _Adapter(name, c, components, params, optimizer,
+                                           _lr_scheduler(optimizer, config, total_steps))
+        if policies is not None:
+            self.model.set_adapter(specs[0][0])
         # Without dropout a training-mode forward computes exactly the log-probs an eval-mode one does.
         self._train_forward_is_eval = not any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()
@@ -112,8 +147,29 @@ class GRPOTrainer:
             log.warning("train.lora_dropout = %g (or the model's own dropout) with train.epochs = %d: the GRPO ratio "
                         "compares a dropout pass with a dropout-free one, so it differs from 1 before any update; "
                         "set train.lora_dropout = 0 for an exact ratio", config.lora_dropout, config.epochs)
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
-        self.scheduler = _lr_scheduler(self.optimizer, config, total_steps)
+
+    # The single policy's parameters, optimizer and schedule (a run without [policies]); settable, for tools that
+    # swap the optimizer.
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self._single().params
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._single().optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: torch.optim.Optimizer) -> None:
+        self._single().optimizer = value
+
+    @property
+    def scheduler(self) -> Any:
+        return self._single().scheduler
+
+    def _single(self) -> _Adapter:
+        if self._multi:
+            raise AttributeError(f"this trainer holds several policies {list(self.adapters)}: see .adapters")
+        return self.adapters["default"]
 
     def _logits(self, b: Batch) -> torch.Tensor:
         """[B, C, V] logits of the distribution each completion token was sampled from: temperature-scaled, and
@@ -142,17 +198,44 @@ class GRPOTrainer:
             return [self._logprobs(b) for b in batches]
 
     def step(self, transitions: Sequence[Transition]) -> dict[str, float]:
-        """One update phase over one collected batch: `epochs` optimizer steps, metrics averaged over them."""
-        t0, cfg = time.perf_counter(), self.config
-        plan = self._prepare(transitions)
+        """One update phase over one collected batch: `epochs` optimizer steps, metrics averaged over them. With
+        several policies each takes its own (its adapter, its calls) and its metrics are named `<policy>.<key>`."""
+        t0 = time.perf_counter()
+        if not self._multi:
+            a = self.adapters["default"]
+            plan = self._prepare(transitions)
+            m, trained = self._update(a, transitions, plan, t0), bool(plan.batches)
+        else:
+            if not transitions:
+                raise ValueError("GRPOTrainer.step: empty batch, no transitions to train on")
+            m, trained = _rollout_means(transitions), False
+            for a in self.adapters.values():
+                self.model.set_adapter(a.name)
+                mine = [t for t in transitions if t.component in a.components]
+                plan = self._prepare(transitions, a.components)
+                trained |= bool(plan.batches)
+                m.update({f"{a.name}.{k}": v for k, v in self._update(a, mine, plan, t0).items()
+                          if k not in ("step", "seconds")})
+        if not trained:  # nothing left to learn from: no update, not an error
+            return {**m, "step": float(self.global_step), "seconds": time.perf_counter() - t0}
+        self.model.eval()
+        self.global_step += 1
+        if self.device.startswith("cuda"):
+            # Hand the allocator's cached blocks back, so a sleeping inference server on this GPU can wake into them.
+            torch.cuda.empty_cache()
+        return {**m, "step": float(self.global_step), "seconds": time.perf_counter() - t0}
+
+    def _update(self, a: _Adapter, transitions: Sequence[Transition], plan: _Plan, t0: float) -> dict[str, float]:
+        """`a`'s update over its plan (its adapter the active one)."""
+        cfg = self.config
         if not plan.batches:  # nothing left to learn from: no update, not an error
-            self._advance_schedule(cfg.epochs)  # the schedule's horizon counts these steps: it must end on time
-            return self._metrics(transitions, plan, Counter(), t0)
+            self._advance_schedule(cfg.epochs, a)  # the schedule's horizon counts these steps: it must end on time
+            return self._metrics(transitions, plan, Counter(), t0, a)
         olds, refs = self._frozen_logprobs(plan.batches)
         self.model.train()
         totals: Counter[str] = Counter()
         for epoch in range(cfg.epochs):
-            self.optimizer.zero_grad(set_to_none=True)
+            a.optimizer.zero_grad(set_to_none=True)
             for i, (b, ref) in enumerate(zip(plan.batches, refs)):
                 logits = self._logits(b)
                 logp = _gather(logits, b)
@@ -171,34 +254,31 @@ class GRPOTrainer:
                                      log_ratio_clamp=cfg.log_ratio_clamp, dual_clip=cfg.dual_clip)
                 loss.backward()  # weights sum to 1 over the whole batch: accumulated grads == full-batch grads
                 totals.update({"loss": loss.item(), **{k: v.item() for k, v in st.items()}})
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
-            totals["lr"] += self.optimizer.param_groups[0]["lr"]
+            norm = float(torch.nn.utils.clip_grad_norm_(a.params, cfg.max_grad_norm))
+            totals["lr"] += a.optimizer.param_groups[0]["lr"]
             if math.isfinite(norm):
                 totals["grad_norm"] += norm
-                self.optimizer.step()
+                a.optimizer.step()
             else:  # a nan/inf gradient would make every adapter tensor (and Adam's moments) non-finite at once
                 totals["skipped_steps"] += 1
                 log.warning("update %d, epoch %d: gradient norm is %s; optimizer step skipped (train.skipped_steps)",
                             self.global_step + 1, epoch, norm)
-            self.optimizer.zero_grad(set_to_none=True)
-            self._advance_schedule(1)
-        self.model.eval()
-        self.global_step += 1
-        if self.device.startswith("cuda"):
-            # Hand the allocator's cached blocks back, so a sleeping inference server on this GPU can wake into them.
-            torch.cuda.empty_cache()
-        return self._metrics(transitions, plan, totals, t0)
+            a.optimizer.zero_grad(set_to_none=True)
+            self._advance_schedule(1, a)
+        return self._metrics(transitions, plan, totals, t0, a)
 
-    def _advance_schedule(self, steps: int) -> None:
+    def _advance_schedule(self, steps: int, a: _Adapter | None = None) -> None:
         """The learning-rate schedule moves on by `steps` optimizer steps, taken or not (skipped, nothing to
         train), so it ends when the run does."""
         with warnings.catch_warnings():  # torch's "scheduler.step() before optimizer.step()": deliberate here
             warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*", category=UserWarning)
-            for _ in range(steps):
-                self.scheduler.step()
+            for adapter in [a] if a is not None else self.adapters.values():
+                for _ in range(steps):
+                    adapter.scheduler.step()
 
-    def _prepare(self, transitions: Sequence[Transition]) -> _Plan:
+    def _prepare(self, transitions: Sequence[Transition], components: Sequence[str] = ()) -> _Plan:
         """Advantages and token weights over the whole batch, then micro-batches of similar lengths (less padding).
+        With `components` (one policy's), the plan holds only their calls, with the advantages of the whole batch.
 
         Groups with a single rollout have no baseline and are left out (counted in num_skipped), and so are groups
         whose outcomes are all equal when train.drop_zero_variance_groups is set; transitions with empty
@@ -220,6 +300,12 @@ class GRPOTrainer:
             return _Plan(ts, torch.zeros(len(ts)), frac, sum(masked), [], [])
         adv = group_advantages(*args, cfg.scale_rewards, credit=[t.credit for t in ts],
                                shaping=[t.shaping for t in ts])
+        if components:
+            keep = [i for i, t in enumerate(ts) if t.component in components]
+            ts, adv, masked, n = [ts[i] for i in keep], adv[keep], [masked[i] for i in keep], [n[i] for i in keep]
+            args = ([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts])
+            if not any(n):
+                return _Plan(ts, adv, frac, sum(masked), [], [])
         order = sorted((i for i in range(len(ts)) if n[i]),
                        key=lambda i: len(ts[i].prompt_ids) + len(ts[i].completion_ids))
         chunks = [order[k:k + cfg.micro_batch_size] for k in range(0, len(order), cfg.micro_batch_size)]
@@ -245,11 +331,12 @@ class GRPOTrainer:
         refs = self._logprobs_frozen(batches, reference=True) if cfg.beta > 0 else none
         return olds, refs
 
-    def _metrics(self, transitions: Sequence[Transition], plan: _Plan, totals: Counter, t0: float) -> dict[str, float]:
+    def _metrics(self, transitions: Sequence[Transition], plan: _Plan, totals: Counter, t0: float,
+                 a: _Adapter) -> dict[str, float]:
         """Loss statistics averaged over epochs (grad_norm over the steps taken; skipped_steps counts the steps left
         out for a non-finite gradient); logprob_gap is the mean |trainer - sampler| log-prob before the update (the
         train/inference mismatch)."""
-        m = {**_EMPTY_METRICS, **_rollout_means(transitions), "lr": self.optimizer.param_groups[0]["lr"],
+        m = {**_EMPTY_METRICS, **_rollout_means(transitions), "lr": a.optimizer.param_groups[0]["lr"],
              "num_skipped": float(len(transitions) - len(plan.ts)), "zero_variance_frac": plan.zero_variance_frac,
              "num_masked_truncated": float(plan.num_masked)}
         if plan.batches:
@@ -275,34 +362,50 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------- checkpoints
 
     def save_adapter(self, path: str | Path) -> None:
-        """A PEFT adapter dir (adapter_config.json + adapter_model.safetensors) for PeftModel.from_pretrained."""
+        """A PEFT adapter dir (adapter_config.json + adapter_model.safetensors) for PeftModel.from_pretrained; with
+        several policies, one such dir per policy under `path`."""
         with atomic_dir(path) as tmp:
-            self._save_adapter_files(tmp)
+            self._save_adapters(tmp)
 
-    def _save_adapter_files(self, path: Path) -> None:
+
+    def _save_adapters(self, path: Path) -> None:
         # An adapter with a nan or inf is never written, so it is never served or published either.
-        bad = first_nonfinite((n, p.detach()) for n, p in self.model.named_parameters() if p.requires_grad)
-        if bad is not None:
-            raise RunError(f"the adapter after update {self.global_step} holds nan or inf (first in {bad}); it is "
-                           f"not saved, served or published. The previous checkpoint is intact: lower train.lr or "
-                           f"train.max_grad_norm and --resume")
+        for a in self.adapters.values():
+            named = _adapter_params(self.model, a.name, named=True) if self._multi else \
+                [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            bad = first_nonfinite((n, p.detach()) for n, p in named)
+            if bad is not None:
+                raise RunError(f"the adapter after update {self.global_step} holds nan or inf (first in {bad}); it is "
+                               f"not saved, served or published. The previous checkpoint is intact: lower train.lr "
+                               f"or train.max_grad_norm and --resume")
         # The adapter only: with lm_head targeted peft would also copy the frozen head (vocab x hidden), which
-        # the base model already has.
-        self.model.save_pretrained(path, save_embedding_layers=False)
+        # the base model already has. peft writes a named adapter to `path/<name>/`.
+        self.model.save_pretrained(path, save_embedding_layers=False,
+                                   **({"selected_adapters": list(self.adapters)} if self._multi else {}))
+
+    def _files(self, path: Path, a: _Adapter) -> tuple[Path, Path, Path]:
+        """Where `a`'s adapter, optimizer and scheduler state live in a trainer checkpoint."""
+        if not self._multi:
+            return path / ADAPTER, path / "optimizer.pt", path / "scheduler.pt"
+        return path / ADAPTERS / a.name, path / f"optimizer-{a.name}.pt", path / f"scheduler-{a.name}.pt"
 
     def save_state(self, path: str | Path) -> None:
-        """Everything needed to resume: adapter, optimizer, step counter, RNG. Appears only once complete."""
+        """Everything needed to resume: adapters, optimizers, step counter, RNG. Appears only once complete."""
         with atomic_dir(path) as tmp:
-            self._save_adapter_files(tmp / ADAPTER)
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            self._save_adapters(tmp / ADAPTERS if self._multi else tmp / ADAPTER)
+            for a in self.adapters.values():
+                _, opt, sched = self._files(tmp, a)
+                torch.save(a.optimizer.state_dict(), opt)
+                torch.save(a.scheduler.state_dict(), sched)
             # Not Python's `random`: the trainer does not draw from it, and restoring it on resume replayed the
             # span ids OpenTelemetry draws from it. (Older checkpoints' "python" entry is ignored on load.)
             rng = {"torch": torch.get_rng_state(),
                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
             torch.save(rng, tmp / "rng.pt")
-            fixed = {k: getattr(self.config, k) for k in ADAPTER_SHAPE}
-            (tmp / "trainer_state.json").write_text(json.dumps({"global_step": self.global_step, "adapter": fixed}))
+            shape = {a.name: {k: getattr(a.config, k) for k in ADAPTER_SHAPE} for a in self.adapters.values()}
+            state = {"global_step": self.global_step,
+                     **({"policies": shape} if self._multi else {"adapter": shape["default"]})}
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
 
     def load_state(self, path: str | Path) -> None:
         from peft.utils import set_peft_model_state_dict
@@ -311,51 +414,73 @@ class GRPOTrainer:
         path = Path(path)
         if not (path / "trainer_state.json").exists():
             raise FileNotFoundError(f"{path}: not a trainer checkpoint (no trainer_state.json)")
-        weights = load_file(path / ADAPTER / "adapter_model.safetensors", device=self.device)
-        result = set_peft_model_state_dict(self.model, weights)
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if missing:
-            raise ValueError(f"{path}: adapter does not match this model (missing {missing[:3]}...)")
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
-        saved_lr = self.optimizer.param_groups[0].get("initial_lr", self.optimizer.param_groups[0]["lr"])
         global_step = json.loads((path / "trainer_state.json").read_text())["global_step"]
-        if (path / "scheduler.pt").exists():
-            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
-        else:  # a checkpoint without one: its position from the updates made, not warmup again from 0
-            self._advance_schedule(global_step * self.config.epochs)
+        for a in self.adapters.values():
+            adapter, opt, sched = self._files(path, a)
+            weights = load_file(adapter / "adapter_model.safetensors", device=self.device)
+            result = set_peft_model_state_dict(self.model, weights, adapter_name=a.name)
+            missing = [k for k in result.missing_keys if "lora_" in k and f".{a.name}." in k]
+            if missing:
+                raise ValueError(f"{path}: adapter does not match this model (missing {missing[:3]}...)")
+            a.optimizer.load_state_dict(torch.load(opt, map_location=self.device))
+            saved_lr = a.optimizer.param_groups[0].get("initial_lr", a.optimizer.param_groups[0]["lr"])
+            if sched.exists():
+                a.scheduler.load_state_dict(torch.load(sched))
+            else:  # a checkpoint without one: its position from the updates made, not warmup again from 0
+                self._advance_schedule(global_step * self.config.epochs, a)
+            self._apply_config_over_checkpoint(saved_lr, a)
         rng = torch.load(path / "rng.pt")
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.global_step = global_step
-        self._apply_config_over_checkpoint(saved_lr)
 
-    def _apply_config_over_checkpoint(self, saved_lr: float) -> None:
+    def _apply_config_over_checkpoint(self, saved_lr: float, a: _Adapter) -> None:
         """train.lr and train.weight_decay as configured now, not as the checkpoint's optimizer state has them
         (a documented override, logged): the schedule keeps its place, scaled to the new peak."""
-        cfg = self.config
-        for g in self.optimizer.param_groups:
+        cfg, lr = self.config, a.config.lr
+        key = f"policies.{a.name}.lr" if self._multi else "train.lr"
+        for g in a.optimizer.param_groups:
             if g["weight_decay"] != cfg.weight_decay:
                 log.warning("resume: train.weight_decay = %g applies from here (the checkpoint's was %g)",
                             cfg.weight_decay, g["weight_decay"])
                 g["weight_decay"] = cfg.weight_decay
-            if saved_lr != cfg.lr:
-                g["lr"] *= cfg.lr / saved_lr
-                g["initial_lr"] = cfg.lr
-        if saved_lr != cfg.lr:
-            self.scheduler.base_lrs = [cfg.lr] * len(self.optimizer.param_groups)
-            log.warning("resume: train.lr = %g applies from here (the checkpoint's was %g)", cfg.lr, saved_lr)
+            if saved_lr != lr:
+                g["lr"] *= lr / saved_lr
+                g["initial_lr"] = lr
+        if saved_lr != lr:
+            a.scheduler.base_lrs = [lr] * len(a.optimizer.param_groups)
+            log.warning("resume: %s = %g applies from here (the checkpoint's was %g)", key, lr, saved_lr)
 
 
 # What the adapter's weights mean: a checkpoint made with other values cannot continue under these.
 ADAPTER_SHAPE = ("lora_r", "lora_alpha", "target_modules")
 
 
-def checkpoint_conflict(path: str | Path, config: TrainConfig) -> str | None:
-    """Why the trainer checkpoint at `path` cannot resume under `config` (a changed ADAPTER_SHAPE key would load
-    the adapter and silently move the policy), naming the key; None when it can."""
+def checkpoint_conflict(path: str | Path, config: TrainConfig, policies: Sequence[Policy] | None = None) -> str | None:
+    """Why the trainer checkpoint at `path` cannot resume under `config` and `policies` (a changed ADAPTER_SHAPE
+    key would load the adapter and silently move the policy; another set of policies has other adapters), naming
+    the key; None when it can."""
     path = Path(path)
     state = json.loads((path / "trainer_state.json").read_text())
+    new = "start a new run (--run-dir, --overwrite)"
+    if ("policies" in state) != (policies is not None):
+        return (f"policies: the checkpoint {path.parent.name} was trained "
+                + (f"with [policies] {sorted(state['policies'])}, and the config has none" if "policies" in state
+                   else "as one policy, and the config has [policies]")
+                + f": its adapters do not match; restore the config's policies to resume, or {new}")
+    if policies is not None:
+        saved_set, names = state["policies"], [p.name for p in policies]
+        if sorted(saved_set) != sorted(names):
+            return (f"policies: the checkpoint {path.parent.name} holds {sorted(saved_set)}, the config names "
+                    f"{sorted(names)}: restore them to resume, or {new}")
+        for p in policies:
+            for key, value in saved_set[p.name].items():
+                if getattr(p.train, key) != value:
+                    return (f"policies.{p.name}.{key} = {getattr(p.train, key)!r}, but the checkpoint "
+                            f"{path.parent.name} trained it with {value!r}: its adapter means something else under "
+                            f"the new value. Set it back to resume, or {new}")
+        return None
     saved = state.get("adapter")
     if saved is None:  # a checkpoint without the record: what peft's adapter_config.json says
         peft = json.loads((path / ADAPTER / "adapter_config.json").read_text())
@@ -368,6 +493,17 @@ def checkpoint_conflict(path: str | Path, config: TrainConfig) -> str | None:
     return None
 
 
+def _adapter_params(model: torch.nn.Module, name: str, *, named: bool = False) -> list:
+    """The LoRA parameters of peft adapter `name` (`...lora_A.<name>.weight`); peft makes only the active
+    adapter's trainable (`set_adapter`), so they are found by name."""
+    out = []
+    for n, p in model.named_parameters():
+        parts = n.split(".")
+        if any(a.startswith("lora_") and b == name for a, b in zip(parts, parts[1:])):
+            out.append((n, p) if named else p)
+    return out
+
+
 def _rollout_means(ts: Sequence[Transition]) -> dict[str, float]:
     """episode_reward_mean: the mean outcome with every rollout counted once (failed rollouts trained at
     rollout.failed_reward included, so it can differ from the runtime's reward_mean over succeeded rollouts);
@@ -377,6 +513,8 @@ def _rollout_means(ts: Sequence[Transition]) -> dict[str, float]:
     for t in ts:
         outcome[t.rollout_id] = t.outcome
         shaping[t.rollout_id] += t.shaping
+    if not outcome:  # a policy none of whose components was called
+        return {"episode_reward_mean": math.nan, "shaping_mean": math.nan}
     return {"episode_reward_mean": sum(outcome.values()) / len(outcome),
             "shaping_mean": sum(shaping.values()) / len(outcome)}
 
