@@ -5,7 +5,7 @@
 1. The agent's thread. A stand-in gateway (a stdlib HTTP server in its own process that answers every request
    with the same chat completion and an `x-lightning-call-id`) takes OpenAI-client calls from this process. Rounds
    alternate, in rotating order so drift on a shared machine cancels out: a call outside any rollout (nothing is
-   added), and a call inside a rollout and a component (traceparent and baggage injected by tracing/propagation.py,
+   added), and a call inside a rollout and a component (entered once, as an agent's episode is) (traceparent and baggage injected by tracing/propagation.py,
    the reply's call id kept). Printed: the calling thread's CPU per call (`time.thread_time`) and wall time per call
    both ways; `agent_us=<traced - untraced CPU per call, in microseconds>` and `ratio=<traced / untraced mean
    wall time>`.
@@ -16,6 +16,7 @@
 """
 
 import argparse
+import contextvars
 import secrets
 import statistics
 import subprocess
@@ -46,6 +47,7 @@ REPLY = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model
     "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}}).encode()
 class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body in two writes: no delayed ACK between them
     def do_POST(self):
         self.rfile.read(int(self.headers.get("content-length") or 0))
         self.send_response(200)
@@ -81,15 +83,18 @@ def rounds(n: int, plain, traced) -> dict[str, list[tuple[float, float]]]:
 
 
 def in_rollout(fn, gateway: Gateway | None = None):
-    def call():
-        trace_id = secrets.token_hex(16)
-        if gateway is not None:
-            gateway.rollouts.open(trace_id, f"bench-{trace_id[:8]}")
-        with tracing.rollout_context("bench", trace_id=trace_id), ls.component("solver"):
-            fn()
-        if gateway is not None:
-            gateway.rollouts.close(trace_id)
-    return call
+    """`fn` called inside one rollout and component, entered once (an agent makes its calls inside an episode)."""
+    trace_id = secrets.token_hex(16)
+    if gateway is not None:
+        gateway.rollouts.open(trace_id, "bench")
+    ctx = contextvars.Context()
+
+    def enter():
+        tracing.rollout_context("bench", trace_id=trace_id).__enter__()
+        ls.component("solver").__enter__()
+
+    ctx.run(enter)
+    return lambda: ctx.run(fn)
 
 
 # ---- 1. the agent's thread
