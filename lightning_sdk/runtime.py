@@ -17,11 +17,11 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -40,6 +40,9 @@ from lightning_sdk.servers.process import new_api_key
 from lightning_sdk.store import Store, eval_score
 from lightning_sdk.train.checkpoint import CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint, write_checkpoint
 from lightning_sdk.transitions import Transition, to_transitions
+
+if TYPE_CHECKING:  # torch comes with the trainer, imported when a run starts
+    from lightning_sdk.train.grpo import GroupOutcomes
 
 __all__ = ["RunError", "Runtime", "SetupError", "TaskFeed"]
 
@@ -322,12 +325,12 @@ class Runtime:
                            f"First errors: {errors}. See `lightning traces --run-dir {self.run_dir}`.")
         skipped: Counter[str] = Counter()
         penalised = [r for r in results if _policy_failure(r)] if cfg.rollout.failed_reward is not None else []
-        transitions = self._transitions(ok, store, skipped, penalised)
+        transitions, scored = self._transitions(ok, store, skipped, penalised)
         handover: dict[str, float] = {}  # sleep_s / wake_s: the server's GPU memory goes to the trainer meanwhile
         with self.console.status(f"iteration {n}/{cfg.run.iterations} update: {len(transitions)} transitions"), \
                 gpu_handover(collector.server, handover):
             t1 = time.perf_counter()
-            train_metrics = trainer.step(transitions)
+            train_metrics = trainer.step(transitions, scored)
             update_s = time.perf_counter() - t1
         rewards = [r.reward for r in ok]
         # statistics: exact sums, so a finite reward as large as 1e200 gives a finite mean, not an OverflowError
@@ -354,8 +357,9 @@ class Runtime:
         return new_policy
 
     def _transitions(self, ok: list[RolloutResult], store: Store, skipped: Counter,
-                     penalised: list[RolloutResult] = ()) -> list[Transition]:
-        """Transitions of the succeeded rollouts, and of the failed ones trained at rollout.failed_reward;
+                     penalised: list[RolloutResult] = ()) -> tuple[list[Transition], GroupOutcomes]:
+        """Transitions of the succeeded rollouts, and of the failed ones trained at rollout.failed_reward, and the
+        outcome of each of those rollouts per group, whether it left a transition or not (the group baselines);
         `skipped` counts the LLM calls, rollouts and rewards left out, by reason (transitions.to_transitions)."""
         capture = self.collector.gateway.capture
         if not capture.flush():
@@ -367,16 +371,20 @@ class Runtime:
         if store.span_conflicts:
             self.console.print(f"[yellow]{store.span_conflicts} span(s) refused so far: their ids were taken by "
                                f"spans already stored (those are kept); see the log")
-        out = []
+        out: list[Transition] = []
+        scored: dict[str, dict[str, float]] = defaultdict(dict)
         for r in [*ok, *penalised]:
-            out += to_transitions(store.rollout(r.job.rollout_id), store.spans(r.job.rollout_id),
-                                  credit=self.credit_rule, components=self.cfg.rollout.components,
-                                  error_reward=self.cfg.rollout.error_reward, skipped=skipped,
-                                  failed_reward=self.cfg.rollout.failed_reward if r.status == "failed" else None)
+            record = store.rollout(r.job.rollout_id)
+            failed_reward = self.cfg.rollout.failed_reward if r.status == "failed" else None
+            out += to_transitions(record, store.spans(r.job.rollout_id), credit=self.credit_rule,
+                                  components=self.cfg.rollout.components, error_reward=self.cfg.rollout.error_reward,
+                                  skipped=skipped, failed_reward=failed_reward)
+            scored[record.group_id][record.rollout_id] = float(record.reward if failed_reward is None
+                                                               else failed_reward)
         if not out:
             raise CaptureError(_nothing_to_train(len(ok), skipped, capture.unattributed,
                                                  self.cfg.rollout.components))
-        return out
+        return out, dict(scored)
 
     def _collect(self, jobs: list[RolloutJob], policy: str, label: str) -> list[RolloutResult]:
         self.collector.gateway.policy = policy  # whatever model name the agent asks for

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 STD_EPS = 1e-4  # added to the std before dividing (TRL's convention)
 SCALES = ("group", "batch", "none")
 
+# group id -> {rollout id: outcome} of EVERY scored rollout of the group, those that left no transition (all their
+# calls greedy, failed or of another component) included: the baseline is the group's, not the trained calls'.
+GroupOutcomes = Mapping[str, Mapping[str, float]]
 
-def _groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str],
-            rollout_ids: Sequence[str]) -> dict[str, tuple[list[str], torch.Tensor]]:
-    """group -> (its rollouts in first-seen order, their outcomes in float64). Every transition of a rollout must
-    carry the same outcome: the episode reward is the rollout's, not the call's."""
+
+def _groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str], rollout_ids: Sequence[str],
+            scored: GroupOutcomes | None = None) -> dict[str, tuple[list[str], torch.Tensor]]:
+    """group -> (its rollouts, their outcomes in float64): the transitions' rollouts in first-seen order, or, with
+    `scored`, every scored rollout of each group the transitions touch. Every transition of a rollout must carry
+    the same outcome: the episode reward is the rollout's, not the call's."""
     per: dict[str, float] = {}
     members: dict[str, list[str]] = defaultdict(list)
     for r, g, rid in zip(torch.as_tensor(outcomes, dtype=torch.float64).tolist(), group_ids, rollout_ids):
@@ -30,14 +35,35 @@ def _groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str],
         elif per[rid] != r:
             raise ValueError(f"rollout {rid}: its transitions carry different episode rewards ({per[rid]} and {r});"
                              f" intermediate rewards belong in Transition.shaping")
+    if scored is not None:
+        for g, rids in members.items():
+            everyone = scored.get(g, {})
+            for rid in rids:
+                if rid not in everyone or float(everyone[rid]) != per[rid]:
+                    raise ValueError(f"rollout {rid}: its outcome {per[rid]} is not the one the scored rollouts of "
+                                     f"group {g} give it ({everyone.get(rid)})")
+            for rid, r in everyone.items():
+                if not math.isfinite(float(r)):
+                    raise ValueError(f"group_advantages: rollout {rid}'s outcome {r} is not finite")
+                per[rid] = float(r)
+            members[g] = list(everyone)
     return {g: (rids, torch.tensor([per[r] for r in rids], dtype=torch.float64)) for g, rids in members.items()}
 
 
 def zero_variance_groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str],
-                         rollout_ids: Sequence[str]) -> set[str]:
+                         rollout_ids: Sequence[str], scored: GroupOutcomes | None = None) -> set[str]:
     """Groups of two or more rollouts whose episode rewards are all equal: they carry no GRPO signal."""
-    return {g for g, (rids, x) in _groups(outcomes, group_ids, rollout_ids).items()
+    return {g for g, (rids, x) in _groups(outcomes, group_ids, rollout_ids, scored).items()
             if len(rids) > 1 and bool(x.max() == x.min())}
+
+
+def single_rollout_groups(group_ids: Sequence[str], rollout_ids: Sequence[str],
+                          scored: GroupOutcomes | None = None) -> set[str]:
+    """Groups with one scored rollout (with `scored`; else one rollout among the transitions): no baseline."""
+    seen: dict[str, set[str]] = defaultdict(set)
+    for g, rid in zip(group_ids, rollout_ids):
+        seen[g].add(rid)
+    return {g for g, rids in seen.items() if len(scored[g] if scored is not None and g in scored else rids) < 2}
 
 
 def group_advantages(
@@ -48,6 +74,7 @@ def group_advantages(
     *,
     credit: Sequence[float] | None = None,
     shaping: Sequence[float] | None = None,
+    scored: GroupOutcomes | None = None,
 ) -> torch.Tensor:
     """One advantage per transition (LLM call), from its rollout's outcome and its own intermediate rewards.
 
@@ -57,7 +84,8 @@ def group_advantages(
        position alone) plus its shaping s_k / d, the shaping limited to what the rollout failing (succeeding)
        outright would do to A_r: it stays within [A_r(R_r -> worst R in group) - A_r, A_r(R_r -> best) - A_r].
     Groups with one rollout, or whose outcomes are all equal, give 0 to every call, shaping included: intermediate
-    rewards alone never make a training signal.
+    rewards alone never make a training signal. `scored` gives every scored rollout's outcome per group: the mean,
+    the std and "one rollout" then count the rollouts that left no transition too (docs/credit.md rule 1).
     """
     if scale not in SCALES:
         raise ValueError(f"scale {scale!r}: expected one of {SCALES}")
@@ -73,7 +101,7 @@ def group_advantages(
             i = int(bad[0])
             raise ValueError(f"group_advantages: {name}[{i}] = {v[i].item()} (rollout {rollout_ids[i]}) is not "
                              f"finite")
-    groups = _groups(outcomes, group_ids, rollout_ids)
+    groups = _groups(outcomes, group_ids, rollout_ids, scored)
     live = {g: v for g, v in groups.items() if len(v[0]) > 1}
     batch_d = 1.0
     if scale == "batch" and live:

@@ -27,10 +27,10 @@ from lightning_sdk.config import TrainConfig
 from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
 from lightning_sdk.models.adapter import first_nonfinite
-from lightning_sdk.train.microbatch import Batch, collate, drop_single_rollout_groups
+from lightning_sdk.train.microbatch import Batch, collate
 from lightning_sdk.train.checkpoint import ADAPTER
-from lightning_sdk.train.grpo import (entropy, group_advantages, grpo_loss, sampler_is_weight, token_weights,
-                                     top_p_keep, zero_variance_groups)
+from lightning_sdk.train.grpo import (GroupOutcomes, entropy, group_advantages, grpo_loss, sampler_is_weight,
+                                     single_rollout_groups, token_weights, top_p_keep, zero_variance_groups)
 from lightning_sdk.transitions import Transition
 
 log = logging.getLogger("lightning_sdk")
@@ -141,10 +141,13 @@ class GRPOTrainer:
         with self.model.disable_adapter() if reference else nullcontext():
             return [self._logprobs(b) for b in batches]
 
-    def step(self, transitions: Sequence[Transition]) -> dict[str, float]:
-        """One update phase over one collected batch: `epochs` optimizer steps, metrics averaged over them."""
+    def step(self, transitions: Sequence[Transition], scored: GroupOutcomes | None = None) -> dict[str, float]:
+        """One update phase over one collected batch: `epochs` optimizer steps, metrics averaged over them.
+
+        `scored`: group id -> {rollout id: outcome} of every scored rollout of each group, those that left no
+        transition included; the group baselines come from it (without it, from the transitions' rollouts)."""
         t0, cfg = time.perf_counter(), self.config
-        plan = self._prepare(transitions)
+        plan = self._prepare(transitions, scored)
         if not plan.batches:  # nothing left to learn from: no update, not an error
             self._advance_schedule(cfg.epochs)  # the schedule's horizon counts these steps: it must end on time
             return self._metrics(transitions, plan, Counter(), t0)
@@ -197,7 +200,7 @@ class GRPOTrainer:
             for _ in range(steps):
                 self.scheduler.step()
 
-    def _prepare(self, transitions: Sequence[Transition]) -> _Plan:
+    def _prepare(self, transitions: Sequence[Transition], scored: GroupOutcomes | None) -> _Plan:
         """Advantages and token weights over the whole batch, then micro-batches of similar lengths (less padding).
 
         Groups with a single rollout have no baseline and are left out (counted in num_skipped), and so are groups
@@ -207,9 +210,10 @@ class GRPOTrainer:
         cfg = self.config
         if not transitions:
             raise ValueError("GRPOTrainer.step: empty batch, no transitions to train on")
-        ts = drop_single_rollout_groups(transitions)
+        single = single_rollout_groups([t.group_id for t in transitions], [t.rollout_id for t in transitions], scored)
+        ts = [t for t in transitions if t.group_id not in single]
         args = ([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts])
-        zero = zero_variance_groups(*args)
+        zero = zero_variance_groups(*args, scored)
         frac = len(zero) / len({t.group_id for t in ts}) if ts else 0.0
         if cfg.drop_zero_variance_groups:
             ts = [t for t in ts if t.group_id not in zero]
@@ -219,7 +223,7 @@ class GRPOTrainer:
         if not any(n):
             return _Plan(ts, torch.zeros(len(ts)), frac, sum(masked), [], [])
         adv = group_advantages(*args, cfg.scale_rewards, credit=[t.credit for t in ts],
-                               shaping=[t.shaping for t in ts])
+                               shaping=[t.shaping for t in ts], scored=scored)
         order = sorted((i for i in range(len(ts)) if n[i]),
                        key=lambda i: len(ts[i].prompt_ids) + len(ts[i].completion_ids))
         chunks = [order[k:k + cfg.micro_batch_size] for k in range(0, len(order), cfg.micro_batch_size)]
