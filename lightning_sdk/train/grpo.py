@@ -141,7 +141,7 @@ def group_advantages(
 
 
 def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_norm: str = "rollout", *,
-                  max_completion_length: int | None = None, micro_batch: Sequence[int] | None = None) -> torch.Tensor:
+                  max_completion_length: int | None = None, group_ids: Sequence[str] | None = None) -> torch.Tensor:
     """The loss weight of each completion token of each transition (all tokens of one transition weigh the same).
 
     Weights are fixed over the whole batch before it is split, so summing the loss over micro-batches gives
@@ -152,8 +152,10 @@ def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_no
                   "seq-mean-token-mean")
       "constant": every token weighs 1/(N * max_completion_length) (Dr.GRPO; TRL "dr_grpo", verl
                   "seq-mean-token-sum-norm"): no length bias, the normaliser never depends on the batch
-      "bnpo":     every token weighs 1/(M * tokens of its micro-batch), M micro-batches (TRL "bnpo": the mean over
-                  each local batch's tokens, averaged over gradient-accumulation steps); needs micro_batch
+      "bnpo":     every token weighs 1/(G * tokens of its group), G groups: the token mean of each group, averaged
+                  over groups (TRL "bnpo", the token mean of each local batch, with one group as the local batch);
+                  needs group_ids. Never the physical micro-batches: those are cut by length, and a mean per
+                  micro-batch would favour the short completions sorted together
     Transitions without completion tokens get 0 and do not count.
     """
     n = torch.as_tensor(num_tokens, dtype=torch.float64)
@@ -169,13 +171,13 @@ def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_no
             raise ValueError("loss_norm 'constant' needs max_completion_length (train.max_completion_length)")
         w = torch.full_like(n, 1.0 / (float(live.sum()) * max_completion_length))
     elif loss_norm == "bnpo":
-        if micro_batch is None:
-            raise ValueError("loss_norm 'bnpo' needs each transition's micro-batch")
-        per_mb: Counter[int] = Counter()
-        for mb, k in zip(micro_batch, num_tokens):
-            per_mb[mb] += k
-        m = sum(1 for k in per_mb.values() if k > 0)
-        w = torch.tensor([1.0 / (m * max(per_mb[mb], 1)) for mb in micro_batch], dtype=torch.float64)
+        if group_ids is None:
+            raise ValueError("loss_norm 'bnpo' needs each transition's group")
+        per_group: Counter[str] = Counter()
+        for g, k in zip(group_ids, num_tokens):
+            per_group[g] += k
+        m = sum(1 for k in per_group.values() if k > 0)
+        w = torch.tensor([1.0 / (m * max(per_group[g], 1)) for g in group_ids], dtype=torch.float64)
     elif loss_norm == "rollout":
         per_rollout: Counter[str] = Counter()
         for rid, k in zip(rollout_ids, num_tokens):

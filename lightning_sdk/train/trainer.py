@@ -227,12 +227,8 @@ class GRPOTrainer:
         order = sorted((i for i in range(len(ts)) if n[i]),
                        key=lambda i: len(ts[i].prompt_ids) + len(ts[i].completion_ids))
         chunks = [order[k:k + cfg.micro_batch_size] for k in range(0, len(order), cfg.micro_batch_size)]
-        micro_batch = [-1] * len(ts)
-        for k, c in enumerate(chunks):
-            for i in c:
-                micro_batch[i] = k
         w = token_weights(n, args[2], cfg.loss_norm, max_completion_length=cfg.max_completion_length,
-                          micro_batch=micro_batch)
+                          group_ids=args[1])
         return _Plan(ts, adv, frac, sum(masked), order,
                      [collate([ts[i] for i in c], adv[c], w[c], self.device) for c in chunks])
 
