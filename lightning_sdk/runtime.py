@@ -37,6 +37,7 @@ from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.servers import ServerError, SleepableServer
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.process import new_api_key
+from lightning_sdk.servers.select import resolved_backend
 from lightning_sdk.store import Store, eval_score
 from lightning_sdk.train.checkpoint import CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint, write_checkpoint
 from lightning_sdk.transitions import Transition, to_transitions
@@ -139,7 +140,8 @@ class Runtime:
             with self._session(agent, gateway, model_path, store, self.run_dir) as collector:
                 trainer = GRPOTrainer(model_path, cfg.train, quantization=cfg.model.quantization,
                                       dtype=cfg.model.dtype, seed=cfg.run.seed,
-                                      total_steps=cfg.run.iterations * cfg.train.epochs)
+                                      total_steps=cfg.run.iterations * cfg.train.epochs,
+                                      backend=resolved_backend(cfg))
                 policy = collector.server.served_model_name
                 if checkpoint is not None:
                     trainer.load_state(checkpoint / TRAINER)

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 STD_EPS = 1e-4  # added to the std before dividing (TRL's convention)
+KL_LOG_RATIO_CLAMP, KL_CLAMP = 20.0, 10.0  # verl's low_var_kl bounds on the k3 term
 SCALES = ("group", "batch", "none")
 
 # group id -> {rollout id: outcome} of EVERY scored rollout of the group, those that left no transition (all their
@@ -202,6 +203,7 @@ def grpo_loss(
     is_weight: torch.Tensor | None = None,
     log_ratio_clamp: float | None = 20.0,
     dual_clip: float | None = None,
+    level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level clipped GRPO objective, weighted: sum(weights * (-is_w * min(r*A, clip(r)*A) + beta*KL)).
 
@@ -213,9 +215,19 @@ def grpo_loss(
     Stats are weighted sums like the loss (means when weights sum to 1; they add up over micro-batches): clip_frac
     is the share of tokens whose gradient the clip removed, ratio the mean ratio, kl the mean KL (only when ref_logp
     is given), is_weight the mean importance weight (only when given), dual_clip_frac (only with dual_clip).
+    level "sequence" (GSPO) gives every token of a row its sequence's ratio, exp(mean log-ratio over the row's
+    tokens, those of weight > 0), with the gradient of that mean (TRL's importance_sampling_level="sequence").
+    The k3 term is verl's low_var_kl: its log-ratio clamped to +-KL_LOG_RATIO_CLAMP, the value to +-KL_CLAMP, so one
+    token far from the reference cannot dominate the loss.
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = logp - old_logp
+    if level == "sequence":
+        real = (weights > 0).to(log_ratio.dtype).expand_as(log_ratio)
+        seq = (log_ratio * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1.0)
+        log_ratio = seq.expand_as(log_ratio)
+    elif level != "token":
+        raise ValueError(f"level {level!r}: expected 'token' or 'sequence'")
     if log_ratio_clamp is not None:
         log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
@@ -237,8 +249,8 @@ def grpo_loss(
         per_token = per_token * is_weight
         stats["is_weight"] = (weights * is_weight).sum().detach()
     if ref_logp is not None:
-        d = ref_logp - logp
-        kl = torch.exp(d) - d - 1.0
+        d = (ref_logp - logp).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+        kl = (torch.exp(d) - d - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
         per_token = per_token + beta * kl
         stats["kl"] = (weights * kl).sum().detach()
     return (weights * per_token).sum(), stats

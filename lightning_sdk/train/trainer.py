@@ -74,12 +74,14 @@ class GRPOTrainer:
     """A LoRA (or QLoRA) adapter on a frozen base model, trained with GRPO from transitions."""
 
     def __init__(self, model_path: str, config: TrainConfig, *, quantization: str = "none", dtype: str = "auto",
-                 seed: int = 0, total_steps: int | None = None) -> None:
+                 seed: int = 0, total_steps: int | None = None, backend: str = "cpu") -> None:
         """`total_steps`: optimizer steps of the whole run (iterations x epochs), the horizon of a linear or cosine
-        train.lr_schedule."""
+        train.lr_schedule; `backend`: the inference backend that samples ('cpu' or 'vllm'), which decides
+        train.importance_sampling_cap = 'auto'."""
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         self.config = config
+        self.importance_sampling_cap = config.sampling_cap(backend)
         self.device = resolve_device(config.device)
         self.global_step = 0
         torch.manual_seed(seed)  # the LoRA init
@@ -167,11 +169,12 @@ class GRPOTrainer:
                         totals["entropy_sum"] += (b.weights * entropy(logits)).sum().item()
                         totals["weight_sum"] += b.weights.sum().item()
                 del logits
-                is_w = (None if cfg.importance_sampling_cap is None else
-                        sampler_is_weight(olds[i], b.sampler_logp, b.has_sampler_logp, cfg.importance_sampling_cap))
+                cap = self.importance_sampling_cap
+                is_w = None if cap is None else sampler_is_weight(olds[i], b.sampler_logp, b.has_sampler_logp, cap)
                 loss, st = grpo_loss(logp, olds[i], b.adv, b.weights, clip_eps=cfg.clip_eps,
                                      clip_eps_high=cfg.clip_eps_high, ref_logp=ref, beta=cfg.beta, is_weight=is_w,
-                                     log_ratio_clamp=cfg.log_ratio_clamp, dual_clip=cfg.dual_clip)
+                                     log_ratio_clamp=cfg.log_ratio_clamp, dual_clip=cfg.dual_clip,
+                                     level=cfg.importance_sampling_level)
                 loss.backward()  # weights sum to 1 over the whole batch: accumulated grads == full-batch grads
                 totals.update({"loss": loss.item(), **{k: v.item() for k, v in st.items()}})
             norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
