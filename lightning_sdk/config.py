@@ -132,7 +132,9 @@ class ServeConfig(_Section):
             raise ValueError("expected non-empty printable model names")
         return v
     max_batch_size: int = Field(64, ge=1)
-    max_model_len: int = Field(2048, ge=16)
+    max_model_len: int | None = Field(None, ge=16, description="prompt + completion tokens one call may hold; none = "
+                                      "the model's own context (max_position_embeddings; 4096 for builtin: and tiny: "
+                                      "models), as vLLM does")
     startup_timeout: float = Field(120.0, gt=0)
     device: str = Field("cpu", description="where the built-in server (backend 'cpu', transformers) runs the "
                                            "model: 'cpu', 'cuda' or 'cuda:N'; vLLM always takes the GPU")

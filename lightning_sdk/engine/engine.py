@@ -37,11 +37,12 @@ from lightning_sdk.models.adapter import nonfinite_in_adapter
 log = logging.getLogger("lightning_sdk.servers")
 
 MAX_TOP_LOGPROBS = 20
+DEFAULT_MAX_MODEL_LEN = 2048  # for a model whose config names no context length
 
 
 class Engine:
     def __init__(self, model_path: str, *, dtype: str = "auto", quantization: str = "none",
-                 max_batch_size: int = 64, max_model_len: int = 2048, seed: int = 0, device: str = "cpu"):
+                 max_batch_size: int = 64, max_model_len: int | None = None, seed: int = 0, device: str = "cpu"):
         t0 = time.monotonic()
         self.device = torch.device(device)
         self.tokenizer = models.load_tokenizer(model_path)
@@ -51,9 +52,11 @@ class Engine:
         self.model.requires_grad_(False)
         self.max_batch_size = max_batch_size
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        if limit is not None and max_model_len > limit:
-            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d; using %d",
-                        max_model_len, limit, limit)
+        if max_model_len is None:  # the model's own context, as vLLM takes it
+            max_model_len = limit or DEFAULT_MAX_MODEL_LEN
+        elif limit is not None and max_model_len > limit:
+            log.warning("max_model_len %d (serve.max_model_len) is more than the model holds (max_position_embeddings "
+                        "%d); serving %d", max_model_len, limit, limit)
             max_model_len = limit
         self.max_model_len = max_model_len
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
