@@ -1,7 +1,7 @@
-"""`lightning dashboard`: a local, read-only web page over run directories (runs.py reads, app.py serves,
+"""`lightning dashboard`: a local, read-only web page over run directories (runs.py reads, web.py serves,
 static/ is the page: one HTML file, plain JavaScript, an SVG chart; no build step)."""
 
-from lightning_sdk.dashboard.app import create_app, new_token, serve
+from lightning_sdk.dashboard.web import create_app, new_token, serve
 from lightning_sdk.dashboard.runs import CreditSettings, RunReader
 from lightning_sdk.gateway.listen import bind
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from lightning_sdk.engine.requests import GenerationRequest, _Job
+from lightning_sdk.engine.requests import GenerationRequest, Job
 
 
 @dataclass
-class _Row:
-    job: _Job
+class Row:
+    job: Job
     index: int  # choice index within the job
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -30,11 +30,11 @@ class _Row:
 
 
 @dataclass
-class _Batch:
+class DecodeBatch:
     """The rows decoding together and their KV cache. `mask` covers the cache's columns (1: a real token);
     rows are aligned on the right, so a row's padding is on its left and its next token is the next column."""
 
-    rows: list[_Row]
+    rows: list[Row]
     cache: Any
     mask: torch.Tensor  # [B, cache length]
     positions: torch.Tensor  # [B, 1] (during prefill [B, prompt]) position of each row's last token
@@ -54,14 +54,14 @@ class _Batch:
         self.temps, self.top_ps, self.tokens = self.temps[index], self.top_ps[index], self.tokens[index]
         used = self.mask.any(dim=0).nonzero()
         start = int(used[0]) if len(used) else 0
-        if start and _mergeable(self.cache):
+        if start and mergeable(self.cache):
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[..., start:, :], layer.values[..., start:, :]
             self.mask = self.mask[:, start:]
 
-    def join(self, other: _Batch) -> _Batch:
+    def join(self, other: DecodeBatch) -> DecodeBatch:
         """This batch with `other`'s rows appended: both caches left-padded to a common length and stacked."""
-        if not (_mergeable(self.cache) and _mergeable(other.cache)):
+        if not (mergeable(self.cache) and mergeable(other.cache)):
             raise RuntimeError("this model's KV cache cannot be merged across batches")
         length = max(self.mask.shape[1], other.mask.shape[1])
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
@@ -74,7 +74,7 @@ class _Batch:
         return self
 
 
-def _mergeable(cache: Any) -> bool:
+def mergeable(cache: Any) -> bool:
     """A cache whose layers are plain growing key/value tensors (transformers' DynamicLayer): rows of two such
     caches can be padded and stacked. Sliding-window, quantized or recurrent layers cannot."""
     from transformers.cache_utils import DynamicLayer

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.engine.batch import _Batch, _Row
+from lightning_sdk.engine.batch import DecodeBatch, Row
 from lightning_sdk.engine.requests import (
     Choice,
     ChoiceDelta,
@@ -28,9 +28,9 @@ from lightning_sdk.engine.requests import (
     GenerationResult,
     ModelNotFound,
     RequestError,
-    _Job,
+    Job,
 )
-from lightning_sdk.engine.sampling import _eos_ids, _find_stop, _sample
+from lightning_sdk.engine.sampling import eos_ids, find_stop, sample_next
 from lightning_sdk.engine.scheduler import Scheduler
 from lightning_sdk.models.adapter import nonfinite_in_adapter
 
@@ -60,7 +60,7 @@ class Engine:
             max_model_len = limit
         self.max_model_len = max_model_len
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.eos_ids = eos_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
         # transformers 5 renamed `past_key_values` to `cache` (the old name is deprecated): use whichever exists.
         params = inspect.signature(self.model.forward).parameters
@@ -168,17 +168,17 @@ class Engine:
     def close(self) -> None:
         self._scheduler.close()
 
-    def _submit(self, req: GenerationRequest, *, stream: bool) -> _Job:
+    def _submit(self, req: GenerationRequest, *, stream: bool) -> Job:
         self.check(req)
-        job = _Job(req, asyncio.get_running_loop(), stream)
+        job = Job(req, asyncio.get_running_loop(), stream)
         self._scheduler.submit(job)
         return job
 
     # ---- the generation thread (the scheduler calls these) ----
 
-    def _prefill(self, jobs: list[_Job]) -> _Batch | None:
+    def _prefill(self, jobs: list[Job]) -> DecodeBatch | None:
         """Prompt pass for new jobs, left-padded together; their first token is sampled. None if all finished."""
-        rows = [_Row(job, i) for job in jobs for i in range(job.req.n)]
+        rows = [Row(job, i) for job in jobs for i in range(job.req.n)]
         self.stats["requests"] += len(jobs)
         self.stats["prefills"] += 1
         longest = max(len(r.req.prompt_ids) for r in rows)
@@ -190,13 +190,13 @@ class Engine:
             mask[b, longest - len(p):] = 1
         mask = mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        batch = _Batch(rows, None, mask, positions,
+        batch = DecodeBatch(rows, None, mask, positions,
                        temps=torch.tensor([r.req.temperature for r in rows], dtype=torch.float32),
                        top_ps=torch.tensor([r.req.top_p for r in rows], dtype=torch.float32))
         self._forward(batch, ids)
         return batch if batch.rows else None
 
-    def _forward(self, batch: _Batch, ids: torch.Tensor) -> None:
+    def _forward(self, batch: DecodeBatch, ids: torch.Tensor) -> None:
         """One model step for the batch (prefill when it has no cache yet), one token sampled per row; finished
         rows leave the batch."""
         if batch.cache is not None:  # a decode step: one new column, one position further
@@ -208,7 +208,7 @@ class Engine:
         batch.cache = out.cache if hasattr(out, "cache") else out.past_key_values
         batch.positions = batch.positions[:, -1:]
         # Sampling stays on the CPU, where the requests' seeded generators are.
-        tokens, logps, top = _sample(out.logits[:, -1, :].float().cpu(), batch.temps, batch.top_ps, batch.rows, self._gen)
+        tokens, logps, top = sample_next(out.logits[:, -1, :].float().cpu(), batch.temps, batch.top_ps, batch.rows, self._gen)
         batch.tokens = tokens
         keep = [b for b, r in enumerate(batch.rows)
                 if not self._append(r, int(tokens[b]), float(logps[b]), top[b] if top else None)]
@@ -264,7 +264,7 @@ class Engine:
         self.model.set_adapter(adapter)
         return contextlib.nullcontext()
 
-    def _append(self, row: _Row, token: int, logprob: float, top: list[tuple[int, float]] | None) -> bool:
+    def _append(self, row: Row, token: int, logprob: float, top: list[tuple[int, float]] | None) -> bool:
         """Record one sampled token; True when the row is finished (its job resolved if it was the last)."""
         if row.job.cancelled:
             return True  # nobody is waiting for it: drop the row
@@ -284,7 +284,7 @@ class Engine:
         if streaming or req.stop:  # these need the text after every token; the rest decode once at the end
             checked = len(row.text)
             row.text = self._decode(row.tokens)
-            hit = _find_stop(row.text, req.stop, checked) if finish is None else None
+            hit = find_stop(row.text, req.stop, checked) if finish is None else None
             if hit is not None:
                 row.text, stop_reason, finish = row.text[:hit[0]], hit[1], "stop"
         if finish is None and len(row.tokens) >= req.max_tokens:
@@ -301,7 +301,7 @@ class Engine:
             row.job.finish(GenerationResult(req.prompt_ids, list(row.job.choices)))
         return True
 
-    def _stream_step(self, row: _Row, finish: str | None, stop_reason: int | str | None) -> None:
+    def _stream_step(self, row: Row, finish: str | None, stop_reason: int | str | None) -> None:
         end = len(row.text)
         if finish is None:
             # Hold back what could still turn out to be the start of a stop string, and a trailing

@@ -1,6 +1,6 @@
 """What a generation request is and what comes back, and a request in flight on its way back to the caller.
 
-The engine takes requests on the event loop and runs them on its generation thread; `_Job` carries one across
+The engine takes requests on the event loop and runs them on its generation thread; `Job` carries one across
 and resolves it on the loop that submitted it, so neither side ever blocks the other.
 """
 
@@ -71,7 +71,7 @@ class ChoiceDelta:
     stop_reason: int | str | None = None
 
 
-class _Job:
+class Job:
     """A request in flight, with its way back to the event loop that submitted it."""
 
     def __init__(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop, stream: bool):
@@ -102,10 +102,10 @@ class _Job:
         if self.events is not None:
             self.events.put_nowait(result)  # a result or an error ends the stream
         else:
-            _set_future(self.future, result)
+            set_future(self.future, result)
 
 
-def _set_future(future: asyncio.Future, result: Any) -> None:
+def set_future(future: asyncio.Future, result: Any) -> None:
     if future.done():
         return
     if isinstance(result, BaseException):

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from lightning_sdk.engine.batch import _Row
+from lightning_sdk.engine.batch import Row
 from lightning_sdk.train.grpo import top_p_keep
 
 
-def _sample(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, rows: list[_Row],
+def sample_next(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, rows: list[Row],
             generator: torch.Generator):
     """Per-row greedy or temperature/top-k/top-p sampling.
 
@@ -73,7 +73,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=cdf.shape[1] - 1)
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):
         eos = getattr(source, "eos_token_id", None)
@@ -83,7 +83,7 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+def find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
     """Earliest stop string in `text` that ends after `start` (the text before it was already checked)."""
     best: tuple[int, str] | None = None
     for s in stops:

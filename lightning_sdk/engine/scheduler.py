@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from lightning_sdk.engine.batch import _Batch, _mergeable
-from lightning_sdk.engine.requests import ModelNotFound, RequestError, _Job, _set_future
+from lightning_sdk.engine.batch import DecodeBatch, mergeable
+from lightning_sdk.engine.requests import ModelNotFound, RequestError, Job, set_future
 
 log = logging.getLogger("lightning_sdk.servers")
 
@@ -48,21 +48,21 @@ class _Control:
 class Scheduler:
     """Runs queued jobs in continuous batches, and control work between batches, on one daemon thread."""
 
-    def __init__(self, prefill: Callable[[list[_Job]], _Batch | None],
-                 forward: Callable[[_Batch, torch.Tensor], None],
+    def __init__(self, prefill: Callable[[list[Job]], DecodeBatch | None],
+                 forward: Callable[[DecodeBatch, torch.Tensor], None],
                  adapter_context: Callable[[str | None], AbstractContextManager], *,
                  max_batch_size: int, stats: dict[str, int]):
         self._prefill, self._forward, self._adapter_context = prefill, forward, adapter_context
         self.max_batch_size = max_batch_size
         self.stats = stats  # the engine's counters, shared
-        self._queue: queue.Queue[_Job | _Control | object] = queue.Queue()
-        self._backlog: collections.deque[_Job | _Control | object] = collections.deque()
+        self._queue: queue.Queue[Job | _Control | object] = queue.Queue()
+        self._backlog: collections.deque[Job | _Control | object] = collections.deque()
         self._thread = threading.Thread(target=self._loop, name="lightning-generate", daemon=True)
         self._thread.start()
 
     # ---- used from the event loop ----
 
-    def submit(self, job: _Job) -> None:
+    def submit(self, job: Job) -> None:
         self._queue.put(job)
 
     async def control(self, fn: Callable[[], Any]) -> Any:
@@ -77,7 +77,7 @@ class Scheduler:
 
     # ---- the generation thread ----
 
-    def _next(self, block: bool) -> _Job | _Control | object | None:
+    def _next(self, block: bool) -> Job | _Control | object | None:
         if self._backlog:
             return self._backlog.popleft()
         try:
@@ -99,11 +99,11 @@ class Scheduler:
         try:
             result = ctl.fn()
         except Exception as e:
-            ctl.loop.call_soon_threadsafe(_set_future, ctl.future, e)
+            ctl.loop.call_soon_threadsafe(set_future, ctl.future, e)
         else:
-            ctl.loop.call_soon_threadsafe(_set_future, ctl.future, result)
+            ctl.loop.call_soon_threadsafe(set_future, ctl.future, result)
 
-    def _admit(self, adapter: str | None, rows: int) -> tuple[list[_Job], bool]:
+    def _admit(self, adapter: str | None, rows: int) -> tuple[list[Job], bool]:
         """Pending jobs for `adapter` that fit beside `rows` running rows, and whether to go on admitting.
 
         Anything else that is pending goes back to the front of the backlog in its order. Once something waits
@@ -111,13 +111,13 @@ class Scheduler:
         no more, so that it runs empty and the waiting item goes next. A control item ends the scan: jobs
         queued after an adapter load/unload must run after it.
         """
-        admitted: list[_Job] = []
-        held: list[_Job | _Control | object] = []
+        admitted: list[Job] = []
+        held: list[Job | _Control | object] = []
         while rows < self.max_batch_size:
             item = self._next(block=False)
             if item is None:
                 break
-            if not isinstance(item, _Job):
+            if not isinstance(item, Job):
                 held.append(item)
                 break
             if item.cancelled:
@@ -130,7 +130,7 @@ class Scheduler:
         self._backlog.extendleft(reversed(held))
         return admitted, not held
 
-    def _decode_loop(self, first: _Job) -> None:
+    def _decode_loop(self, first: Job) -> None:
         """One continuous-batching loop for `first`'s adapter; resolves every job it took, errors included."""
         adapter = first.req.adapter
         taken = [first]
@@ -147,11 +147,11 @@ class Scheduler:
                 if not job.done:
                     job.finish(RuntimeError(f"generation failed: {e}"))
 
-    def _run(self, adapter: str | None, first: _Job, taken: list[_Job]) -> None:
+    def _run(self, adapter: str | None, first: Job, taken: list[Job]) -> None:
         more, admitting = self._admit(adapter, first.req.n)
         newcomers = [first, *more]
         taken += more
-        batch: _Batch | None = None
+        batch: DecodeBatch | None = None
         while True:
             if batch is not None:  # one decode step for the running rows
                 self._forward(batch, batch.tokens.unsqueeze(1))
@@ -168,6 +168,6 @@ class Scheduler:
                     batch = fresh if batch is None or not batch.rows else batch.join(fresh)
                     # A cache that cannot be merged (sliding-window, recurrent layers): newcomers wait for the
                     # next loop instead.
-                    admitting = admitting and _mergeable(batch.cache)
+                    admitting = admitting and mergeable(batch.cache)
             if batch is None or not batch.rows:
                 return
