@@ -45,7 +45,7 @@ from lightning_sdk.transitions import Transition, to_transitions
 if TYPE_CHECKING:  # torch comes with the trainer, imported when a run starts
     from lightning_sdk.train.grpo import GroupOutcomes
 
-__all__ = ["RunError", "Runtime", "SetupError", "TaskFeed"]
+__all__ = ["RunError", "Runtime", "SetupError", "TaskFeed", "policy_failure"]
 
 MIN_FREE_BYTES = 64 * 2**20  # below this a run cannot even write its first checkpoint of a tiny model
 RUN_LOCK = ".lock"  # in run.dir: held (flock) by the one `lightning run` using it
@@ -172,19 +172,26 @@ class Runtime:
 
         Its spans go to a throwaway store, so evaluating never touches a run's own store or checkpoints.
         """
+        with self.scratch_session(tasks) as (collector, _):
+            policy = collector.server.served_model_name
+            if adapter is not None:
+                policy = f"{self.cfg.run.name}-eval"
+                collector.hot_load(policy, adapter)
+            return self._evaluate(tasks, policy, "trained" if adapter is not None else "untrained")
+
+    @contextmanager
+    def scratch_session(self, tasks: list[dict]) -> Iterator[tuple[Collector, Store]]:
+        """The run's gateway, agent and inference server over a throwaway store that holds `tasks`: nothing is
+        written into run.dir (`lightning eval`, `lightning check`). Bad input raises before the server starts."""
         with ExitStack() as stack:
             gateway = self._agent_side(stack)
             agent = self._load_agent()
             model_path = models.resolve(self.cfg.model.name)
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="lightning-eval-"))
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="lightning-scratch-"))
             store = stack.enter_context(Store(Path(tmp) / "store.sqlite"))
             store.add_tasks((data.task_id(t), t) for t in tasks)
             with self._session(agent, gateway, model_path, store, Path(tmp)) as collector:
-                policy = collector.server.served_model_name
-                if adapter is not None:
-                    policy = f"{self.cfg.run.name}-eval"
-                    collector.hot_load(policy, adapter)
-                return self._evaluate(tasks, policy, "trained" if adapter is not None else "untrained")
+                yield collector, store
 
     # ------------------------------------------------------------------------------------------ the session
 
@@ -326,7 +333,7 @@ class Runtime:
             raise RunError(f"iteration {n}: {failed} of {len(results)} rollouts failed; not training on the rest. "
                            f"First errors: {errors}. See `lightning traces --run-dir {self.run_dir}`.")
         skipped: Counter[str] = Counter()
-        penalised = [r for r in results if _policy_failure(r)] if cfg.rollout.failed_reward is not None else []
+        penalised = [r for r in results if policy_failure(r)] if cfg.rollout.failed_reward is not None else []
         transitions, scored = self._transitions(ok, store, skipped, penalised)
         handover: dict[str, float] = {}  # sleep_s / wake_s: the server's GPU memory goes to the trainer meanwhile
         with self.console.status(f"iteration {n}/{cfg.run.iterations} update: {len(transitions)} transitions"), \
@@ -435,7 +442,7 @@ class Runtime:
 _INFRASTRUCTURE = ("TimeoutError", "APITimeoutError", "APIConnectionError", "InternalServerError")
 
 
-def _policy_failure(r: RolloutResult) -> bool:
+def policy_failure(r: RolloutResult) -> bool:
     """A failed rollout that rollout.failed_reward penalises: its agent raised (e.g. on output it could not parse,
     or a 400 for a prompt the episode grew past the context); never a reward fault or infrastructure."""
     return (r.status == "failed" and r.failed_in == "rollout"
@@ -458,7 +465,8 @@ def _nothing_to_train(rollouts: int, skipped: Counter, unattributed: int, compon
     else:
         why = "every LLM call was left out"
     return (f"no transitions from {rollouts} rollouts: {why} (left out: {seen}; greedy: temperature 0, n>1: "
-            f"several choices, setting:X: a sampling setting the trainer cannot reproduce; see docs/credit.md)")
+            f"several choices, setting:X: a sampling setting the trainer cannot reproduce, other_component: not of "
+            f"rollout.components; see docs/credit.md; `lightning check` shows each rollout)")
 
 
 def _fmt(value: float | None) -> str:
