@@ -1,5 +1,6 @@
-"""`lightning`: the command line. `lightning run` trains, `lightning eval` scores a policy on held-out tasks,
-`lightning traces` shows what the store holds, `lightning worker` runs the agent for a remote run."""
+"""`lightning`: the command line. `lightning run` trains, `lightning check` says whether a run would train before
+it does, `lightning eval` scores a policy on held-out tasks, `lightning traces` shows what the store holds,
+`lightning worker` runs the agent for a remote run."""
 
 from __future__ import annotations
 
@@ -65,6 +66,33 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
     except (RunError, CaptureError) as e:
         console.print(f"[bold red]run stopped:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)
+
+
+@main.command()
+@click.option("-c", "--config", "config_path", default="lightning.toml", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path), help="The run's configuration.")
+@click.option("--tasks", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Tasks to run, each data.group_size times (the first iteration's).")
+def check(config_path: Path, tasks: int) -> None:
+    """Run the agent once through the run's server (nothing trained, nothing written) and say whether it would
+    train: per rollout its LLM calls, what cannot train and why, reward and transitions; exit 0 if it would."""
+    console = make_console()
+    try:
+        cfg = config_mod.load(config_path)
+    except config_mod.ConfigError as e:
+        _fail(console, str(e))
+    DatasetError, ModelLoadError, _ = _training_side(console, "lightning check")
+    from lightning_sdk.check import check as preflight
+    from lightning_sdk.errors import RunError, SetupError
+
+    try:
+        verdict = preflight(cfg, tasks=tasks, console=console)
+    except (DatasetError, ModelLoadError, SetupError) as e:
+        _fail(console, str(e), getattr(e, "traceback", None))
+    except RunError as e:
+        console.print(f"[bold red]check stopped:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    sys.exit(0 if verdict.trains else 1)
 
 
 @main.command("eval")

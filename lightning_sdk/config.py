@@ -11,7 +11,7 @@ import re
 import tomllib
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -133,7 +133,9 @@ class ServeConfig(_Section):
             raise ValueError("expected non-empty printable model names")
         return v
     max_batch_size: int = Field(64, ge=1)
-    max_model_len: int = Field(2048, ge=16)
+    max_model_len: int | None = Field(None, ge=16, description="prompt + completion tokens one call may hold; none = "
+                                      "the model's own context (max_position_embeddings; 4096 for builtin: and tiny: "
+                                      "models), as vLLM does")
     startup_timeout: float = Field(120.0, gt=0)
     device: str = Field("cpu", description="where the built-in server (backend 'cpu', transformers) runs the "
                                            "model: 'cpu', 'cuda' or 'cuda:N'; vLLM always takes the GPU")
@@ -188,6 +190,10 @@ class RolloutConfig(_Section):
                             "left out of training), 'stop' ends the run after the phase, naming rollout and value")
 
 
+# importance_sampling_cap "auto" with vLLM: TRL's vllm_importance_sampling_cap default is 2 (of a 2-3 range in use).
+AUTO_IS_CAP = 2.0
+
+
 class TrainConfig(_Section):
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -209,8 +215,9 @@ class TrainConfig(_Section):
     mask_truncated: bool = Field(False, description="leave completions cut by max_tokens (finish_reason 'length') "
                                                     "out of the loss")
     log_ratio_clamp: float = Field(20.0, gt=0, description="clamp of log(new/old) before exp (no inf/NaN)")
-    dual_clip: float | None = Field(None, gt=1, description="dual-clip PPO: cap a negative-advantage token's loss at "
-                                                            "dual_clip x |A| (verl clip_ratio_c, e.g. 3); none = off")
+    dual_clip: float | None = Field(3.0, gt=1, description="dual-clip PPO: cap a negative-advantage token's loss at "
+                                    "dual_clip x |A| (verl's clip_ratio_c, 3 as there), so a token whose ratio ran "
+                                    "far up cannot push the policy without bound; 'off' turns it off")
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear learning-rate warmup")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="after warmup, over run.iterations x train.epochs optimizer steps")
@@ -218,10 +225,16 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(32, ge=1, description="transitions per forward/backward (gradient accumulation)")
     max_grad_norm: float = Field(1.0, gt=0)
     gradient_checkpointing: bool = False
-    importance_sampling_cap: float | None = Field(
-        None, ge=1, description="truncated importance sampling against the sampler (TRL's vLLM importance-sampling "
-                                "correction): each token's loss x min(exp(trainer - sampler logprob), cap); "
-                                "none = off. Try 2 with vLLM, where the two differ (docs/gpu.md)")
+    importance_sampling_cap: Annotated[float, Field(ge=1)] | Literal["auto"] | None = Field(
+        "auto", description="truncated importance sampling against the sampler (TRL's vllm_importance_sampling_cap, "
+                            "verl's TIS): each token's loss x min(exp(trainer - sampler logprob), cap). 'auto': "
+                            f"{AUTO_IS_CAP:g} when the run serves with vLLM (serve.backend 'vllm', or 'auto' "
+                            "resolving to it), whose kernels sample from a slightly other distribution; off on the "
+                            "built-in server, which samples from the trainer's own. A number: always; 'off': never")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="the PPO ratio per token, or per sequence: exp(mean log-ratio of the completion) for "
+                             "each of its tokens (GSPO; TRL's importance_sampling_level = 'sequence', which pairs "
+                             "with much smaller clip_eps / clip_eps_high, e.g. 3e-4 / 4e-4)")
     device: str = "auto"
 
     @field_validator("device")
@@ -230,6 +243,17 @@ class TrainConfig(_Section):
         if not re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", v):
             raise ValueError("expected 'auto', 'cpu', 'cuda', 'cuda:N', 'mps' or 'xpu[:N]'")
         return v
+
+    @field_validator("dual_clip", "importance_sampling_cap", mode="before")
+    @classmethod
+    def _off(cls, v):
+        return None if v == "off" else v  # TOML has no null: 'off' is how a file turns a safeguard off
+
+    def sampling_cap(self, backend: str) -> float | None:
+        """importance_sampling_cap for a run whose inference backend is `backend` ('cpu' or 'vllm'): 'auto' decided."""
+        if self.importance_sampling_cap == "auto":
+            return AUTO_IS_CAP if backend == "vllm" else None
+        return self.importance_sampling_cap
 
     @model_validator(mode="after")
     def _constant_needs_length(self):

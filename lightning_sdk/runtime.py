@@ -17,11 +17,11 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -37,12 +37,16 @@ from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.servers import ServerError, SleepableServer
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.process import new_api_key
+from lightning_sdk.servers.select import resolved_backend
 from lightning_sdk.store import Store, eval_score
 from lightning_sdk.train.checkpoint import (CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint,
                                            policy_adapters, write_checkpoint)
 from lightning_sdk.transitions import Transition, to_transitions
 
-__all__ = ["RunError", "Runtime", "SetupError", "TaskFeed"]
+if TYPE_CHECKING:  # torch comes with the trainer, imported when a run starts
+    from lightning_sdk.train.grpo import GroupOutcomes
+
+__all__ = ["RunError", "Runtime", "SetupError", "TaskFeed", "policy_failure"]
 
 MIN_FREE_BYTES = 64 * 2**20  # below this a run cannot even write its first checkpoint of a tiny model
 RUN_LOCK = ".lock"  # in run.dir: held (flock) by the one `lightning run` using it
@@ -141,7 +145,8 @@ class Runtime:
                 trainer = GRPOTrainer(model_path, cfg.train, quantization=cfg.model.quantization,
                                       dtype=cfg.model.dtype, seed=cfg.run.seed,
                                       total_steps=cfg.run.iterations * cfg.train.epochs,
-                                      policies=self.policies if self.multi else None)
+                                      policies=self.policies if self.multi else None,
+                                      backend=resolved_backend(cfg))
                 base = collector.server.served_model_name
                 policy = {p.name: base for p in self.policies}  # each policy's served adapter (the base at first)
                 if checkpoint is not None:
@@ -177,20 +182,27 @@ class Runtime:
 
         Its spans go to a throwaway store, so evaluating never touches a run's own store or checkpoints.
         """
+        with self.scratch_session(tasks) as (collector, _):
+            policy = {p.name: collector.server.served_model_name for p in self.policies}
+            adapters = {self.cfg.run.name: adapter} if isinstance(adapter, Path) else adapter or {}
+            for name, path in adapters.items():
+                policy[name] = f"{self.cfg.run.name}-eval" if not self.multi else f"{self.cfg.run.name}-{name}-eval"
+                collector.hot_load(policy[name], path)
+            return self._evaluate(tasks, policy, "trained" if adapter is not None else "untrained")
+
+    @contextmanager
+    def scratch_session(self, tasks: list[dict]) -> Iterator[tuple[Collector, Store]]:
+        """The run's gateway, agent and inference server over a throwaway store that holds `tasks`: nothing is
+        written into run.dir (`lightning eval`, `lightning check`). Bad input raises before the server starts."""
         with ExitStack() as stack:
             gateway = self._agent_side(stack)
             agent = self._load_agent()
             model_path = models.resolve(self.cfg.model.name)
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="lightning-eval-"))
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="lightning-scratch-"))
             store = stack.enter_context(Store(Path(tmp) / "store.sqlite"))
             store.add_tasks((data.task_id(t), t) for t in tasks)
             with self._session(agent, gateway, model_path, store, Path(tmp)) as collector:
-                policy = {p.name: collector.server.served_model_name for p in self.policies}
-                adapters = {self.cfg.run.name: adapter} if isinstance(adapter, Path) else adapter or {}
-                for name, path in adapters.items():
-                    policy[name] = f"{self.cfg.run.name}-eval" if not self.multi else f"{self.cfg.run.name}-{name}-eval"
-                    collector.hot_load(policy[name], path)
-                return self._evaluate(tasks, policy, "trained" if adapter is not None else "untrained")
+                yield collector, store
 
     # ------------------------------------------------------------------------------------------ the session
 
@@ -334,13 +346,13 @@ class Runtime:
             raise RunError(f"iteration {n}: {failed} of {len(results)} rollouts failed; not training on the rest. "
                            f"First errors: {errors}. See `lightning traces --run-dir {self.run_dir}`.")
         skipped: Counter[str] = Counter()
-        penalised = [r for r in results if _policy_failure(r)] if cfg.rollout.failed_reward is not None else []
-        transitions = self._transitions(ok, store, skipped, penalised)
+        penalised = [r for r in results if policy_failure(r)] if cfg.rollout.failed_reward is not None else []
+        transitions, scored = self._transitions(ok, store, skipped, penalised)
         handover: dict[str, float] = {}  # sleep_s / wake_s: the server's GPU memory goes to the trainer meanwhile
         with self.console.status(f"iteration {n}/{cfg.run.iterations} update: {len(transitions)} transitions"), \
                 gpu_handover(collector.server, handover):
             t1 = time.perf_counter()
-            train_metrics = trainer.step(transitions)
+            train_metrics = trainer.step(transitions, scored)
             update_s = time.perf_counter() - t1
         rewards = [r.reward for r in ok]
         # statistics: exact sums, so a finite reward as large as 1e200 gives a finite mean, not an OverflowError
@@ -378,8 +390,9 @@ class Runtime:
         return new_policy
 
     def _transitions(self, ok: list[RolloutResult], store: Store, skipped: Counter,
-                     penalised: list[RolloutResult] = ()) -> list[Transition]:
-        """Transitions of the succeeded rollouts, and of the failed ones trained at rollout.failed_reward;
+                     penalised: list[RolloutResult] = ()) -> tuple[list[Transition], GroupOutcomes]:
+        """Transitions of the succeeded rollouts, and of the failed ones trained at rollout.failed_reward, and the
+        outcome of each of those rollouts per group, whether it left a transition or not (the group baselines);
         `skipped` counts the LLM calls, rollouts and rewards left out, by reason (transitions.to_transitions)."""
         capture = self.collector.gateway.capture
         if not capture.flush():
@@ -391,16 +404,20 @@ class Runtime:
         if store.span_conflicts:
             self.console.print(f"[yellow]{store.span_conflicts} span(s) refused so far: their ids were taken by "
                                f"spans already stored (those are kept); see the log")
-        out = []
+        out: list[Transition] = []
+        scored: dict[str, dict[str, float]] = defaultdict(dict)
         for r in [*ok, *penalised]:
-            out += to_transitions(store.rollout(r.job.rollout_id), store.spans(r.job.rollout_id),
-                                  credit=self.credit_rule, components=self._trained_components(),
-                                  error_reward=self.cfg.rollout.error_reward, skipped=skipped,
-                                  failed_reward=self.cfg.rollout.failed_reward if r.status == "failed" else None)
+            record = store.rollout(r.job.rollout_id)
+            failed_reward = self.cfg.rollout.failed_reward if r.status == "failed" else None
+            out += to_transitions(record, store.spans(r.job.rollout_id), credit=self.credit_rule,
+                                  components=self._trained_components(), error_reward=self.cfg.rollout.error_reward,
+                                  skipped=skipped, failed_reward=failed_reward)
+            scored[record.group_id][record.rollout_id] = float(record.reward if failed_reward is None
+                                                               else failed_reward)
         if not out:
             raise CaptureError(_nothing_to_train([r.job.rollout_id for r in ok], skipped, capture.unattributed,
                                                  self._trained_components()))
-        return out
+        return out, dict(scored)
 
     def _trained_components(self) -> list[str]:
         """The components whose calls become transitions (empty: all)."""
@@ -468,7 +485,7 @@ class Runtime:
 _INFRASTRUCTURE = ("TimeoutError", "APITimeoutError", "APIConnectionError", "InternalServerError")
 
 
-def _policy_failure(r: RolloutResult) -> bool:
+def policy_failure(r: RolloutResult) -> bool:
     """A failed rollout that rollout.failed_reward penalises: its agent raised (e.g. on output it could not parse,
     or a 400 for a prompt the episode grew past the context); never a reward fault or infrastructure."""
     return (r.status == "failed" and r.failed_in == "rollout"
@@ -492,7 +509,8 @@ def _nothing_to_train(rollouts: list[str], skipped: Counter, unattributed: int, 
     else:
         why = "every LLM call was left out"
     return (f"no transitions from {len(rollouts)} rollouts: {why} (left out: {seen}; greedy: temperature 0, n>1: "
-            f"several choices, setting:<name>: a sampling setting the trainer cannot reproduce; see docs/credit.md)")
+            f"several choices, setting:<name>: a sampling setting the trainer cannot reproduce, other_component: "
+            f"not of rollout.components; see docs/credit.md; `lightning check` shows each rollout)")
 
 
 def _fmt(value: float | None) -> str:

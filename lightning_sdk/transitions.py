@@ -73,7 +73,8 @@ def to_transitions(
 
     A scored rollout trains with its reward; a failed one only when `failed_reward` is given (its calls then train
     with that episode reward). `skipped` counts what was left out, by reason: "no_llm_call" (a rollout that made
-    none), "failed_call", "greedy", "n>1", "setting:<name>", "bad_token_ids", "unassigned_reward", "bad_reward".
+    none), "failed_call", "greedy", "n>1", "setting:<name>", "other_component" (not of `components`), "bad_token_ids",
+    "unassigned_reward", "bad_reward".
     """
     skipped = Counter() if skipped is None else skipped
     episode = failed_reward if failed_reward is not None else rollout.reward
@@ -90,7 +91,8 @@ def to_transitions(
     chosen = []
     for c in ok:
         if wanted and c.component not in wanted:
-            continue  # a call of another role (a judge, another provider's model): never looked at further
+            skipped["other_component"] += 1  # another role (a judge, another provider's model): not looked at further
+            continue
         reason = _left_out(c.attributes)
         if reason is not None:
             skipped[reason] += 1

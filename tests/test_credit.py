@@ -115,20 +115,20 @@ def test_a_reward_is_credited_once_to_a_call_that_ended_before_it():
 
 def test_failed_reward_penalises_only_the_policys_failures():
     from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
-    from lightning_sdk.runtime import _policy_failure
+    from lightning_sdk.runtime import policy_failure
 
     job = RolloutJob(rollout_id="r", task_id="t", group_id="g", task={}, iteration=0)
 
     def failed(error, stage="rollout"):
         return RolloutResult(job, "failed", None, None, error, failed_in=stage)
 
-    assert _policy_failure(failed("ValueError: could not parse the model's answer"))
-    assert _policy_failure(failed("BadRequestError: Error code: 400 - the prompt has 3000 tokens"))
-    assert not _policy_failure(failed("TimeoutError: rollout r took longer than rollout.timeout=1s"))
-    assert not _policy_failure(failed("APIConnectionError: Connection error."))
-    assert not _policy_failure(failed("InternalServerError: Error code: 500"))
-    assert not _policy_failure(failed("@reward raised KeyError: 'x'", stage="reward"))
-    assert not _policy_failure(RolloutResult(job, "succeeded", 1.0))
+    assert policy_failure(failed("ValueError: could not parse the model's answer"))
+    assert policy_failure(failed("BadRequestError: Error code: 400 - the prompt has 3000 tokens"))
+    assert not policy_failure(failed("TimeoutError: rollout r took longer than rollout.timeout=1s"))
+    assert not policy_failure(failed("APIConnectionError: Connection error."))
+    assert not policy_failure(failed("InternalServerError: Error code: 500"))
+    assert not policy_failure(failed("@reward raised KeyError: 'x'", stage="reward"))
+    assert not policy_failure(RolloutResult(job, "succeeded", 1.0))
 
 
 def test_train_options_are_validated_at_the_edge():

@@ -2,7 +2,9 @@
 teachers make: a fresh checkout with an empty model cache builds nothing, and an edited teacher is caught here
 (the builder itself is tested on small real builds in test_tiny_teacher.py)."""
 
+import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,40 @@ def test_an_edited_teacher_is_built_into_the_cache_not_taken_from_its_stale_preb
     path = Path(models.resolve(f"tiny:{tmp_path / 'teacher.py'}"))
     assert path.parent == tmp_path / "cache" / "models" and path.name != stale.name
     assert json.loads((path / "lightning_sdk_build.json").read_text())["steps"] == 2  # really built
+
+
+# ------------------------------------------------------------------------------------------------ context
+
+
+def test_the_tiny_models_hold_4096_positions_and_a_cached_older_build_is_brought_up(tmp_path, monkeypatch):
+    for teacher in TEACHERS:
+        [model] = models.tiny_recipe(teacher).prebuilt.glob("tiny-*")
+        assert json.loads((model / "config.json").read_text())["max_position_embeddings"] == tiny.POSITIONS == 4096
+    # a build of this recipe cached with 512 positions: the same weights, so only its config changes
+    monkeypatch.setenv("LIGHTNING_SDK_CACHE", str(tmp_path))
+    recipe = models.tiny_recipe(ROOT / "cookbook/arith/teacher.py")
+    cached = tiny.cache_dir(tiny.model_name(recipe.teacher))
+    shutil.copytree(recipe.prebuilt / tiny.model_name(recipe.teacher), cached)
+    config = json.loads((cached / "config.json").read_text())
+    (cached / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
+    assert tiny.ensure_built(recipe.teacher) == cached
+    assert json.loads((cached / "config.json").read_text()) == config
+
+
+def test_the_built_in_server_takes_a_3500_token_prompt_by_default(caplog):
+    from lightning_sdk.engine.engine import Engine, GenerationRequest
+
+    path = models.resolve("builtin:tiny-arith")
+    with caplog.at_level("WARNING", logger="lightning_sdk.servers"):
+        engine = Engine(path, dtype="float32", max_batch_size=2)
+    try:
+        assert engine.max_model_len == 4096 and not caplog.records  # the model's own context, no warning
+        prompt = engine.encode_chat([{"role": "user", "content": "What is 1 + 2? " * 500}])
+        assert 3300 < len(prompt) < 4000
+        result = asyncio.run(engine.generate(GenerationRequest(prompt, max_tokens=8, temperature=1.0, seed=0)))
+        assert result.choices[0].token_ids and result.prompt_ids == prompt
+    finally:
+        engine.close()
+    with caplog.at_level("WARNING", logger="lightning_sdk.servers"):
+        Engine(path, dtype="float32", max_model_len=8192).close()
+    assert "max_model_len 8192 (serve.max_model_len) is more than the model holds" in caplog.text

@@ -108,9 +108,14 @@ def test_token_weights_constant_and_bnpo():
     # Dr.GRPO: 3 live transitions x L = 8 -> every token 1/24, whatever the lengths
     w = token_weights(N_TOK, RIDS, "constant", max_completion_length=8)
     assert torch.allclose(w, torch.tensor([1 / 24, 1 / 24, 1 / 24, 0.0]))
-    # bnpo: micro-batch 0 holds 2 + 6 tokens, micro-batch 1 holds 4: mean per micro-batch, then over the 2
-    w = token_weights(N_TOK, RIDS, "bnpo", micro_batch=[0, 0, 1, 1])
+    # bnpo: group x holds 2 + 6 tokens, group y 4: the token mean of each group, then the mean over the 2 groups
+    w = token_weights(N_TOK, RIDS, "bnpo", group_ids=["x", "x", "y", "y"])
     assert torch.allclose(w, torch.tensor([1 / 16, 1 / 16, 1 / 8, 0.0]))
+    # within a group every token weighs the same, short completion or long: no length bias inside a group
+    w = token_weights([1, 9, 5, 5], ["a", "b", "c", "d"], "bnpo", group_ids=["x", "x", "y", "y"])
+    assert torch.allclose(w, torch.tensor([1 / 20] * 4))
+    with pytest.raises(ValueError, match="group"):
+        token_weights(N_TOK, RIDS, "bnpo")
     with pytest.raises(ValueError, match="max_completion_length"):
         token_weights(N_TOK, RIDS, "constant")
 
@@ -295,7 +300,7 @@ def cfg(**kw) -> TrainConfig:
 # ------------------------------------------------------------------------------------------ real model steps
 
 
-@pytest.mark.parametrize("norm", ["rollout", "token", "sequence", "constant"])
+@pytest.mark.parametrize("norm", ["rollout", "token", "sequence", "constant", "bnpo"])
 def test_gradient_accumulation_is_exact(model_path, tok, norm):
     # SGD(lr=1) with no clipping makes the parameter change exactly -grad, so we compare gradients through step().
     deltas, metrics = [], []

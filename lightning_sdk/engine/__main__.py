@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--api-key", default=os.environ.get("LIGHTNING_SDK_SERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 (default: $LIGHTNING_SDK_SERVE_API_KEY)")
     p.add_argument("--max-batch-size", type=int, default=64, help="most sequences decoded together")
-    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens, at most")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion tokens, at most (default: the model's max_position_embeddings)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quantization", default="none", choices=["none", "4bit"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

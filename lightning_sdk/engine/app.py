@@ -52,7 +52,23 @@ class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(Lenient):
+class Sampled(Lenient):
+    """Request fields both APIs share beyond OpenAI's: a sampling setting this server applies (top_k, as vLLM),
+    and one it cannot serve, refused by name rather than ignored (an agent would get unconstrained text)."""
+
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: every token
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "text") != "text":
+            raise ValueError(f"type {v.get('type')!r} is not served: this server has no constrained decoding (JSON "
+                             f"mode, JSON schema); ask for text and parse it, or serve with vLLM")
+        return v
+
+
+class ChatCompletionRequest(Sampled):
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
     temperature: float | None = Field(None, ge=0)
@@ -86,7 +102,7 @@ class ChatCompletionRequest(Lenient):
         return v
 
 
-class CompletionRequest(Lenient):
+class CompletionRequest(Sampled):
     """The completions API (one prompt: text, or token ids), as OpenAI and vLLM take it."""
 
     model: str
@@ -262,7 +278,7 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
         req = GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=body.max_tokens or 16,
             temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, n=body.n, stop=stop,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, n=body.n, stop=stop,
             stop_token_ids=list(body.stop_token_ids or []), top_logprobs=body.logprobs or 0, seed=body.seed,
             adapter=None if body.model == served_model_name else body.model)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -330,6 +346,7 @@ async def _to_generation_request(engine: Engine, body: ChatCompletionRequest, se
         max_tokens=requested if requested is not None else min(DEFAULT_MAX_TOKENS, room),
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
         n=body.n,
         stop=stop,
         stop_token_ids=list(body.stop_token_ids or []),

@@ -30,7 +30,7 @@ class Row:
 
 
 @dataclass
-class Batch:
+class DecodeBatch:
     """The rows decoding together and their KV cache. `mask` covers the cache's columns (1: a real token);
     rows are aligned on the right, so a row's padding is on its left and its next token is the next column."""
 
@@ -59,7 +59,7 @@ class Batch:
                 layer.keys, layer.values = layer.keys[..., start:, :], layer.values[..., start:, :]
             self.mask = self.mask[:, start:]
 
-    def join(self, other: Batch) -> Batch:
+    def join(self, other: DecodeBatch) -> DecodeBatch:
         """This batch with `other`'s rows appended: both caches left-padded to a common length and stacked."""
         if not (mergeable(self.cache) and mergeable(other.cache)):
             raise RuntimeError("this model's KV cache cannot be merged across batches")

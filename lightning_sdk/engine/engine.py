@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.engine.batch import Batch, Row
+from lightning_sdk.engine.batch import DecodeBatch, Row
 from lightning_sdk.engine.requests import (
     Choice,
     ChoiceDelta,
@@ -30,18 +30,19 @@ from lightning_sdk.engine.requests import (
     RequestError,
     Job,
 )
-from lightning_sdk.engine.sampling import eos_ids, find_stop, sample
+from lightning_sdk.engine.sampling import eos_ids, find_stop, sample_next
 from lightning_sdk.engine.scheduler import Scheduler
 from lightning_sdk.models.adapter import nonfinite_in_adapter
 
 log = logging.getLogger("lightning_sdk.servers")
 
 MAX_TOP_LOGPROBS = 20
+DEFAULT_MAX_MODEL_LEN = 2048  # for a model whose config names no context length
 
 
 class Engine:
     def __init__(self, model_path: str, *, dtype: str = "auto", quantization: str = "none",
-                 max_batch_size: int = 64, max_model_len: int = 2048, seed: int = 0, device: str = "cpu"):
+                 max_batch_size: int = 64, max_model_len: int | None = None, seed: int = 0, device: str = "cpu"):
         t0 = time.monotonic()
         self.device = torch.device(device)
         self.tokenizer = models.load_tokenizer(model_path)
@@ -51,9 +52,11 @@ class Engine:
         self.model.requires_grad_(False)
         self.max_batch_size = max_batch_size
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        if limit is not None and max_model_len > limit:
-            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d; using %d",
-                        max_model_len, limit, limit)
+        if max_model_len is None:  # the model's own context, as vLLM takes it
+            max_model_len = limit or DEFAULT_MAX_MODEL_LEN
+        elif limit is not None and max_model_len > limit:
+            log.warning("max_model_len %d (serve.max_model_len) is more than the model holds (max_position_embeddings "
+                        "%d); serving %d", max_model_len, limit, limit)
             max_model_len = limit
         self.max_model_len = max_model_len
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
@@ -173,7 +176,7 @@ class Engine:
 
     # ---- the generation thread (the scheduler calls these) ----
 
-    def _prefill(self, jobs: list[Job]) -> Batch | None:
+    def _prefill(self, jobs: list[Job]) -> DecodeBatch | None:
         """Prompt pass for new jobs, left-padded together; their first token is sampled. None if all finished."""
         rows = [Row(job, i) for job in jobs for i in range(job.req.n)]
         self.stats["requests"] += len(jobs)
@@ -187,13 +190,13 @@ class Engine:
             mask[b, longest - len(p):] = 1
         mask = mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        batch = Batch(rows, None, mask, positions,
+        batch = DecodeBatch(rows, None, mask, positions,
                        temps=torch.tensor([r.req.temperature for r in rows], dtype=torch.float32),
                        top_ps=torch.tensor([r.req.top_p for r in rows], dtype=torch.float32))
         self._forward(batch, ids)
         return batch if batch.rows else None
 
-    def _forward(self, batch: Batch, ids: torch.Tensor) -> None:
+    def _forward(self, batch: DecodeBatch, ids: torch.Tensor) -> None:
         """One model step for the batch (prefill when it has no cache yet), one token sampled per row; finished
         rows leave the batch."""
         if batch.cache is not None:  # a decode step: one new column, one position further
@@ -205,7 +208,7 @@ class Engine:
         batch.cache = out.cache if hasattr(out, "cache") else out.past_key_values
         batch.positions = batch.positions[:, -1:]
         # Sampling stays on the CPU, where the requests' seeded generators are.
-        tokens, logps, top = sample(out.logits[:, -1, :].float().cpu(), batch.temps, batch.top_ps, batch.rows, self._gen)
+        tokens, logps, top = sample_next(out.logits[:, -1, :].float().cpu(), batch.temps, batch.top_ps, batch.rows, self._gen)
         batch.tokens = tokens
         keep = [b for b, r in enumerate(batch.rows)
                 if not self._append(r, int(tokens[b]), float(logps[b]), top[b] if top else None)]

@@ -31,6 +31,7 @@ class GenerationRequest:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # sample among the k most probable tokens; 0 or -1: all (vLLM's convention)
     n: int = 1
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

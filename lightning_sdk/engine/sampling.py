@@ -15,14 +15,15 @@ from lightning_sdk.engine.batch import Row
 from lightning_sdk.train.grpo import top_p_keep
 
 
-def sample(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, rows: list[Row],
+def sample_next(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, rows: list[Row],
             generator: torch.Generator):
-    """Per-row greedy or temperature/top-p sampling.
+    """Per-row greedy or temperature/top-k/top-p sampling.
 
     Log-probs are of the distribution each token was drawn from: the temperature-scaled softmax, renormalised over
-    the top-p nucleus for top_p < 1 rows (what vLLM reports with processed_logprobs, and what the trainer
-    recomputes with the same `top_p_keep`); greedy rows report the raw log-softmax. Top log-probs come from the
-    same distribution (-inf outside the nucleus).
+    the tokens kept (what vLLM reports with processed_logprobs): the top_k most probable, then the top-p nucleus of
+    those, as vLLM applies them. The trainer recomputes top_p alone with the same `top_p_keep`; a top_k call is
+    served as asked and left out of training by the gateway's record ("setting:top_k"). Greedy rows report the raw
+    log-softmax. Top log-probs come from the same distribution (-inf outside the tokens kept).
     """
     greedy = temps == 0
     logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(1), dim=-1)
@@ -38,13 +39,20 @@ def sample(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, rows
     for bs in seeded.values():
         u[bs] = torch.rand(len(bs), generator=rows[bs[0]].job.generator)
     picked = inverse_cdf(probs, u)
-    nucleus = ((top_ps < 1) & ~greedy).nonzero().squeeze(1)
-    if len(nucleus):
-        # One mask for drawing and for reporting: the token drawn is always inside the nucleus reported.
-        keep = top_p_keep(probs[nucleus], top_ps[nucleus].unsqueeze(1))
-        order = probs[nucleus].argsort(dim=-1, descending=True, stable=True)
-        picked[nucleus] = order.gather(1, inverse_cdf((probs[nucleus] * keep).gather(1, order), u[nucleus]))
-        logp[nucleus] = torch.log_softmax(logp[nucleus].masked_fill(~keep, -math.inf), dim=-1)
+    top_ks = torch.tensor([r.req.top_k for r in rows])
+    limited = (((top_ps < 1) | (top_ks > 0)) & ~greedy).nonzero().squeeze(1)
+    if len(limited):
+        # One mask for drawing and for reporting: the token drawn is always among the tokens reported.
+        p, k = probs[limited], top_ks[limited].unsqueeze(1)
+        order = p.argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(p.shape[1]).expand_as(order))
+        in_top_k = (rank < k) | (k <= 0)
+        # top_p over the top-k renormalised; rows without top_k keep the exact probabilities the trainer sees
+        kept = p * in_top_k
+        p_for_top_p = torch.where(k > 0, kept / kept.sum(-1, keepdim=True), p)
+        keep = in_top_k & top_p_keep(p_for_top_p, top_ps[limited].unsqueeze(1))
+        picked[limited] = order.gather(1, inverse_cdf((p * keep).gather(1, order), u[limited]))
+        logp[limited] = torch.log_softmax(logp[limited].masked_fill(~keep, -math.inf), dim=-1)
     tokens = torch.where(greedy, logits.argmax(-1), picked.squeeze(1))
     token_logp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     k = max(r.req.top_logprobs for r in rows)

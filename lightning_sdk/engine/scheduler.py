@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_sdk.engine.batch import Batch, mergeable
+from lightning_sdk.engine.batch import DecodeBatch, mergeable
 from lightning_sdk.engine.requests import ModelNotFound, RequestError, Job, set_future
 
 log = logging.getLogger("lightning_sdk.servers")
@@ -48,8 +48,8 @@ class _Control:
 class Scheduler:
     """Runs queued jobs in continuous batches, and control work between batches, on one daemon thread."""
 
-    def __init__(self, prefill: Callable[[list[Job]], Batch | None],
-                 forward: Callable[[Batch, torch.Tensor], None],
+    def __init__(self, prefill: Callable[[list[Job]], DecodeBatch | None],
+                 forward: Callable[[DecodeBatch, torch.Tensor], None],
                  adapter_context: Callable[[str | None], AbstractContextManager], *,
                  max_batch_size: int, stats: dict[str, int]):
         self._prefill, self._forward, self._adapter_context = prefill, forward, adapter_context
@@ -151,7 +151,7 @@ class Scheduler:
         more, admitting = self._admit(adapter, first.req.n)
         newcomers = [first, *more]
         taken += more
-        batch: Batch | None = None
+        batch: DecodeBatch | None = None
         while True:
             if batch is not None:  # one decode step for the running rows
                 self._forward(batch, batch.tokens.unsqueeze(1))

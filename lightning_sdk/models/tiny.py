@@ -24,13 +24,16 @@ from typing import Protocol, Union
 from lightning_sdk.files import atomic_dir
 
 VERSION = 3  # bump when the recipe changes, so stale caches are rebuilt
+# Positions a tiny model holds: RoPE has no position table, so they cost nothing until a prompt uses them, and the
+# weights do not depend on the number (a build that says fewer differs from this recipe in config.json alone).
+POSITIONS = 4096
 
 log = logging.getLogger(__name__)  # the build's status lines (`lightning` shows lightning_sdk.* at INFO)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, with tools the Qwen2.5 way: offered tools in the system turn, calls as <tool_call>{json}</tool_call> in
 # the assistant turn, results as <tool_response> in a user turn. The tool list is compact (name, parameters,
-# description) rather than full JSON schemas, because the tiny models have only 512 positions.
+# description) rather than full JSON schemas, so prompts stay as short as a model this small was taught on.
 CHAT_TEMPLATE = (  # no "{%-" and no newline right after "%}": both would eat the template's own newlines
     "{% if tools %}<|im_start|>system\n"
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n' }}{% endif %}"
@@ -112,6 +115,7 @@ def ensure_built(teacher: Teacher, *, steps: int = 300, batch: int = 128, prebui
         return prebuilt / model_name(teacher)
     target = cache_dir(model_name(teacher))
     if (target / "config.json").exists():
+        _hold_positions(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
@@ -127,6 +131,19 @@ def ensure_built(teacher: Teacher, *, steps: int = 300, batch: int = 128, prebui
                 build(tmp, teacher, steps=steps, batch=batch)
             log.info(f"built {what or teacher.key} in {time.monotonic() - start:.0f} s")
     return target
+
+
+def _hold_positions(model: Path) -> None:
+    """A cached build whose config.json gives fewer than POSITIONS positions gets POSITIONS (its weights are this
+    recipe's: see POSITIONS); written atomically, so a concurrent reader sees one config or the other."""
+    path = model / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("max_position_embeddings", POSITIONS) >= POSITIONS:
+        return
+    config["max_position_embeddings"] = POSITIONS
+    tmp = path.with_name(f".config.json.{os.getpid()}")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def render(messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True) -> str:
@@ -217,7 +234,7 @@ def build(out: Path, teacher: Teacher, *, seed: int = 0, steps: int = 300, batch
         num_attention_heads=2,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=512,
+        max_position_embeddings=POSITIONS,
         tie_word_embeddings=False,  # a tied random-init head learns far slower under LoRA
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.pad_token_id,

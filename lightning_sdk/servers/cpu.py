@@ -13,7 +13,7 @@ class CPUServer(ServerProcess):
     """The built-in CPU server in a subprocess. `with CPUServer(...) as server:` starts and stops it."""
 
     def __init__(self, model: str, *, served_model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, max_batch_size: int = 64, max_model_len: int = 2048,
+                 api_key: str | None = None, max_batch_size: int = 64, max_model_len: int | None = None,
                  dtype: str = "auto", quantization: str = "none", threads: int | None = None,
                  startup_timeout: float = 120, log_path: str | Path | None = None,
                  header_timeout: float | None = None, max_connections: int | None = None, device: str = "cpu",
@@ -34,7 +34,8 @@ class CPUServer(ServerProcess):
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "lightning_sdk.engine", "--model", self.model,
                "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
-               "--max-batch-size", str(self.max_batch_size), "--max-model-len", str(self.max_model_len),
+               "--max-batch-size", str(self.max_batch_size),
+               *(["--max-model-len", str(self.max_model_len)] if self.max_model_len is not None else []),
                "--dtype", self.dtype, "--quantization", self.quantization, "--seed", str(self.seed),
                "--parent-pid", str(os.getpid())]
         if self.threads:

@@ -51,6 +51,18 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
     )
 
 
+def resolved_backend(cfg: Config) -> str:
+    """'cpu' or 'vllm': the backend make_server starts for `cfg` (serve.backend 'auto' decided the same way; the Ray
+    runtime serves with built-in CPU servers only)."""
+    if cfg.run.runtime == "ray" or cfg.serve.backend == "cpu":
+        return "cpu"
+    if cfg.serve.backend == "vllm":
+        return "vllm"
+    from lightning_sdk.servers.vllm import vllm_unavailable_reason
+
+    return "cpu" if vllm_unavailable_reason() else "vllm"
+
+
 def server_seed(cfg: Config) -> int:
     """The sampler's seed: run.seed and the iterations run.dir's checkpoints already hold, so another run.seed and
     every resume draw a stream of their own instead of replaying the first start's."""

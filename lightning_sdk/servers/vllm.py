@@ -52,14 +52,14 @@ def max_lora_rank(lora_r: int) -> int:
 
 
 def vllm_command(model: str, *, served_model_name: str, host: str, port: int, lora_r: int, max_loras: int = 2,
-                 dtype: str = "auto", max_model_len: int = 2048, gpu_memory_utilization: float = 0.5,
+                 dtype: str = "auto", max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  sleep: bool = True, extra_args: Sequence[str] = (),
                  launcher: Sequence[str] | None = None) -> list[str]:
     """The `vllm serve` command line. `launcher` replaces the program (default: this interpreter running vLLM's
     CLI, so the vllm of the current environment runs, whatever is first on PATH)."""
     launcher = list(launcher) if launcher else [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
     cmd = [*launcher, model, "--served-model-name", served_model_name, "--host", host, "--port", str(port),
-           "--dtype", dtype, "--max-model-len", str(max_model_len),
+           "--dtype", dtype, *(["--max-model-len", str(max_model_len)] if max_model_len is not None else []),
            "--gpu-memory-utilization", f"{gpu_memory_utilization:g}",
            "--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_r)), "--max-loras", str(max_loras),
            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
@@ -84,7 +84,7 @@ class VLLMServer(ServerProcess):
     stop_timeout = 30.0  # the engine core process needs a moment to release the GPU
 
     def __init__(self, model: str, *, served_model_name: str, lora_r: int, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, max_loras: int = 2, dtype: str = "auto", max_model_len: int = 2048,
+                 api_key: str | None = None, max_loras: int = 2, dtype: str = "auto", max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.5, sleep_level: int = 1, extra_args: Sequence[str] = (),
                  startup_timeout: float = 600, log_path: str | Path | None = None,
                  launcher: Sequence[str] | None = None):

@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 STD_EPS = 1e-4  # added to the std before dividing (TRL's convention)
+KL_LOG_RATIO_CLAMP, KL_CLAMP = 20.0, 10.0  # verl's low_var_kl bounds on the k3 term
 SCALES = ("group", "batch", "none")
 
+# group id -> {rollout id: outcome} of EVERY scored rollout of the group, those that left no transition (all their
+# calls greedy, failed or of another component) included: the baseline is the group's, not the trained calls'.
+GroupOutcomes = Mapping[str, Mapping[str, float]]
 
-def _groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str],
-            rollout_ids: Sequence[str]) -> dict[str, tuple[list[str], torch.Tensor]]:
-    """group -> (its rollouts in first-seen order, their outcomes in float64). Every transition of a rollout must
-    carry the same outcome: the episode reward is the rollout's, not the call's."""
+
+def _groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str], rollout_ids: Sequence[str],
+            scored: GroupOutcomes | None = None) -> dict[str, tuple[list[str], torch.Tensor]]:
+    """group -> (its rollouts, their outcomes in float64): the transitions' rollouts in first-seen order, or, with
+    `scored`, every scored rollout of each group the transitions touch. Every transition of a rollout must carry
+    the same outcome: the episode reward is the rollout's, not the call's."""
     per: dict[str, float] = {}
     members: dict[str, list[str]] = defaultdict(list)
     for r, g, rid in zip(torch.as_tensor(outcomes, dtype=torch.float64).tolist(), group_ids, rollout_ids):
@@ -30,14 +36,35 @@ def _groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str],
         elif per[rid] != r:
             raise ValueError(f"rollout {rid}: its transitions carry different episode rewards ({per[rid]} and {r});"
                              f" intermediate rewards belong in Transition.shaping")
+    if scored is not None:
+        for g, rids in members.items():
+            everyone = scored.get(g, {})
+            for rid in rids:
+                if rid not in everyone or float(everyone[rid]) != per[rid]:
+                    raise ValueError(f"rollout {rid}: its outcome {per[rid]} is not the one the scored rollouts of "
+                                     f"group {g} give it ({everyone.get(rid)})")
+            for rid, r in everyone.items():
+                if not math.isfinite(float(r)):
+                    raise ValueError(f"group_advantages: rollout {rid}'s outcome {r} is not finite")
+                per[rid] = float(r)
+            members[g] = list(everyone)
     return {g: (rids, torch.tensor([per[r] for r in rids], dtype=torch.float64)) for g, rids in members.items()}
 
 
 def zero_variance_groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str],
-                         rollout_ids: Sequence[str]) -> set[str]:
+                         rollout_ids: Sequence[str], scored: GroupOutcomes | None = None) -> set[str]:
     """Groups of two or more rollouts whose episode rewards are all equal: they carry no GRPO signal."""
-    return {g for g, (rids, x) in _groups(outcomes, group_ids, rollout_ids).items()
+    return {g for g, (rids, x) in _groups(outcomes, group_ids, rollout_ids, scored).items()
             if len(rids) > 1 and bool(x.max() == x.min())}
+
+
+def single_rollout_groups(group_ids: Sequence[str], rollout_ids: Sequence[str],
+                          scored: GroupOutcomes | None = None) -> set[str]:
+    """Groups with one scored rollout (with `scored`; else one rollout among the transitions): no baseline."""
+    seen: dict[str, set[str]] = defaultdict(set)
+    for g, rid in zip(group_ids, rollout_ids):
+        seen[g].add(rid)
+    return {g for g, rids in seen.items() if len(scored[g] if scored is not None and g in scored else rids) < 2}
 
 
 def group_advantages(
@@ -48,6 +75,7 @@ def group_advantages(
     *,
     credit: Sequence[float] | None = None,
     shaping: Sequence[float] | None = None,
+    scored: GroupOutcomes | None = None,
 ) -> torch.Tensor:
     """One advantage per transition (LLM call), from its rollout's outcome and its own intermediate rewards.
 
@@ -57,7 +85,8 @@ def group_advantages(
        position alone) plus its shaping s_k / d, the shaping limited to what the rollout failing (succeeding)
        outright would do to A_r: it stays within [A_r(R_r -> worst R in group) - A_r, A_r(R_r -> best) - A_r].
     Groups with one rollout, or whose outcomes are all equal, give 0 to every call, shaping included: intermediate
-    rewards alone never make a training signal.
+    rewards alone never make a training signal. `scored` gives every scored rollout's outcome per group: the mean,
+    the std and "one rollout" then count the rollouts that left no transition too (docs/credit.md rule 1).
     """
     if scale not in SCALES:
         raise ValueError(f"scale {scale!r}: expected one of {SCALES}")
@@ -73,7 +102,7 @@ def group_advantages(
             i = int(bad[0])
             raise ValueError(f"group_advantages: {name}[{i}] = {v[i].item()} (rollout {rollout_ids[i]}) is not "
                              f"finite")
-    groups = _groups(outcomes, group_ids, rollout_ids)
+    groups = _groups(outcomes, group_ids, rollout_ids, scored)
     live = {g: v for g, v in groups.items() if len(v[0]) > 1}
     batch_d = 1.0
     if scale == "batch" and live:
@@ -113,7 +142,7 @@ def group_advantages(
 
 
 def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_norm: str = "rollout", *,
-                  max_completion_length: int | None = None, micro_batch: Sequence[int] | None = None) -> torch.Tensor:
+                  max_completion_length: int | None = None, group_ids: Sequence[str] | None = None) -> torch.Tensor:
     """The loss weight of each completion token of each transition (all tokens of one transition weigh the same).
 
     Weights are fixed over the whole batch before it is split, so summing the loss over micro-batches gives
@@ -124,8 +153,10 @@ def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_no
                   "seq-mean-token-mean")
       "constant": every token weighs 1/(N * max_completion_length) (Dr.GRPO; TRL "dr_grpo", verl
                   "seq-mean-token-sum-norm"): no length bias, the normaliser never depends on the batch
-      "bnpo":     every token weighs 1/(M * tokens of its micro-batch), M micro-batches (TRL "bnpo": the mean over
-                  each local batch's tokens, averaged over gradient-accumulation steps); needs micro_batch
+      "bnpo":     every token weighs 1/(G * tokens of its group), G groups: the token mean of each group, averaged
+                  over groups (TRL "bnpo", the token mean of each local batch, with one group as the local batch);
+                  needs group_ids. Never the physical micro-batches: those are cut by length, and a mean per
+                  micro-batch would favour the short completions sorted together
     Transitions without completion tokens get 0 and do not count.
     """
     n = torch.as_tensor(num_tokens, dtype=torch.float64)
@@ -141,13 +172,13 @@ def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_no
             raise ValueError("loss_norm 'constant' needs max_completion_length (train.max_completion_length)")
         w = torch.full_like(n, 1.0 / (float(live.sum()) * max_completion_length))
     elif loss_norm == "bnpo":
-        if micro_batch is None:
-            raise ValueError("loss_norm 'bnpo' needs each transition's micro-batch")
-        per_mb: Counter[int] = Counter()
-        for mb, k in zip(micro_batch, num_tokens):
-            per_mb[mb] += k
-        m = sum(1 for k in per_mb.values() if k > 0)
-        w = torch.tensor([1.0 / (m * max(per_mb[mb], 1)) for mb in micro_batch], dtype=torch.float64)
+        if group_ids is None:
+            raise ValueError("loss_norm 'bnpo' needs each transition's group")
+        per_group: Counter[str] = Counter()
+        for g, k in zip(group_ids, num_tokens):
+            per_group[g] += k
+        m = sum(1 for k in per_group.values() if k > 0)
+        w = torch.tensor([1.0 / (m * max(per_group[g], 1)) for g in group_ids], dtype=torch.float64)
     elif loss_norm == "rollout":
         per_rollout: Counter[str] = Counter()
         for rid, k in zip(rollout_ids, num_tokens):
@@ -172,6 +203,7 @@ def grpo_loss(
     is_weight: torch.Tensor | None = None,
     log_ratio_clamp: float | None = 20.0,
     dual_clip: float | None = None,
+    level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level clipped GRPO objective, weighted: sum(weights * (-is_w * min(r*A, clip(r)*A) + beta*KL)).
 
@@ -183,9 +215,19 @@ def grpo_loss(
     Stats are weighted sums like the loss (means when weights sum to 1; they add up over micro-batches): clip_frac
     is the share of tokens whose gradient the clip removed, ratio the mean ratio, kl the mean KL (only when ref_logp
     is given), is_weight the mean importance weight (only when given), dual_clip_frac (only with dual_clip).
+    level "sequence" (GSPO) gives every token of a row its sequence's ratio, exp(mean log-ratio over the row's
+    tokens, those of weight > 0), with the gradient of that mean (TRL's importance_sampling_level="sequence").
+    The k3 term is verl's low_var_kl: its log-ratio clamped to +-KL_LOG_RATIO_CLAMP, the value to +-KL_CLAMP, so one
+    token far from the reference cannot dominate the loss.
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = logp - old_logp
+    if level == "sequence":
+        real = (weights > 0).to(log_ratio.dtype).expand_as(log_ratio)
+        seq = (log_ratio * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1.0)
+        log_ratio = seq.expand_as(log_ratio)
+    elif level != "token":
+        raise ValueError(f"level {level!r}: expected 'token' or 'sequence'")
     if log_ratio_clamp is not None:
         log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
@@ -207,8 +249,8 @@ def grpo_loss(
         per_token = per_token * is_weight
         stats["is_weight"] = (weights * is_weight).sum().detach()
     if ref_logp is not None:
-        d = ref_logp - logp
-        kl = torch.exp(d) - d - 1.0
+        d = (ref_logp - logp).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+        kl = (torch.exp(d) - d - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
         per_token = per_token + beta * kl
         stats["kl"] = (weights * kl).sum().detach()
     return (weights * per_token).sum(), stats

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,11 +57,3 @@ def collate(ts: Sequence[Transition], adv: torch.Tensor, w: torch.Tensor, device
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     fields = (ids, mask, pos, ids[:, P:], weights, adv.view(B, 1), temps, top_p, slp, has)
     return Batch(*(x.to(device) for x in fields))
-
-
-def drop_single_rollout_groups(ts: Sequence[Transition]) -> list[Transition]:
-    """A group with one rollout has no baseline to compare against: it carries no GRPO signal."""
-    rollouts: dict[str, set[str]] = defaultdict(set)
-    for t in ts:
-        rollouts[t.group_id].add(t.rollout_id)
-    return [t for t in ts if len(rollouts[t.group_id]) > 1]

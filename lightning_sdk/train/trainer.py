@@ -32,10 +32,10 @@ from lightning_sdk.config import Policy, TrainConfig
 from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
 from lightning_sdk.models.adapter import first_nonfinite
-from lightning_sdk.train.microbatch import Batch, collate, drop_single_rollout_groups
+from lightning_sdk.train.microbatch import Batch, collate
 from lightning_sdk.train.checkpoint import ADAPTER, ADAPTERS
-from lightning_sdk.train.grpo import (entropy, group_advantages, grpo_loss, sampler_is_weight, token_weights,
-                                     top_p_keep, zero_variance_groups)
+from lightning_sdk.train.grpo import (GroupOutcomes, entropy, group_advantages, grpo_loss, sampler_is_weight,
+                                     single_rollout_groups, token_weights, top_p_keep, zero_variance_groups)
 from lightning_sdk.transitions import Transition
 
 log = logging.getLogger("lightning_sdk")
@@ -91,13 +91,16 @@ class GRPOTrainer:
     """A LoRA (or QLoRA) adapter on a frozen base model, trained with GRPO from transitions."""
 
     def __init__(self, model_path: str, config: TrainConfig, *, quantization: str = "none", dtype: str = "auto",
-                 seed: int = 0, total_steps: int | None = None, policies: Sequence[Policy] | None = None) -> None:
+                 seed: int = 0, total_steps: int | None = None, policies: Sequence[Policy] | None = None,
+                 backend: str = "cpu") -> None:
         """`total_steps`: optimizer steps of the whole run (iterations x epochs), the horizon of a linear or cosine
         train.lr_schedule. `policies`: one named adapter each (config.policies of a run with [policies]); none =
-        one adapter, peft's "default", trained on every transition."""
+        one adapter, peft's "default", trained on every transition. `backend`: the inference backend that samples
+        ('cpu' or 'vllm'), which decides train.importance_sampling_cap = 'auto'."""
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         self.config = config
+        self.importance_sampling_cap = config.sampling_cap(backend)
         self.device = resolve_device(config.device)
         self.global_step = 0
         torch.manual_seed(seed)  # the LoRA init
@@ -197,13 +200,16 @@ class GRPOTrainer:
         with self.model.disable_adapter() if reference else nullcontext():
             return [self._logprobs(b) for b in batches]
 
-    def step(self, transitions: Sequence[Transition]) -> dict[str, float]:
+    def step(self, transitions: Sequence[Transition], scored: GroupOutcomes | None = None) -> dict[str, float]:
         """One update phase over one collected batch: `epochs` optimizer steps, metrics averaged over them. With
-        several policies each takes its own (its adapter, its calls) and its metrics are named `<policy>.<key>`."""
+        several policies each takes its own (its adapter, its calls) and its metrics are named `<policy>.<key>`.
+
+        `scored`: group id -> {rollout id: outcome} of every scored rollout of each group, those that left no
+        transition included; the group baselines come from it (without it, from the transitions' rollouts)."""
         t0 = time.perf_counter()
         if not self._multi:
             a = self.adapters["default"]
-            plan = self._prepare(transitions)
+            plan = self._prepare(transitions, scored)
             m, trained = self._update(a, transitions, plan, t0), bool(plan.batches)
         else:
             if not transitions:
@@ -212,7 +218,7 @@ class GRPOTrainer:
             for a in self.adapters.values():
                 self.model.set_adapter(a.name)
                 mine = [t for t in transitions if t.component in a.components]
-                plan = self._prepare(transitions, a.components)
+                plan = self._prepare(transitions, scored, a.components)
                 trained |= bool(plan.batches)
                 m.update({f"{a.name}.{k}": v for k, v in self._update(a, mine, plan, t0).items()
                           if k not in ("step", "seconds")})
@@ -247,11 +253,12 @@ class GRPOTrainer:
                         totals["entropy_sum"] += (b.weights * entropy(logits)).sum().item()
                         totals["weight_sum"] += b.weights.sum().item()
                 del logits
-                is_w = (None if cfg.importance_sampling_cap is None else
-                        sampler_is_weight(olds[i], b.sampler_logp, b.has_sampler_logp, cfg.importance_sampling_cap))
+                cap = self.importance_sampling_cap
+                is_w = None if cap is None else sampler_is_weight(olds[i], b.sampler_logp, b.has_sampler_logp, cap)
                 loss, st = grpo_loss(logp, olds[i], b.adv, b.weights, clip_eps=cfg.clip_eps,
                                      clip_eps_high=cfg.clip_eps_high, ref_logp=ref, beta=cfg.beta, is_weight=is_w,
-                                     log_ratio_clamp=cfg.log_ratio_clamp, dual_clip=cfg.dual_clip)
+                                     log_ratio_clamp=cfg.log_ratio_clamp, dual_clip=cfg.dual_clip,
+                                     level=cfg.importance_sampling_level)
                 loss.backward()  # weights sum to 1 over the whole batch: accumulated grads == full-batch grads
                 totals.update({"loss": loss.item(), **{k: v.item() for k, v in st.items()}})
             norm = float(torch.nn.utils.clip_grad_norm_(a.params, cfg.max_grad_norm))
@@ -276,7 +283,8 @@ class GRPOTrainer:
                 for _ in range(steps):
                     adapter.scheduler.step()
 
-    def _prepare(self, transitions: Sequence[Transition], components: Sequence[str] = ()) -> _Plan:
+    def _prepare(self, transitions: Sequence[Transition], scored: GroupOutcomes | None,
+                 components: Sequence[str] = ()) -> _Plan:
         """Advantages and token weights over the whole batch, then micro-batches of similar lengths (less padding).
         With `components` (one policy's), the plan holds only their calls, with the advantages of the whole batch.
 
@@ -287,9 +295,10 @@ class GRPOTrainer:
         cfg = self.config
         if not transitions:
             raise ValueError("GRPOTrainer.step: empty batch, no transitions to train on")
-        ts = drop_single_rollout_groups(transitions)
+        single = single_rollout_groups([t.group_id for t in transitions], [t.rollout_id for t in transitions], scored)
+        ts = [t for t in transitions if t.group_id not in single]
         args = ([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts])
-        zero = zero_variance_groups(*args)
+        zero = zero_variance_groups(*args, scored)
         frac = len(zero) / len({t.group_id for t in ts}) if ts else 0.0
         if cfg.drop_zero_variance_groups:
             ts = [t for t in ts if t.group_id not in zero]
@@ -299,7 +308,7 @@ class GRPOTrainer:
         if not any(n):
             return _Plan(ts, torch.zeros(len(ts)), frac, sum(masked), [], [])
         adv = group_advantages(*args, cfg.scale_rewards, credit=[t.credit for t in ts],
-                               shaping=[t.shaping for t in ts])
+                               shaping=[t.shaping for t in ts], scored=scored)
         if components:
             keep = [i for i, t in enumerate(ts) if t.component in components]
             ts, adv, masked, n = [ts[i] for i in keep], adv[keep], [masked[i] for i in keep], [n[i] for i in keep]
@@ -309,12 +318,8 @@ class GRPOTrainer:
         order = sorted((i for i in range(len(ts)) if n[i]),
                        key=lambda i: len(ts[i].prompt_ids) + len(ts[i].completion_ids))
         chunks = [order[k:k + cfg.micro_batch_size] for k in range(0, len(order), cfg.micro_batch_size)]
-        micro_batch = [-1] * len(ts)
-        for k, c in enumerate(chunks):
-            for i in c:
-                micro_batch[i] = k
         w = token_weights(n, args[2], cfg.loss_norm, max_completion_length=cfg.max_completion_length,
-                          micro_batch=micro_batch)
+                          group_ids=args[1])
         return _Plan(ts, adv, frac, sum(masked), order,
                      [collate([ts[i] for i in c], adv[c], w[c], self.device) for c in chunks])
 
