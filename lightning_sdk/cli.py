@@ -323,14 +323,14 @@ def worker(module: str | None, server: str | None, token_file: Path | None, run_
         worker = client.Worker(client.settings(module=module, server=server, token_file=token_file, run_dir=run_dir,
                                                concurrency=concurrency, rollout=rollout, reward=reward), console)
         console.print(worker.run(), highlight=False, soft_wrap=True)
+        sys.exit(worker.exit_code)  # 0 when the run is over; 130 / 143 when Ctrl-C / SIGTERM stopped it
     except SetupError as e:
         _fail(console, str(e), getattr(e, "traceback", None))
     except RunError as e:
         console.print(f"[bold red]worker stopped:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)
-    except KeyboardInterrupt:
-        console.print("worker stopped (Ctrl-C); the server re-runs its unfinished rollouts after their deadline",
-                      highlight=False, soft_wrap=True)
+    except KeyboardInterrupt:  # a Ctrl-C while the settings are read: nothing claimed
+        console.print("worker stopped (Ctrl-C)", highlight=False, soft_wrap=True)
         sys.exit(130)
 
 
