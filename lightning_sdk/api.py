@@ -41,6 +41,13 @@ class RunResult:
     eval_trained: float | None
     name: str = "run"  # run.name: the single policy's name
 
+    def __repr__(self) -> str:  # a line, not the whole history: what a notebook shows after `ls.run(...)`
+        def score(x: float | None) -> str:
+            return "None" if x is None else f"{x:.3f}"
+
+        return (f"RunResult(run_dir={str(self.run_dir)!r}, iterations={self.state.completed}, "
+                f"eval_untrained={score(self.eval_untrained)}, eval_trained={score(self.eval_trained)})")
+
     @property
     def history(self) -> list[dict[str, Any]]:
         """One row per iteration, as in metrics.jsonl (iteration numbers from 1)."""
@@ -64,12 +71,13 @@ class RunResult:
 
 
 def run(config: str | Path | Config = "lightning.toml", *, resume: bool = False, overwrite: bool = False,
-          **overrides: Any) -> RunResult:
+        quiet: bool = False, **overrides: Any) -> RunResult:
     """Train as `lightning run` does and return the run's state.
 
     `config` is a lightning.toml path (or a `Config`). `overrides` set config keys for this run: `iterations=` and
     `run_dir=` like the command's flags, any key by its dotted name through a dict (`**{"train.lr": 1e-3}`);
-    relative paths are taken from the current directory, as the flags' are. Bad input raises (ConfigError,
+    relative paths are taken from the current directory, as the flags' are. `quiet` prints nothing (the run's
+    files and the returned result hold it all). Bad input raises (ConfigError,
     DatasetError, ModelLoadError, SetupError) before anything is written; a run that stops raises RunError.
     Works inside a running event loop (a notebook) too: see the module docstring.
     """
@@ -78,12 +86,12 @@ def run(config: str | Path | Config = "lightning.toml", *, resume: bool = False,
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return _run(cfg, resume=resume, overwrite=overwrite)
+        return _run(cfg, resume=resume, overwrite=overwrite, quiet=quiet)
     with ThreadPoolExecutor(1, thread_name_prefix="lightning-train") as pool:
-        return pool.submit(_run, cfg, resume=resume, overwrite=overwrite).result()
+        return pool.submit(_run, cfg, resume=resume, overwrite=overwrite, quiet=quiet).result()
 
 
-def _run(cfg: Config, *, resume: bool, overwrite: bool) -> RunResult:
+def _run(cfg: Config, *, resume: bool, overwrite: bool, quiet: bool) -> RunResult:
     from lightning_sdk.console import configure_output, make_console
 
     try:
@@ -95,7 +103,7 @@ def _run(cfg: Config, *, resume: bool, overwrite: bool) -> RunResult:
         raise SetupError(line) from None
 
     configure_output()
-    runtime = Runtime(cfg, resume=resume, overwrite=overwrite, console=make_console())
+    runtime = Runtime(cfg, resume=resume, overwrite=overwrite, console=make_console(quiet=quiet))
     state = runtime.run()
     return RunResult(run_dir=Path(cfg.run.dir), state=state, eval_untrained=state.baseline_eval,
                      eval_trained=runtime.final_eval, name=cfg.run.name)

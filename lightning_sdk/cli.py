@@ -56,6 +56,9 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
             cfg.run.iterations = iterations
     except config_mod.ConfigError as e:
         _fail(console, str(e))
+    # At once, before the trainer's imports: a log that stays empty for half a minute looks like a hang.
+    console.print(f"run {cfg.run.name!r}: {cfg.run.iterations} iterations of {cfg.model.name} in {cfg.run.dir}; "
+                  f"starting the model server and the agent", highlight=False, soft_wrap=True, markup=False)
     DatasetError, ModelLoadError, Runtime = _training_side(console, "lightning run")
     from lightning_sdk.errors import CaptureError, RunError, SetupError
 
@@ -161,7 +164,8 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
 @main.command()
 @click.option("-c", "--config", "config_path", default="lightning.toml", show_default=True,
               type=click.Path(dir_okay=False, path_type=Path), help="Find the store through this run's run.dir.")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="The run's directory.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="A run directory, or a folder of runs (default: run.dir in --config).")
 @click.option("-n", "--limit", default=20, show_default=True, type=click.IntRange(min=1))
 @click.option("--rollout", "rollout_id", help="Show one rollout's spans.")
 @click.option("--status", type=click.Choice(["running", "succeeded", "failed", "abandoned", "untrained"]))
@@ -170,7 +174,6 @@ def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str 
            checkpoint: str | None) -> None:
     """List recent rollouts with their reward and LLM calls (or one rollout's spans)."""
     from lightning_sdk.store import Store
-    from lightning_sdk.train.checkpoint import checkpoint_name, completed_iterations, trained_into
 
     console = make_console()
     if run_dir is None:
@@ -178,24 +181,64 @@ def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str 
             run_dir = config_mod.load(config_path).run.dir
         except config_mod.ConfigError as e:
             _fail(console, f"{e} (or pass --run-dir)")
-    db = Path(run_dir) / "store.sqlite"
-    if not db.exists():
-        _fail(console, f"no store at {db}")
-    store = Store(db)
+    stores = _stores(Path(run_dir))
+    if not stores:
+        _fail(console, f"no store at {Path(run_dir) / 'store.sqlite'}, nor in a run below it")
     if rollout_id:
-        record = store.rollout(rollout_id)
-        if record is None:
-            _fail(console, f"no rollout {rollout_id!r} in {db}")
-        console.print(f"rollout {record.rollout_id}  task {record.task_id}  status {record.status}  "
-                      f"reward {record.reward}  model {record.model}")
-        if record.error:
-            console.print(f"[red]{record.error}[/]")
-        for span in store.spans(rollout_id):
-            console.print("  " + describe(span), highlight=False, markup=False)
-            for role, text in conversation(span.attributes):  # the whole call: every prompt turn, then the reply
-                console.print(f"      {role:>9}: " + text.replace("\n", "\n" + " " * 17), highlight=False,
-                              markup=False)  # agent text is not rich markup
-        return
+        for db in stores:
+            with Store(db, read_only=True) as store:  # a reader never writes to the run, not even its mtime
+                record = store.rollout(rollout_id)
+                if record is not None:
+                    _show_rollout(console, store, record)
+                    return
+        _fail(console, f"no rollout {rollout_id!r} in " + ", ".join(map(str, stores)))
+    for db in stores:
+        with Store(db, read_only=True) as store:
+            _list_rollouts(console, store, db, limit, status, checkpoint)
+
+
+def _stores(run_dir: Path) -> list[Path]:
+    """The run's store, or those of the runs in a folder of runs (found as the dashboard finds them)."""
+    from lightning_sdk.dashboard.runs import STORE_FILE, discover
+
+    if (run_dir / STORE_FILE).is_file():
+        return [run_dir / STORE_FILE]
+    return [run / STORE_FILE for run in discover(run_dir) if (run / STORE_FILE).is_file()]
+
+
+def _show_rollout(console: Console, store: Any, record: Any) -> None:
+    """One rollout: what it was, its task (expected answer included), then each span; an LLM call with its whole
+    conversation, shown once."""
+    from lightning_sdk.tracing.records import is_llm_call
+
+    reward = "no reward" if record.reward is None else f"reward {record.reward:.3f}"
+    took = "" if record.seconds is None else f", {record.seconds:.2f} s"
+    say = lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True)  # noqa: E731 agent text
+    say(f"rollout {record.rollout_id} ({record.phase}, iteration {record.iteration}, attempt {record.attempt}): "
+        f"{record.status}, {reward}, policy {record.model or 'unknown'}{took}")
+    if record.error:
+        say(f"  error: {record.error}")
+    task = store.task(record.task_id)
+    say(f"task {record.task_id}" + ("" if task is not None else " (not stored)"))
+    for key, value in (task or {}).items():
+        text = value if isinstance(value, str) else json.dumps(value)
+        say(f"  {key}: " + text.replace("\n", "\n" + " " * (len(key) + 4)))
+    calls = 0
+    for span in store.spans(record.rollout_id):
+        if is_llm_call(span):
+            calls += 1
+            say(f"LLM call {calls}: " + describe(span))
+            for role, text in conversation(span.attributes):  # every prompt turn, then the reply
+                say(f"  {role:>9}: " + text.replace("\n", "\n" + " " * 13))
+        else:
+            say(describe(span))
+
+
+def _list_rollouts(console: Console, store: Any, db: Path, limit: int, status: str | None,
+                   checkpoint: str | None) -> None:
+    from lightning_sdk.train.checkpoint import checkpoint_name, completed_iterations, trained_into
+
+    run_dir = db.parent
     completed = completed_iterations(Path(run_dir))
     title = f"{db}: {store.count('rollouts')} rollouts, {store.count('spans')} spans"
     if checkpoint is None:
@@ -211,6 +254,12 @@ def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str 
                 if trained_into(r.phase, r.iteration, r.status, completed) == name]
         title += f"; the {len(rows)} rollouts {name} trained on"
         rows = rows[:limit]
+    if not rows:
+        wanted = " and ".join(f for f in (status and f"status {status}",
+                                          checkpoint and f"trained into {Path(checkpoint).name}") if f)
+        console.print(f"{db}: no rollouts" + (f" with {wanted}" if wanted else " yet"), highlight=False,
+                      soft_wrap=True)
+        return
     calls = store.call_counts([r.rollout_id for r in rows])
     table = Table(title=title)
     for col in ("rollout", "phase", "iter", "status", "reward", "calls", "seconds", "trained into", "error"):
@@ -305,28 +354,36 @@ def worker(module: str | None, server: str | None, token_file: Path | None, run_
         worker = client.Worker(client.settings(module=module, server=server, token_file=token_file, run_dir=run_dir,
                                                concurrency=concurrency, rollout=rollout, reward=reward), console)
         console.print(worker.run(), highlight=False, soft_wrap=True)
+        sys.exit(worker.exit_code)  # 0 when the run is over; 130 / 143 when Ctrl-C / SIGTERM stopped it
     except SetupError as e:
         _fail(console, str(e), getattr(e, "traceback", None))
     except RunError as e:
         console.print(f"[bold red]worker stopped:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)
-    except KeyboardInterrupt:
-        console.print("worker stopped (Ctrl-C); the server re-runs its unfinished rollouts after their deadline",
-                      highlight=False, soft_wrap=True)
+    except KeyboardInterrupt:  # a Ctrl-C while the settings are read: nothing claimed
+        console.print("worker stopped (Ctrl-C)", highlight=False, soft_wrap=True)
         sys.exit(130)
 
 
+STATUS_WORDS = {"OK": "ok", "ERROR": "failed", "UNSET": ""}  # UNSET: the span ended without saying; nothing to add
+
+
 def describe(record: Any) -> str:
-    """One line for `lightning traces`."""
+    """One line for a span in `lightning traces --rollout`; an LLM call's text is shown by `conversation`."""
     from lightning_sdk.tracing.records import COMPLETION_IDS, PROMPT_IDS, REWARD_NAME, REWARD_SPAN, REWARD_VALUE
 
     a = record.attributes
     if record.name == REWARD_SPAN:
-        return f"reward {a.get(REWARD_NAME)}={a.get(REWARD_VALUE)}"
-    text = _output_text(a)
-    text = text if len(text) < 60 else text[:57] + "..."
-    n_prompt, n_out = len(a.get(PROMPT_IDS) or []), len(a.get(COMPLETION_IDS) or [])
-    return f"{record.name} [{record.component or '-'}] {n_prompt}->{n_out} tokens {record.status} {json.dumps(text)}"
+        return f"intermediate reward {a.get(REWARD_NAME)} = {a.get(REWARD_VALUE)}"
+    status = STATUS_WORDS.get(record.status, record.status.lower())
+    if record.status_message:
+        status += f": {record.status_message}"
+    seconds = (record.end_ns - record.start_ns) / 1e9
+    parts = [record.name, f"component {record.component}" if record.component else "no component"]
+    if PROMPT_IDS in a or COMPLETION_IDS in a:
+        parts.append(f"{len(a.get(PROMPT_IDS) or [])} prompt -> {len(a.get(COMPLETION_IDS) or [])} completion tokens")
+    parts.append(f"{seconds:.2f} s")
+    return ", ".join(parts) + (f", {status}" if status else "")
 
 
 def conversation(attrs: dict[str, Any]) -> list[tuple[str, str]]:
@@ -359,14 +416,6 @@ def _part_text(part: Any) -> str:
     if "content" in part:
         return str(part["content"])
     return json.dumps(part)
-
-
-def _output_text(attrs: dict[str, Any]) -> str:
-    """The completion text as the instrumentor recorded it (current `gen_ai.output.messages` JSON or legacy)."""
-    from lightning_sdk.tracing.records import messages
-
-    out = messages(attrs, "output")
-    return "".join(str(p.get("content", "")) for p in out[0].get("parts") or []) if out else ""
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ def configure_output() -> None:
     """`lightning` and `lightning_sdk.train`: our own log lines (the model-build status) at INFO; libraries (httpx
     logs every request at INFO) only when they warn. basicConfig leaves an application's own logging alone."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for stream in (sys.stdout, sys.stderr):  # a log file or pipe gets each line as it is printed, not in blocks
+        if not stream.isatty() and hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
     logging.getLogger("lightning_sdk").setLevel(logging.INFO)
     quiet_progress_bars()
 
@@ -26,10 +29,10 @@ def quiet_progress_bars() -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
-def make_console() -> Console:
+def make_console(quiet: bool = False) -> Console:
     """The run's console. Not a terminal and no COLUMNS: rich would fall back to 80 columns and cut every value of
     the summary table ('ari…'); a log file has no width to respect, so lines may be as long as the table needs."""
-    console = Console(emoji=False)  # what it prints quotes tasks and errors: ":x:" in them stays ":x:"
+    console = Console(emoji=False, quiet=quiet)  # what it prints quotes tasks and errors: ":x:" stays ":x:"
     if not console.is_terminal and not console.is_jupyter and "COLUMNS" not in os.environ:
-        console = Console(width=LOG_WIDTH, emoji=False)
+        console = Console(width=LOG_WIDTH, emoji=False, quiet=quiet)
     return console

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.table import Table
 
 from lightning_sdk import credit, data, models, tracing
 from lightning_sdk.agent import load_agent, run_environment
@@ -39,6 +38,7 @@ from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.process import new_api_key
 from lightning_sdk.servers.select import resolved_backend
 from lightning_sdk.store import Store, eval_score
+from lightning_sdk.summary import iteration_table
 from lightning_sdk.train.checkpoint import (CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint,
                                            policy_adapters, write_checkpoint)
 from lightning_sdk.transitions import Transition, to_transitions
@@ -457,20 +457,8 @@ class Runtime:
         return mean
 
     def _print_table(self, state: RunState, final: float | None) -> None:
-        table = Table(title=f"{self.cfg.run.name}: reward per iteration")
-        for col in ("iter", "policy", "reward", "± std", "failed", "transitions", "loss", "kl", "logprob gap",
-                    "collect s", "update s"):
-            table.add_column(col, justify="right")
-        if state.baseline_eval is not None:
-            table.add_row("eval", "untrained", f"{state.baseline_eval:.3f}", "", "", "", "", "", "", "", "",
-                          style="dim")
-        for row in state.history:
-            table.add_row(str(row["iteration"]), row["policy"], f"{row['reward_mean']:.3f}",
-                          f"{row['reward_std']:.3f}", str(row["failed"]), str(row["transitions"]),
-                          _fmt(row.get("train.loss")), _fmt(row.get("train.kl")),
-                          _fmt(row.get("train.logprob_gap")), f"{row['collect_s']:.1f}", f"{row['update_s']:.1f}")
-        if final is not None:
-            table.add_row("eval", "trained", f"{final:.3f}", "", "", "", "", "", "", "", "", style="bold green")
+        table = iteration_table(self.cfg.run.name, state.history, state.baseline_eval, final,
+                                beta=self.cfg.train.beta)
         self.console.print(table)
         last = latest_checkpoint(self.run_dir)
         self.console.print(f"run directory: {self.run_dir}  (metrics.jsonl, reward_curve.png, tensorboard/, "
@@ -511,7 +499,3 @@ def _nothing_to_train(rollouts: list[str], skipped: Counter, unattributed: int, 
     return (f"no transitions from {len(rollouts)} rollouts: {why} (left out: {seen}; greedy: temperature 0, n>1: "
             f"several choices, setting:<name>: a sampling setting the trainer cannot reproduce, other_component: "
             f"not of rollout.components; see docs/credit.md; `lightning check` shows each rollout)")
-
-
-def _fmt(value: float | None) -> str:
-    return "" if value is None else f"{value:.3g}"

@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import time
 import tomllib
@@ -39,6 +40,8 @@ from lightning_sdk.rollouts.remote.ship import RolloutShipper
 
 SERVER_ENV, TOKEN_ENV = "LIGHTNING_SERVER", "LIGHTNING_TOKEN"
 MAX_BACKOFF_S = 10.0
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as a shell reports a process it stopped
+SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 @dataclass(frozen=True)
@@ -142,10 +145,54 @@ class Worker:
         self.done = {"succeeded": 0, "failed": 0, "not reported": 0, "refused": 0}
         self._outage = False
         self._phase: tuple[str, int] | None = None
+        self.signal: int | None = None  # the SIGINT / SIGTERM that stops the worker
+        self._loops: list[asyncio.Task] = []
+        self._running: dict[asyncio.Task, str] = {}  # claim loop -> the rollout it runs now
+        self._cut: list[str] = []  # rollouts a second signal stopped: the server re-runs them
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES.get(self.signal, 0)
 
     def run(self) -> str:
-        """Work until the run is over; returns the closing line. SetupError for bad input, RunError else."""
-        return asyncio.run(self._main())
+        """Work until the run is over, or a SIGINT / SIGTERM drains it (`exit_code` says which); returns the closing
+        line. SetupError for bad input, RunError else."""
+        # Set both handlers ourselves: a job a script starts in the background inherits SIGINT ignored.
+        previous = {sig: signal.signal(sig, self._interrupt) for sig in EXIT_CODES}
+        try:
+            return asyncio.run(self._main())
+        except KeyboardInterrupt:  # a signal before the claim loops started: nothing claimed yet
+            self.signal = self.signal or signal.SIGINT
+            return f"worker stopped ({SIGNAL_NAMES[self.signal]}) before it claimed a rollout"
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        self.signal = signum
+        raise KeyboardInterrupt
+
+    def _stop(self, signum: int) -> None:
+        """First signal: claim no more, let the rollouts in flight finish and be reported. Second: stop at once."""
+        if self.signal is None:
+            self.signal = signum
+            for task in self._loops:
+                if task not in self._running:
+                    task.cancel()  # waiting for work (a claim granted as it is cancelled: re-run at its deadline)
+            self.console.print(f"stopping ({SIGNAL_NAMES[signum]}): no more claims; finishing "
+                               f"{len(self._running)} rollout(s) in flight ({SIGNAL_NAMES[signum]} again to stop at "
+                               f"once)", highlight=False, soft_wrap=True)
+            return
+        self._cut = sorted(self._running.values())
+        for task in self._loops:
+            task.cancel()
+
+    def _closing(self) -> str:
+        line = f"worker stopped ({SIGNAL_NAMES[self.signal]}): {self._tally()}"
+        if self._cut:
+            its = "its" if len(self._cut) == 1 else "their"
+            return line + f"; the server re-runs {', '.join(self._cut)} after {its} deadline"
+        return line + "; every rollout it claimed was reported, nothing for the server to re-run"
 
     async def _main(self) -> str:
         s = self.s
@@ -164,15 +211,28 @@ class Worker:
                 self._install_tracing(headers)
                 self.console.print(f"worker {s.name}: run {info.name!r} at {s.server}, agent {s.module}, "
                                    f"{s.concurrency} rollout(s) at a time", highlight=False, soft_wrap=True)
-                loops = [asyncio.create_task(self._loop()) for _ in range(s.concurrency)]
+                loop = asyncio.get_running_loop()
+                self._loops = [asyncio.create_task(self._loop()) for _ in range(s.concurrency)]
+                for sig in EXIT_CODES:
+                    loop.add_signal_handler(sig, self._stop, sig)
+                pending, ended = set(self._loops), set()
                 try:
-                    done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
+                    while pending:
+                        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                        ended |= done
+                        if self.signal is None or any(not t.cancelled() and t.exception() for t in done):
+                            break  # the run is over, or a loop failed: the others stop too
                 finally:
-                    for t in loops:
+                    for sig in EXIT_CODES:
+                        loop.remove_signal_handler(sig)
+                    for t in self._loops:
                         t.cancel()
-                    await asyncio.gather(*loops, return_exceptions=True)
-                for t in done:
-                    t.result()  # a loop ends only when the run is over, or raises
+                    await asyncio.gather(*self._loops, return_exceptions=True)
+                for t in ended:
+                    if not t.cancelled():
+                        t.result()  # a loop ends when the run is over or the worker stops, or raises
+        if self.signal is not None:
+            return self._closing()
         return f"run {info.name!r} is over: worker {s.name} exits ({self._tally()})"
 
     def _install_tracing(self, headers: dict[str, str]) -> None:
@@ -188,7 +248,7 @@ class Worker:
 
     async def _loop(self) -> None:
         name = self.s.name  # the server knows workers by process: one name for all its loops
-        while True:
+        while self.signal is None:
             r = await self._request("POST", protocol.CLAIM, json={"worker": name}, what="claim")
             if r.status_code == 204:
                 continue
@@ -196,7 +256,12 @@ class Worker:
                 return
             if r.status_code != 200:
                 raise RunError(f"the server answered a claim with {r.status_code}: {r.text[:300]}")
-            await self._rollout(Claim.model_validate(r.json()), name)
+            claim = Claim.model_validate(r.json())
+            self._running[asyncio.current_task()] = claim.job().rollout_id
+            try:
+                await self._rollout(claim, name)
+            finally:
+                del self._running[asyncio.current_task()]
 
     async def _rollout(self, claim: Claim, name: str) -> None:
         deadline = time.monotonic() + claim.deadline_s

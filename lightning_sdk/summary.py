@@ -1,0 +1,40 @@
+"""The table a run prints when it ends: the reward per iteration, the untrained and trained eval around it."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rich.table import Table
+
+GAP_MEANING = ("logprob gap: mean |trainer - server| log-prob per sampled token before the update (near 0: the "
+               "trainer scores what the server sampled)")
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.3g}"
+
+
+def iteration_table(name: str, history: list[dict[str, Any]], baseline: float | None, final: float | None, *,
+                    beta: float) -> Table:
+    """One row per iteration. A column that the run's settings keep at zero (kl when train.beta is 0) is left out:
+    a column of zeros reads as a result."""
+    columns: list[tuple[str, Callable[[dict], str]]] = [
+        ("iter", lambda r: str(r["iteration"])), ("policy", lambda r: r["policy"]),
+        ("reward", lambda r: f"{r['reward_mean']:.3f}"), ("± std", lambda r: f"{r['reward_std']:.3f}"),
+        ("failed", lambda r: str(r["failed"])), ("transitions", lambda r: str(r["transitions"])),
+        ("loss", lambda r: _fmt(r.get("train.loss"))), ("kl", lambda r: _fmt(r.get("train.kl"))),
+        ("logprob gap", lambda r: _fmt(r.get("train.logprob_gap"))),
+        ("collect s", lambda r: f"{r['collect_s']:.1f}"), ("update s", lambda r: f"{r['update_s']:.1f}")]
+    if beta == 0:
+        columns = [c for c in columns if c[0] != "kl"]
+    table = Table(title=f"{name}: reward per iteration\n{GAP_MEANING}")
+    for header, _ in columns:
+        table.add_column(header, justify="right")
+    blank = [""] * (len(columns) - 3)
+    if baseline is not None:
+        table.add_row("eval", "untrained", f"{baseline:.3f}", *blank, style="dim")
+    for row in history:
+        table.add_row(*(cell(row) for _, cell in columns))
+    if final is not None:
+        table.add_row("eval", "trained", f"{final:.3f}", *blank, style="bold green")
+    return table

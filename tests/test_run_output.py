@@ -1,0 +1,61 @@
+"""What a person reads of a run: its first line at once, also in a log file; a table without columns the run's
+settings keep at zero, that says what logprob gap means; a one-line repr of the result."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from lightning_sdk.api import RunResult
+from lightning_sdk.summary import iteration_table
+from lightning_sdk.train.checkpoint import RunState
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW = {"iteration": 1, "policy": "builtin:tiny-arith", "reward_mean": 0.25, "reward_std": 0.1, "failed": 0,
+       "transitions": 32, "train.loss": 0.01, "train.kl": 0.0, "train.logprob_gap": 0.002, "collect_s": 3.0,
+       "update_s": 1.0}
+
+
+def rendered(beta: float) -> str:
+    console = Console(record=True, width=200)
+    console.print(iteration_table("arith", [ROW] * 3, 0.1, 0.5, beta=beta))
+    return console.export_text()
+
+
+def test_the_table_leaves_out_kl_without_beta_and_says_what_logprob_gap_is():
+    plain, with_kl = rendered(beta=0.0), rendered(beta=0.04)
+    header = lambda text: next(line for line in text.splitlines() if "logprob gap" in line and "┃" in line)  # noqa
+    assert " kl " not in header(plain) and " kl " in header(with_kl)
+    assert "logprob gap: mean |trainer - server| log-prob per sampled token" in plain
+
+
+def test_the_first_line_comes_at_once_in_a_log_file(tmp_path):
+    (tmp_path / "lightning.toml").write_text('[agent]\nmodule = "agent.py"\n\n[data]\ntrain = "train.jsonl"\n')
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("COLUMNS", None)
+    start = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "run", "--run-dir", str(tmp_path / "run")],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = p.stdout.readline()  # a pipe, as a log file: block-buffered output would hold it back
+        took = time.monotonic() - start
+    finally:
+        p.kill()
+        p.wait(30)
+    print(f"first line after {took:.2f} s: {first!r}")
+    assert first.startswith("run 'run': ") and "starting the model server" in first
+    assert took < 5  # the interpreter, click and the config: the trainer's imports come after it
+
+
+def test_a_run_result_reads_in_one_line(tmp_path):
+    state = RunState()
+    state.history = [dict(ROW, iteration=k) for k in range(1, 31)]
+    state.completed = 30
+    text = repr(RunResult(run_dir=tmp_path, state=state, eval_untrained=0.24, eval_trained=0.8512))
+    assert "\n" not in text and len(text) < 200 and "reward_mean" not in text
+    assert "iterations=30" in text and "eval_trained=0.851" in text
