@@ -127,7 +127,8 @@ def test_agent_that_bypasses_the_server_is_a_loud_capture_error(project, tmp_pat
     (tmp_path / "lightning.toml").write_text(text)
     out = lightning("run", cwd=tmp_path)
     assert out.returncode == 1
-    assert "no rollout made an LLM call the gateway could attribute to it" in out.stdout
+    assert "no LLM call was captured" in out.stdout and "(e.g. rollout it0001-" in out.stdout
+    assert "made an LLM call the gateway could attribute to it" in out.stdout
     assert "`lightning check` shows each rollout" in out.stdout
     assert "no eval: data.eval is not set" in out.stdout  # the file has no data.eval: the run says so
 
