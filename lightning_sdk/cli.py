@@ -56,9 +56,6 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
             cfg.run.iterations = iterations
     except config_mod.ConfigError as e:
         _fail(console, str(e))
-    # At once, before the trainer's imports: a log that stays empty for half a minute looks like a hang.
-    console.print(f"run {cfg.run.name!r}: {cfg.run.iterations} iterations of {cfg.model.name} in {cfg.run.dir}; "
-                  f"starting the model server and the agent", highlight=False, soft_wrap=True, markup=False)
     DatasetError, ModelLoadError, Runtime = _training_side(console, "lightning run")
     from lightning_sdk.errors import CaptureError, RunError, SetupError
 

@@ -120,11 +120,18 @@ class Runtime:
         check_trackers(cfg.run.report_to)
         self._preflight()
         checkpoint = self._prepare_run_dir(stack)
-        from lightning_sdk.train.trainer import GRPOTrainer, checkpoint_conflict
+        if checkpoint is not None:
+            from lightning_sdk.train.trainer import checkpoint_conflict
 
-        if checkpoint is not None and (conflict := checkpoint_conflict(checkpoint / TRAINER, cfg.train,
-                                                                       self.policies if self.multi else None)):
-            raise SetupError(conflict)  # before the store or the metrics are touched
+            conflict = checkpoint_conflict(checkpoint / TRAINER, cfg.train, self.policies if self.multi else None)
+            if conflict:
+                raise SetupError(conflict)  # before the store or the metrics are touched
+        # Bad input has had its one line by now; the rest takes a while (the trainer's imports, the model, the
+        # server), and a log that stays empty meanwhile looks like a hang.
+        self.console.print(f"run {cfg.run.name!r}: {cfg.run.iterations} iterations of {cfg.model.name} in "
+                           f"{cfg.run.dir}; starting the model server and the agent", highlight=False, soft_wrap=True,
+                           markup=False)
+        from lightning_sdk.train.trainer import GRPOTrainer
         state = RunState.read(checkpoint) if checkpoint is not None else RunState()
         store = Store(self.run_dir / "store.sqlite")
         abandoned = store.abandon_running()

@@ -17,6 +17,19 @@ def tiny_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def model_path(tiny_model_path) -> str:
+    return tiny_model_path
+
+
+@pytest.fixture(scope="session")
+def tok(model_path):
+    """The tiny model's tokenizer, padding on the left as the trainer's batches do."""
+    t = models.load_tokenizer(model_path)
+    t.padding_side = "left"
+    return t
+
+
+@pytest.fixture(scope="session")
 def server(tiny_model_path, tmp_path_factory):
     from lightning_sdk.servers.cpu import CPUServer
 

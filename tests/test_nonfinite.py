@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from lightning_sdk import agent, cli, config, models
+from lightning_sdk import agent, cli, config
 from lightning_sdk.config import TrainConfig
 from lightning_sdk.errors import RunError
 from lightning_sdk.train.grpo import group_advantages
@@ -69,18 +69,6 @@ def test_the_reward_plot_survives_a_reward_matplotlib_cannot_draw(tmp_path):
     out = m.plot([{"iteration": 1, "reward_mean": 1.7e308}, {"iteration": 2, "reward_mean": math.nan},
                   {"iteration": 3, "reward_mean": 0.5}], baseline=-1.7e308, final=0.75)
     assert out.stat().st_size > 0
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    return models.resolve("builtin:tiny-arith")
-
-
-@pytest.fixture(scope="module")
-def tok(model_path):
-    t = models.load_tokenizer(model_path)
-    t.padding_side = "left"
-    return t
 
 
 def test_a_step_with_a_nonfinite_gradient_is_skipped_and_counted(model_path, tok):

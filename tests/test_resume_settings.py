@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from lightning_sdk import cli, config, models
+from lightning_sdk import cli, config
 from lightning_sdk.config import TrainConfig
 from lightning_sdk.train.checkpoint import RunState, write_checkpoint
 from lightning_sdk.train.trainer import GRPOTrainer, checkpoint_conflict
@@ -19,18 +19,6 @@ from tests.test_bad_input import config as toml
 from tests.test_trainer import mixed_batch
 
 torch.set_num_threads(1)  # the machine is shared
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    return models.resolve("builtin:tiny-arith")
-
-
-@pytest.fixture(scope="module")
-def tok(model_path):
-    t = models.load_tokenizer(model_path)
-    t.padding_side = "left"
-    return t
 
 
 @pytest.mark.parametrize("key, value", [("lora_alpha", 64), ("lora_r", 4), ("target_modules", ["q_proj"])])

@@ -35,7 +35,10 @@ def test_the_table_leaves_out_kl_without_beta_and_says_what_logprob_gap_is():
 
 
 def test_the_first_line_comes_at_once_in_a_log_file(tmp_path):
-    (tmp_path / "lightning.toml").write_text('[agent]\nmodule = "agent.py"\n\n[data]\ntrain = "train.jsonl"\n')
+    for name in ("agent.py", "data/train.jsonl"):  # the default run's agent and data
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text((ROOT / "cookbook/arith" / name).read_text())
+    (tmp_path / "lightning.toml").write_text('[agent]\nmodule = "agent.py"\n\n[data]\ntrain = "data/train.jsonl"\n')
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("COLUMNS", None)
     start = time.monotonic()
@@ -49,7 +52,7 @@ def test_the_first_line_comes_at_once_in_a_log_file(tmp_path):
         p.wait(30)
     print(f"first line after {took:.2f} s: {first!r}")
     assert first.startswith("run 'run': ") and "starting the model server" in first
-    assert took < 5  # the interpreter, click and the config: the trainer's imports come after it
+    assert took < 5  # the interpreter, the config, the agent and the data checked: the trainer's imports come after
 
 
 def test_a_run_result_reads_in_one_line(tmp_path):

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from lightning_sdk import config, models
+from lightning_sdk import config
 from lightning_sdk.config import TrainConfig
 from lightning_sdk.servers.select import make_server
 from lightning_sdk.train.checkpoint import RunState, write_checkpoint
@@ -17,18 +17,6 @@ from lightning_sdk.train.trainer import GRPOTrainer
 from tests.test_trainer import mixed_batch
 
 torch.set_num_threads(1)  # the machine is shared
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    return models.resolve("builtin:tiny-arith")
-
-
-@pytest.fixture(scope="module")
-def tok(model_path):
-    t = models.load_tokenizer(model_path)
-    t.padding_side = "left"
-    return t
 
 
 def test_an_update_with_nothing_to_train_still_moves_the_schedule_on(model_path, tok):

@@ -255,18 +255,6 @@ def test_grpo_loss_importance_weight_scales_the_policy_term_not_the_kl():
 # ------------------------------------------------------------------------------------- real model: helpers
 
 
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    return models.resolve("builtin:tiny-arith")
-
-
-@pytest.fixture(scope="module")
-def tok(model_path):
-    t = models.load_tokenizer(model_path)
-    t.padding_side = "left"
-    return t
-
-
 def prompt_ids(tok, a: int, b: int) -> tuple[int, ...]:
     msgs = [{"role": "user", "content": arith.question(a, b)}]
     return tuple(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
