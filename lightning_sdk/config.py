@@ -194,6 +194,13 @@ class RolloutConfig(_Section):
 AUTO_IS_CAP = 2.0
 
 
+def nonempty_targets(v):
+    """train.target_modules, in [train] or a policy: a list names at least one module."""
+    if isinstance(v, list) and not v:
+        raise ValueError("must name at least one module, or be 'all-linear'")
+    return v
+
+
 class TrainConfig(_Section):
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -265,9 +272,7 @@ class TrainConfig(_Section):
     @field_validator("target_modules")
     @classmethod
     def _nonempty(cls, v):
-        if isinstance(v, list) and not v:
-            raise ValueError("must name at least one module, or be 'all-linear'")
-        return v
+        return nonempty_targets(v)
 
 
 # The train.* keys a policy may set for itself: what its adapter and its optimizer are. Every other key shapes the one
@@ -308,9 +313,7 @@ class PolicyConfig(_Section):
     @field_validator("target_modules")
     @classmethod
     def _nonempty(cls, v):
-        if isinstance(v, list) and not v:
-            raise ValueError("must name at least one module, or be 'all-linear'")
-        return v
+        return nonempty_targets(v)
 
 
 @dataclass(frozen=True)
