@@ -66,6 +66,10 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
     except (RunError, CaptureError) as e:
         console.print(f"[bold red]run stopped:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)
+    except KeyboardInterrupt:  # after the update under way (if any) finished and saved its checkpoint
+        console.print(f"interrupted: `lightning run --resume` continues {cfg.run.dir} after its last checkpoint "
+                      f"(rollouts collected since are collected again)", highlight=False, soft_wrap=True)
+        sys.exit(130)
 
 
 @main.command()

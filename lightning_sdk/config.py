@@ -242,6 +242,11 @@ class TrainConfig(_Section):
         "token", description="the PPO ratio per token, or per sequence: exp(mean log-ratio of the completion) for "
                              "each of its tokens (GSPO; TRL's importance_sampling_level = 'sequence', which pairs "
                              "with much smaller clip_eps / clip_eps_high, e.g. 3e-4 / 4e-4)")
+    max_staleness: int = Field(0, ge=0, description="pipelined training (docs/reliability.md): 0 collects, updates "
+                               "and hot-loads in turn; k >= 1 collects the next batch while the trainer updates, "
+                               "from the newest adapter served, and leaves out a call whose adapter is more than k "
+                               "updates behind the one being trained (train.stale_dropped); the importance weight "
+                               "against the sampler's log-probs is then always on")
     device: str = "auto"
 
     @field_validator("device")
@@ -259,8 +264,17 @@ class TrainConfig(_Section):
     def sampling_cap(self, backend: str) -> float | None:
         """importance_sampling_cap for a run whose inference backend is `backend` ('cpu' or 'vllm'): 'auto' decided."""
         if self.importance_sampling_cap == "auto":
-            return AUTO_IS_CAP if backend == "vllm" else None
+            # A stale sample came from an older adapter than the trainer's: only the weight corrects for that.
+            return AUTO_IS_CAP if backend == "vllm" or self.max_staleness else None
         return self.importance_sampling_cap
+
+    @model_validator(mode="after")
+    def _staleness_needs_weights(self):
+        if self.max_staleness and self.importance_sampling_cap is None:
+            raise ValueError(f"train.max_staleness = {self.max_staleness} trains on samples of older adapters, which "
+                             f"only the importance weight corrects: set train.importance_sampling_cap to 'auto' or "
+                             f"a number, not 'off'")
+        return self
 
     @model_validator(mode="after")
     def _constant_needs_length(self):

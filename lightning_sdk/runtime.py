@@ -20,6 +20,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +32,13 @@ from lightning_sdk.config import Config, policies
 from lightning_sdk.errors import CaptureError, RunError, SetupError
 from lightning_sdk.files import DirBusyError, clean_atomic_leftovers, locked_dir
 from lightning_sdk.metrics import MetricsLog, check_trackers
+from lightning_sdk.pipeline import UpdateThread, split_stale
 from lightning_sdk.rollouts.collector import Agent, Collector, make_collector, runs_agent
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.servers import ServerError, SleepableServer
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.process import new_api_key
-from lightning_sdk.servers.select import resolved_backend
+from lightning_sdk.servers.select import pipelined_cpu_threads, resolved_backend
 from lightning_sdk.store import Store, eval_score
 from lightning_sdk.summary import iteration_table
 from lightning_sdk.train.checkpoint import (CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint,
@@ -70,6 +72,23 @@ class TaskFeed:
         return out
 
 
+@dataclass
+class Batch:
+    """One iteration's collection, ready for its update."""
+
+    n: int  # the iteration, from 1
+    label: str  # the adapters it was collected from (when it began)
+    results: list[RolloutResult]
+    ok: list[RolloutResult]  # the succeeded rollouts
+    transitions: list[Transition]
+    scored: GroupOutcomes  # every scored rollout's outcome per group: the baselines
+    skipped: Counter[str]  # calls, rollouts and rewards left out, by reason
+    penalised: int  # failed rollouts trained at rollout.failed_reward
+    collect_s: float
+    base_calls: int  # with [policies]: calls of components in no policy, served by the base model
+    extra: dict[str, float] = field(default_factory=dict)  # more of its row (pipelined: the staleness)
+
+
 @contextmanager
 def gpu_handover(server: Any, timings: dict[str, float]) -> Iterator[None]:
     """Around the update phase: a server that can sleep (vLLM) frees its GPU memory for the trainer, then wakes.
@@ -101,6 +120,7 @@ class Runtime:
         except ValueError as e:  # an unknown builtin, or a module:function that does not import
             raise SetupError(str(e)) from None
         self.collector: Collector | None = None  # set while a session is open
+        self._started = 0.0  # when this process began its iterations
         self.final_eval: float | None = None
         self.policies = policies(cfg)
         self.multi = bool(cfg.policies)  # one adapter per policy, each call served by its component's
@@ -132,6 +152,12 @@ class Runtime:
                            f"{cfg.run.dir}; starting the model server and the agent", highlight=False, soft_wrap=True,
                            markup=False)
         from lightning_sdk.train.trainer import GRPOTrainer
+        split = pipelined_cpu_threads(cfg)
+        if split is not None:  # the trainer's share of the cores; the server takes the rest
+            import torch
+
+            stack.callback(torch.set_num_threads, torch.get_num_threads())
+            torch.set_num_threads(split[1])
         state = RunState.read(checkpoint) if checkpoint is not None else RunState()
         store = Store(self.run_dir / "store.sqlite")
         abandoned = store.abandon_running()
@@ -171,8 +197,12 @@ class Runtime:
                     state.baseline_eval = self._evaluate(eval_tasks, {p.name: base for p in self.policies},
                                                          "untrained")
                     metrics.log_eval("untrained", state.baseline_eval, 0, policy=base)
-                for it in range(state.completed, cfg.run.iterations):
-                    policy = self._iteration(it, feed.batch_for(it), policy, state, store, trainer, metrics)
+                self._started = time.perf_counter()  # each row's elapsed_s: the loop's pace, whatever overlaps
+                if cfg.train.max_staleness:
+                    policy = self._pipelined(feed, policy, state, store, trainer, metrics)
+                else:
+                    for it in range(state.completed, cfg.run.iterations):
+                        policy = self._iteration(it, feed.batch_for(it), policy, state, store, trainer, metrics)
                 final = self._evaluate(eval_tasks, policy, "trained") if eval_tasks else None
                 if final is not None:
                     metrics.log_eval("trained", final, cfg.run.iterations, policy=self._label(policy))
@@ -286,6 +316,11 @@ class Runtime:
         if free < MIN_FREE_BYTES:
             raise SetupError(f"run.dir = {str(d)!r}: only {free / 2**20:.1f} MiB free on its disk; a run needs at "
                              f"least {MIN_FREE_BYTES / 2**20:.0f} MiB for its store and checkpoints")
+        if cfg.train.max_staleness and cfg.serve.sleep_level and resolved_backend(cfg) == "vllm":
+            raise SetupError(f"train.max_staleness = {cfg.train.max_staleness} updates while vLLM serves, so both "
+                             f"must fit in memory at once, but serve.sleep_level = {cfg.serve.sleep_level} puts vLLM "
+                             f"to sleep for each update: set serve.sleep_level = 0 (and serve.gpu_memory_utilization "
+                             f"to leave the trainer room), or train.max_staleness = 0")
         if cfg.serve.backend == "vllm":  # (the config refuses it for the Ray runtime)
             from lightning_sdk.servers.select import make_server
 
@@ -337,13 +372,64 @@ class Runtime:
     def _iteration(self, it: int, tasks: list[dict], policy: dict[str, str], state: RunState, store: Store,
                    trainer: Any, metrics: MetricsLog) -> dict[str, str]:
         """One iteration under `policy` (each policy's served adapter); returns the adapters it trained."""
+        batch = self._collect_batch(it + 1, tasks, policy, store)
+        handover: dict[str, float] = {}  # sleep_s / wake_s: the server's GPU memory goes to the trainer meanwhile
+        with self.console.status(f"iteration {batch.n}/{self.cfg.run.iterations} update: "
+                                 f"{len(batch.transitions)} transitions"), \
+                gpu_handover(self.collector.server, handover):
+            t1 = time.perf_counter()
+            train_metrics = trainer.step(batch.transitions, batch.scored)
+            update_s = time.perf_counter() - t1
+        return self._finish(batch, train_metrics, update_s, handover, state, trainer, metrics, retire=policy)
+
+    def _pipelined(self, feed: TaskFeed, policy: dict[str, str], state: RunState, store: Store, trainer: Any,
+                   metrics: MetricsLog) -> dict[str, str]:
+        """The iterations with train.max_staleness = k >= 1 (lightning_sdk/pipeline.py): batch n is collected once
+        update n - 1 - k is done, from whichever adapters are served meanwhile; the updates run in order on their
+        own thread, each hot-loading its adapters the moment they are saved. Returns the last adapters served."""
+        cfg, k = self.cfg, self.cfg.train.max_staleness
+        versions = {served: state.completed for served in policy.values()}  # served name -> update that made it
+        serving: list[dict[str, str]] = [dict(policy), {}]  # the adapters served now, and those they replaced
+        self._route(policy)
+
+        def update(batch: Batch) -> None:
+            t1 = time.perf_counter()
+            train_metrics = trainer.step(batch.transitions, batch.scored)
+            update_s = time.perf_counter() - t1
+            # Requests routed to the adapter now replaced may still be queued at the server: the one it replaced
+            # goes instead, an update later.
+            new = self._finish(batch, train_metrics, update_s, {}, state, trainer, metrics, retire=serving[1],
+                               route=True)
+            versions.update({served: batch.n for served in new.values()})
+            serving[:] = [new, serving[0]]
+
+        updates = UpdateThread(state.completed)
+        try:
+            for it in range(state.completed, cfg.run.iterations):
+                n = it + 1
+                updates.done(n - 1 - k)
+                batch = self._collect_batch(n, feed.batch_for(it), None, store)
+                kept, stale = split_stale(batch.transitions, versions, n - 1, k)
+                if not kept:
+                    raise CaptureError(f"iteration {n}: all {len(batch.transitions)} transitions were sampled more "
+                                       f"than train.max_staleness = {k} updates before the one they would train")
+                batch.transitions, batch.extra = kept, stale.metrics()
+                updates.submit(n, lambda b=batch: update(b))
+            updates.done(cfg.run.iterations)
+        finally:  # Ctrl-C or an error: the running update finishes and saves; queued batches are collected again
+            updates.close(cancel=True)
+        return serving[0]
+
+    def _collect_batch(self, n: int, tasks: list[dict], policy: dict[str, str] | None, store: Store) -> Batch:
+        """Iteration n's rollouts collected under `policy` (None: as the gateway routes now), and their
+        transitions."""
         cfg, collector = self.cfg, self.collector
-        n = it + 1  # iterations are numbered from 1 everywhere a user sees one (table, store, metrics, adapter names)
         jobs = [RolloutJob(rollout_id=f"it{n:04d}-{i:03d}-{g}-{uuid.uuid4().hex[:8]}", task_id=data.task_id(t),
                            group_id=f"{n}:{i}", task=t, iteration=n)
                 for i, t in enumerate(tasks) for g in range(cfg.data.group_size)]
         t0 = time.perf_counter()
         base_calls = sum(collector.gateway.base_served.values())
+        label = self._label(policy) if policy is not None else self._label(self._routed())
         results = self._collect(jobs, policy, f"iteration {n}/{cfg.run.iterations} collect")
         collect_s = time.perf_counter() - t0
         ok = [r for r in results if r.status == "succeeded"]
@@ -355,30 +441,34 @@ class Runtime:
         skipped: Counter[str] = Counter()
         penalised = [r for r in results if policy_failure(r)] if cfg.rollout.failed_reward is not None else []
         transitions, scored = self._transitions(ok, store, skipped, penalised)
-        handover: dict[str, float] = {}  # sleep_s / wake_s: the server's GPU memory goes to the trainer meanwhile
-        with self.console.status(f"iteration {n}/{cfg.run.iterations} update: {len(transitions)} transitions"), \
-                gpu_handover(collector.server, handover):
-            t1 = time.perf_counter()
-            train_metrics = trainer.step(transitions, scored)
-            update_s = time.perf_counter() - t1
+        return Batch(n, label, results, ok, transitions, scored, skipped, len(penalised), collect_s,
+                     sum(collector.gateway.base_served.values()) - base_calls)
+
+    def _finish(self, batch: Batch, train_metrics: dict[str, float], update_s: float, handover: dict[str, float],
+                state: RunState, trainer: Any, metrics: MetricsLog, *, retire: dict[str, str],
+                route: bool = False) -> dict[str, str]:
+        """After batch n's update: its row, the checkpoint, and its adapters hot-loaded (each before the `retire`d
+        one of its policy is dropped; `route`: and served from then on); returns the adapters it trained."""
+        cfg, collector, n = self.cfg, self.collector, batch.n
+        results, ok, transitions = batch.results, batch.ok, batch.transitions
         rewards = [r.reward for r in ok]
         # statistics: exact sums, so a finite reward as large as 1e200 gives a finite mean, not an OverflowError
         mean = float(statistics.mean(rewards))
         row = {
-            "iteration": n, "policy": self._label(policy), "reward_mean": mean, "reward_std": statistics.pstdev(rewards),
-            "rollouts": len(results), "failed": failed, "transitions": len(transitions),
+            "iteration": n, "policy": batch.label, "reward_mean": mean, "reward_std": statistics.pstdev(rewards),
+            "rollouts": len(results), "failed": len(results) - len(ok), "transitions": len(transitions),
             "completion_tokens": sum(len(t.completion_ids) for t in transitions),
-            "failed_trained": len(penalised), **{f"skipped.{k}": v for k, v in sorted(skipped.items()) if v},
-            "collect_s": collect_s, "update_s": update_s, **handover,
-            **{f"train.{k}": v for k, v in train_metrics.items()},
+            "failed_trained": batch.penalised, **{f"skipped.{k}": v for k, v in sorted(batch.skipped.items()) if v},
+            "collect_s": batch.collect_s, "update_s": update_s, **handover,
+            **{f"train.{k}": v for k, v in train_metrics.items()}, **batch.extra,
         }
         # trained by iteration n, sampled by iteration n + 1
         new_policy = {name: f"{cfg.run.name}-{name}-iter{n}" if self.multi else f"{cfg.run.name}-iter{n}"
-                      for name in policy}
+                      for name in self._names()}
         if self.multi:
             # the calls each policy trained on, and those of components in no policy (served by the base)
             row.update({f"transitions.{p.name}": sum(t.component in p.components for t in transitions)
-                        for p in self.policies}, base_calls=sum(collector.gateway.base_served.values()) - base_calls)
+                        for p in self.policies}, base_calls=batch.base_calls)
             state.adapter_names = new_policy
         else:
             state.adapter_name = new_policy[cfg.run.name]
@@ -388,11 +478,14 @@ class Runtime:
         t2 = time.perf_counter()
         paths = self._adapter_paths(checkpoint)
         for name, served in new_policy.items():  # each new adapter loaded before its previous one goes
-            collector.hot_load(served, paths[name], previous=policy[name])
+            collector.hot_load(served, paths[name], previous=retire.get(name))
+        if route:
+            self._route(new_policy)
         row["hotload_s"] = time.perf_counter() - t2
+        row["elapsed_s"] = time.perf_counter() - self._started
         metrics.log(row)
         self.console.print(f"iteration {n}: reward {mean:.3f}  ({len(ok)} rollouts, {len(transitions)} "
-                           f"transitions, collect {collect_s:.1f}s, update {update_s:.1f}s, "
+                           f"transitions, collect {batch.collect_s:.1f}s, update {update_s:.1f}s, "
                            f"hot-load {row['hotload_s']:.2f}s)")
         return new_policy
 
@@ -438,13 +531,32 @@ class Runtime:
         """The served adapters as one line: the adapter's name, or `policy=adapter` for each of several."""
         return ", ".join(f"{k}={v}" for k, v in policy.items()) if self.multi else policy[self.cfg.run.name]
 
-    def _collect(self, jobs: list[RolloutJob], policy: dict[str, str], label: str) -> list[RolloutResult]:
+    def _names(self) -> list[str]:
+        return [p.name for p in self.policies]
+
+    def _route(self, policy: dict[str, str]) -> None:
+        """Serve every call by `policy` (each policy's adapter) from now on: with [policies] each call by its
+        component's policy, the components in no policy by the base model."""
         gateway = self.collector.gateway
-        if self.multi:  # each call by its component's policy; components in no policy by the base model
-            gateway.policy = self.collector.server.served_model_name
+        gateway.retired.update(n for n in [gateway.policy, *gateway.by_component.values()] if n is not None)
+        if self.multi:
             gateway.by_component = {c: policy[p.name] for p in self.policies for c in p.components}
+            gateway.policy = self.collector.server.served_model_name
         else:
             gateway.policy = policy[self.cfg.run.name]  # whatever model name the agent asks for
+
+    def _routed(self) -> dict[str, str]:
+        """The adapters the gateway serves now, by policy."""
+        gateway = self.collector.gateway
+        if not self.multi:
+            return {self.cfg.run.name: gateway.policy}
+        return {p.name: gateway.by_component.get(p.components[0], gateway.policy) for p in self.policies}
+
+    def _collect(self, jobs: list[RolloutJob], policy: dict[str, str] | None, label: str) -> list[RolloutResult]:
+        """`jobs` run under `policy` (None: however the gateway routes meanwhile)."""
+        if policy is not None:
+            self._route(policy)
+        gateway = self.collector.gateway
         results = self.collector.collect(jobs, gateway.policy, label=label)
         bad = [r for r in results if r.failed_in == "reward"]
         if bad and self.cfg.rollout.on_reward_error == "stop":

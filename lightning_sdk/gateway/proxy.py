@@ -84,6 +84,9 @@ class Gateway:
         self.policy: str | None = None  # every request is served by this adapter (or base model) name
         self.by_component: dict[str, str] = {}  # ...but a call of one of these components by its policy's adapter
         self.base_served: Counter[str] = Counter()  # with by_component: calls of other components, by component
+        # Names served earlier in the run: an agent that kept one (a pipelined run switches adapters mid-collection)
+        # is served by the policy now, also under serve.model_names.
+        self.retired: set[str] = set()
         self.asked: Counter[str] = Counter()  # model names the agent asked for, and how often
         self.backends: Backends | None = None
         self._sock = bind(host, port)
@@ -135,11 +138,12 @@ class Gateway:
         if self.policy is None:
             raise GatewayError(503, "no policy is being served right now (between runs)")
         served = self.by_component.get(component) if component is not None else None
-        if self.model_names and asked not in self.model_names and asked != (served or self.policy):
+        if self.model_names and asked not in self.model_names and asked != (served or self.policy) \
+                and asked not in self.retired:
             raise GatewayError(404, f"The model `{asked[:200]}` does not exist: this run serves the policy being "
                                     f"trained as {list(self.model_names)} (serve.model_names)", "model")
         if asked not in self.asked and len(self.asked) < _MAX_NAMES:
-            if asked != self.policy:
+            if asked != self.policy and asked not in self.retired:
                 log.info("the agent asked for model %r: served by the policy being trained (%s)", asked[:200],
                          "serve.model_names lists it" if self.model_names else "any name is; serve.model_names "
                          "restricts them")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import threading
 from pathlib import Path
 
 import httpx
@@ -50,6 +51,8 @@ class EmbeddedCollector:
         self.server = make_server(cfg, model_path, self.log_path)
         self._adapters: dict[str, Path] = {}  # policies hot-loaded and still served: reloaded after a restart
         self._generation, self._restarts, self._gone = 0, 0, None  # see _restart
+        # A pipelined run hot-loads from its update thread while rollouts may be restarting the server.
+        self._server_lock = threading.RLock()
 
     def start(self) -> None:
         self.server.start()
@@ -59,6 +62,10 @@ class EmbeddedCollector:
         self.server.stop()
 
     def hot_load(self, name: str, adapter: Path, *, previous: str | None = None) -> None:
+        with self._server_lock:
+            self._hot_load(name, adapter, previous)
+
+    def _hot_load(self, name: str, adapter: Path, previous: str | None) -> None:
         self._adapters[name] = Path(adapter)
         try:
             self.server.load_adapter(name, str(adapter))
@@ -126,6 +133,10 @@ class EmbeddedCollector:
         return True
 
     def _restart(self) -> None:
+        with self._server_lock:
+            self._restart_server()
+
+    def _restart_server(self) -> None:
         if self._gone is not None:  # other rollouts saw it die too: one failed restart is enough
             raise self._gone
         self._restarts += 1

@@ -7,6 +7,7 @@ functions, so that choosing one never imports the other's modules.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,24 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
         api_key=api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
         dtype=cfg.model.dtype, quantization=cfg.model.quantization, startup_timeout=cfg.serve.startup_timeout,
         log_path=log_path, seed=server_seed(cfg), device=cfg.serve.device,
+        threads=split[0] if (split := pipelined_cpu_threads(cfg)) else None,
     )
+
+
+def pipelined_cpu_threads(cfg: Config) -> tuple[int, int] | None:
+    """(server, trainer) torch threads when a pipelined run (train.max_staleness >= 1) serves and trains on this
+    machine's CPU at once: the cores are split between them, since two pools each spinning on every core slow
+    both down several times over. None otherwise (each takes torch's default)."""
+    if not cfg.train.max_staleness or cfg.serve.device != "cpu" or resolved_backend(cfg) != "cpu" \
+            or cfg.train.device not in ("cpu", "auto") or cfg.run.runtime == "ray":
+        return None
+    if cfg.train.device == "auto":
+        import torch
+
+        if torch.cuda.is_available() or torch.backends.mps.is_available():
+            return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - cores // 2), max(1, cores // 2)
 
 
 def resolved_backend(cfg: Config) -> str:

@@ -255,6 +255,8 @@ class GRPOTrainer:
                 del logits
                 cap = self.importance_sampling_cap
                 is_w = None if cap is None else sampler_is_weight(olds[i], b.sampler_logp, b.has_sampler_logp, cap)
+                if is_w is not None:  # the share of trained tokens whose weight the cap cut (weighted like the loss)
+                    totals["is_capped_frac"] += (b.weights * (is_w >= cap)).sum().item()
                 loss, st = grpo_loss(logp, olds[i], b.adv, b.weights, clip_eps=cfg.clip_eps,
                                      clip_eps_high=cfg.clip_eps_high, ref_logp=ref, beta=cfg.beta, is_weight=is_w,
                                      log_ratio_clamp=cfg.log_ratio_clamp, dual_clip=cfg.dual_clip,
