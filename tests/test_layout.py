@@ -19,7 +19,7 @@ HEIGHT = {
     "gateway": 3,                                  # makes each call's record; the store keeps it
     "store": 4, "credit": 5, "transitions": 6, "models": 5,
     "train": 7, "engine": 7, "servers": 7, "metrics": 7,
-    "rollouts": 8, "runtime": 9, "check": 10, "cli": 10, "dashboard": 10, "api": 11,
+    "rollouts": 8, "pipeline": 8, "runtime": 9, "check": 10, "cli": 10, "dashboard": 10, "api": 11,
 }
 AGENT_SIDE = {"agent", "tracing"}
 

@@ -95,14 +95,16 @@ def server_seed(cfg: Config) -> int:
 
 def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
     """vLLM on 127.0.0.1 (a free port) serving the bf16 base (also for QLoRA: the nf4 copy is the trainer's) with
-    room for every policy's rank, and for two adapters per policy: a new one is loaded before the old one goes."""
+    room for every policy's rank, and for two adapters per policy: a new one is loaded before the old one goes (three
+    when pipelined: the one replaced stays for the requests already routed to it, until the next update)."""
     from lightning_sdk.config import policies
     from lightning_sdk.servers.vllm import VLLMServer
 
     s, ps = cfg.serve, policies(cfg)
+    loras = (3 if cfg.train.max_staleness else 2) * len(ps)
     kw.setdefault("api_key", new_api_key())
     return VLLMServer(model_path, served_model_name=cfg.model.name, lora_r=max(p.train.lora_r for p in ps),
-                      host=BACKEND_HOST, port=0, max_loras=max(s.max_loras, 2 * len(ps)), dtype=cfg.model.dtype,
+                      host=BACKEND_HOST, port=0, max_loras=max(s.max_loras, loras), dtype=cfg.model.dtype,
                       max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
                       sleep_level=s.sleep_level, extra_args=s.extra_args, startup_timeout=s.startup_timeout,
                       log_path=log_path, **kw)
