@@ -117,7 +117,7 @@ def test_the_page_lists_what_a_checkpoint_trained_on(dashboard, tmp_path):
             assert page.locator("select[name=status]").input_value() == "succeeded"
             assert page.locator("input[name=iteration]").input_value() == "1"
             cells = page.locator("tr[data-rollout='it1-a'] td").all_text_contents()
-            assert cells[3] == "succeeded" and cells[-2] == "iter-00001"
+            assert cells[5] == "succeeded" and cells[-2] == "iter-00001"
             page.screenshot(path=str(tmp_path / "trained-on.png"), full_page=True)
             assert errors == []
         finally:
