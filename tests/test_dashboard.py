@@ -319,7 +319,8 @@ def _until(page, expression: str, seconds: float = 20) -> None:
 
 
 def _iteration_rows(run_dir: Path) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("phase") != "eval"]
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in rows if r.get("phase") != "eval"]
 
 
 def test_every_logged_scalar_has_its_chart_and_the_reward_its_std_band(live, project, browser, tmp_path):
@@ -342,7 +343,8 @@ def test_every_logged_scalar_has_its_chart_and_the_reward_its_std_band(live, pro
     page.locator("input[name=smoothing]").fill("0.9")
     _until(page, "document.querySelectorAll('.chart path.raw').length > 0")
     losses = [r["train.loss"] for r in rows]
-    assert (page.locator(".chart[data-key='train.loss'] path.line").get_attribute("d") != raw_d) == (len(set(losses)) > 1)
+    smoothed = page.locator(".chart[data-key='train.loss'] path.line").get_attribute("d")
+    assert (smoothed != raw_d) == (len(set(losses)) > 1)
     assert errors == []
 
 

@@ -72,7 +72,7 @@ def explain(store: Store, record: RolloutRecord, s: Scoring) -> Explained:
                                    scored=scored)
     per_rollout = {t.rollout_id: a.rollout_advantage for t, a in zip(ts, explained)}
     mine = {t.span_id: a for t, a in zip(ts, explained) if t.rollout_id == record.rollout_id}
-    return Explained(mine, group, per_rollout, f"{len(mine)} call(s) trained")
+    return Explained(mine, group, per_rollout, f"{len(mine)} LLM call{'' if len(mine) == 1 else 's'} trained")
 
 
 def sentence(a: Advantage, rule: str) -> str:

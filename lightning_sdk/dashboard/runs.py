@@ -85,7 +85,8 @@ class RunReader:
         """The run's effective config and where it was read: its config.json (`lightning run` writes it), else a
         lightning.toml beside the run whose run.dir is this run, loaded with its defaults."""
         try:
-            return json.loads((path / config_mod.RUN_CONFIG_FILE).read_text()), f"{config_mod.RUN_CONFIG_FILE} in the run"
+            text = (path / config_mod.RUN_CONFIG_FILE).read_text()
+            return json.loads(text), f"{config_mod.RUN_CONFIG_FILE} in the run"
         except FileNotFoundError:
             pass
         except (OSError, ValueError):  # being written (it is written whole, by a rename) or damaged

@@ -28,7 +28,8 @@ from lightning_sdk.drain import Drain
 from lightning_sdk.tracing.context import COMPONENT_KEY, PROPAGATOR, ROLLOUT_KEY
 from lightning_sdk.tracing.propagation import CALL_ID_HEADER
 from lightning_sdk.tracing.records import (API, ATTEMPT, COMPLETION_IDS, COMPLETION_LOGPROBS, COMPLETION_TOKENS,
-                                           COMPONENT, GATEWAY, POLICY, PROMPT_IDS, ROLLOUT_ID, UNREPRODUCIBLE, CallSink, SpanRecord)
+                                           COMPONENT, GATEWAY, POLICY, PROMPT_IDS, ROLLOUT_ID, UNREPRODUCIBLE, CallSink,
+                                           SpanRecord)
 
 __all__ = ["CALL_ID_HEADER", "Call", "Capture", "OpenRollouts", "Origin", "Rollout", "origin", "unreproducible"]
 
