@@ -3,8 +3,8 @@
 The run is watched live: its first rollout waits for a gate file, so the page is loaded while the run is under
 way, and the iterations and the eval after training appear without a reload. Agent text is hostile: a task's
 question, a tool's error and (written into the store afterwards) a completion carry script probes, and the test
-checks they are shown as text and never run. Screenshots go to $DASHBOARD_SCREENSHOTS (docs/dashboard/ for the
-docs), else to the test's tmp dir.
+checks they are shown as text and never run. Screenshots go to $DASHBOARD_SCREENSHOTS, else to the test's tmp dir
+(the pictures in docs/dashboard/ are scripts/dashboard_screenshots.py's, over a longer run).
 """
 
 import hashlib
