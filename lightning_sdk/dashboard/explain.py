@@ -29,6 +29,7 @@ class Scoring:
     components: tuple[str, ...]
     error_reward: float
     scale: str
+    failed_reward: float | None = None  # rollout.failed_reward
 
 
 @dataclass
@@ -72,7 +73,12 @@ def explain(store: Store, record: RolloutRecord, s: Scoring) -> Explained:
                                    scored=scored)
     per_rollout = {t.rollout_id: a.rollout_advantage for t, a in zip(ts, explained)}
     mine = {t.span_id: a for t, a in zip(ts, explained) if t.rollout_id == record.rollout_id}
-    return Explained(mine, group, per_rollout, f"{len(mine)} LLM call{'' if len(mine) == 1 else 's'} trained")
+    note = f"{len(mine)} LLM call{'' if len(mine) == 1 else 's'} trained"
+    if s.failed_reward is not None and any(r.status == "failed" for r in scope):
+        # which failures the runtime penalised depends on where they failed, which the store does not keep
+        note += (f"; rollout.failed_reward is set and the group has failed rollouts, which the trainer may have "
+                 f"counted at {s.failed_reward:g}: the numbers here leave them out")
+    return Explained(mine, group, per_rollout, note)
 
 
 def sentence(a: Advantage, rule: str) -> str:

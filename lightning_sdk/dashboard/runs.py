@@ -49,6 +49,7 @@ class CreditSettings:
     components: tuple[str, ...] = ()
     error_reward: float = -1.0
     scale: str = "group"  # train.scale_rewards
+    failed_reward: float | None = None  # rollout.failed_reward
     source: str = "the defaults (no config.json in the run, no lightning.toml beside it, no --config)"
 
 
@@ -115,11 +116,14 @@ class RunReader:
                 pols = cfg.get("policies") or {}
                 components = [c for p in pols.values() for c in p.get("components", [])] if pols else r.get(
                     "components", [])
+                failed = r.get("failed_reward")
                 settings = CreditSettings(rule=name, components=tuple(components),
                                           error_reward=float(r.get("error_reward", -1.0)),
-                                          scale=str(train.get("scale_rewards", "group")), source=str(source))
+                                          scale=str(train.get("scale_rewards", "group")),
+                                          failed_reward=None if failed is None else float(failed), source=str(source))
                 rule = credit_mod.resolve(name) if name in credit_mod.BUILTIN else self._rule
-        return settings, Scoring(rule, settings.rule, settings.components, settings.error_reward, settings.scale)
+        return settings, Scoring(rule, settings.rule, settings.components, settings.error_reward, settings.scale,
+                                 settings.failed_reward)
 
     def run_dir(self, run_id: str) -> Path:
         path = (self.root / run_id).resolve()
