@@ -469,8 +469,8 @@ class Runtime:
                                 beta=self.cfg.train.beta)
         self.console.print(table)
         last = latest_checkpoint(self.run_dir)
-        self.console.print(f"run directory: {self.run_dir}  (metrics.jsonl, reward_curve.png, tensorboard/, "
-                           f"store.sqlite, checkpoints/)"
+        self.console.print(f"run directory: {self.run_dir}  (config.json, metrics.jsonl, reward_curve.png, "
+                           f"tensorboard/, store.sqlite, checkpoints/)"
                            + (f"; trained adapter: {adapter_dir(last)}" if last is not None and not self.multi else
                               f"; trained adapters: {', '.join(f'{k}: {v}' for k, v in self._adapter_paths(last).items())}"
                               if last is not None else ""),
