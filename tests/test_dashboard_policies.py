@@ -1,5 +1,6 @@
 """`lightning dashboard` over a run with [policies] (two adapters), in Chromium: each policy's numbers
-(transitions.<policy>, train.<policy>.<key>) are curves of one chart per quantity, told apart by policy."""
+(transitions.<policy>, train.<policy>.<key>) are curves of one chart per quantity, told apart by policy; and a run
+written before config.json existed, whose configuration is read from the lightning.toml beside it."""
 
 import json
 import os
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 CHROMIUM = "/usr/bin/chromium"
@@ -34,12 +36,17 @@ def write_run(run: Path) -> list[dict]:
 def dashboard(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     rows = write_run(root / "multi")
+    # a run from before config.json: its lightning.toml beside it names it
+    (root / "older").mkdir()
+    (root / "older/metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    (root / "lightning.toml").write_text('[run]\ndir = "older"\n[agent]\nmodule = "agent.py"\n[data]\n'
+                                         'train = "train.jsonl"\n[train]\nlr = 5e-4\n[rollout]\ncredit = "last_call"\n')
     proc = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "dashboard", "--run-dir", str(root),
                              "--port", "0"], env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     line = proc.stdout.readline()
     assert "http://127.0.0.1:" in line, line + (proc.stdout.read() if proc.poll() is not None else "")
-    yield {"url": line.split(" at ", 1)[1].split()[0], "rows": rows}
+    yield {"url": line.split(" at ", 1)[1].split()[0], "rows": rows, "root": root}
     proc.terminate()
     proc.wait(30)
 
@@ -72,3 +79,15 @@ def test_each_policy_is_a_curve_of_its_quantitys_chart(dashboard):
             assert errors == []
         finally:
             browser.close()
+
+
+def test_a_run_without_config_json_shows_the_lightning_toml_beside_it(dashboard):
+    from lightning_sdk import config
+
+    base, token = dashboard["url"].split("/?token=")
+    with httpx.Client(base_url=base, cookies={f"lightning_dashboard_{base.rsplit(':', 1)[1]}": token}) as c:
+        s = c.get("/api/summary", params={"run": "older"}).json()
+    defaults = config.effective(config.load(dashboard["root"] / "lightning.toml"))
+    assert s["config_source"] == str(dashboard["root"] / "lightning.toml")
+    assert s["config"]["train.lr"] == 5e-4 and s["config"]["train.clip_eps"] == defaults["train"]["clip_eps"]
+    assert s["credit"]["rule"] == "last_call" and s["credit"]["source"] == s["config_source"]
