@@ -52,7 +52,7 @@ def explain(store: Store, record: RolloutRecord, s: Scoring) -> Explained:
     if record.phase != "train":
         return Explained({}, group, {}, "an eval rollout: scored, never trained on")
     if record.status != "succeeded" or record.reward is None:
-        return Explained({}, group, {}, f"a {record.status} rollout: not trained on")
+        return Explained({}, group, {}, f"not trained on: the rollout is {record.status}")
     scope = group if s.scale != "batch" else store.rollout_page(iteration=record.iteration, phase="train",
                                                                 limit=MAX_SCOPE)[1]
     # the runtime's batch: the succeeded rollouts, each scored with its reward, and their trainable calls
