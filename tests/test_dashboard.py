@@ -439,9 +439,10 @@ def test_a_rollout_page_explains_its_advantage_with_the_trainers_numbers(live, p
     from lightning_sdk.transitions import to_transitions
 
     _finish(live, project)
-    # A group of iteration 1 whose rewards differ, as the trainer saw it: its succeeded rollouts' transitions.
+    # A group whose rewards differ (outputs of other lengths), as the trainer saw it: its succeeded rollouts'
+    # transitions. The test's own probe rollout (written into the store above) is in no iteration's batch.
     with Store(live["dir"] / "store.sqlite", read_only=True) as store:
-        train = [r for r in store.rollouts(phase="train", iteration=1) if r.status == "succeeded"]
+        train = [r for r in store.rollouts(phase="train") if r.status == "succeeded" and r.group_id != "probe"]
         groups: dict[str, list] = {}
         for r in train:
             groups.setdefault(r.group_id, []).append(r)

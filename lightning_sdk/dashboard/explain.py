@@ -42,7 +42,8 @@ class Explained:
     note: str
 
 
-def calls(record: RolloutRecord, spans: list, s: Scoring) -> list[Transition]:
+def trained_calls(record: RolloutRecord, spans: list, s: Scoring) -> list[Transition]:
+    """The rollout's transitions, as the runtime makes them (runtime.Runtime._transitions)."""
     return to_transitions(record, spans, credit=s.rule, components=s.components, error_reward=s.error_reward)
 
 
@@ -62,7 +63,7 @@ def explain(store: Store, record: RolloutRecord, s: Scoring) -> Explained:
         if r.status != "succeeded" or r.reward is None:
             continue
         try:
-            ts += calls(r, store.spans(r.rollout_id), s)
+            ts += trained_calls(r, store.spans(r.rollout_id), s)
         except (CaptureError, ValueError):
             continue  # the runtime would have stopped on it; a sibling's bad record leaves the others readable
         scored.setdefault(r.group_id, {})[r.rollout_id] = float(r.reward)
@@ -101,4 +102,4 @@ def view(a: Advantage, rule: str) -> dict[str, Any]:
     return {**asdict(a), "sentence": sentence(a, rule)}
 
 
-__all__ = ["Explained", "Scoring", "explain", "sentence", "view"]
+__all__ = ["Explained", "Scoring", "explain", "sentence", "trained_calls", "view"]
