@@ -398,6 +398,8 @@ def test_rollout_list_previews_sorts_searches_and_keeps_its_state_in_the_url(liv
     cells = first.locator("td")
     assert cells.nth(1).text_content() == " ".join(tasks[record.task_id]["question"].split())[:160]
     assert cells.nth(2).text_content() == " ".join((record.output or "").split())[:160]
+    probe = page.locator("tr.click td.preview", has_text="What is 2 + 3? <script>")  # the probe task, as text
+    assert probe.count() > 0 and page.evaluate("window.__xss") is None and page.locator("img").count() == 0
 
     def rewards():
         return [float(t) if t else None for t in page.locator("tr.click td:nth-child(7)").all_text_contents()]
