@@ -22,6 +22,11 @@ VLLM_MANAGED_FLAGS = ("--host", "--port", "--served-model-name", "--api-key", "-
                       "--logprobs-mode", "--generation-config")
 
 
+# In a run directory: the effective config the run started with, defaults included (`lightning run` writes it,
+# the dashboard shows it and credits the run's rollouts with its rollout.* settings).
+RUN_CONFIG_FILE = "config.json"
+
+
 class ConfigError(ValueError):
     """A broken `lightning.toml`: the message names the key and what was expected."""
 
@@ -465,6 +470,14 @@ def _format(err: ValidationError) -> str:
         else:
             lines.append(f"{key}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
     return "; ".join(lines)
+
+
+def effective(cfg: Config) -> dict[str, Any]:
+    """Every key's value, defaults included, as JSON; serve.api_key is a secret and is only said to be set."""
+    out = cfg.model_dump(mode="json")
+    if out.get("serve", {}).get("api_key") is not None:
+        out["serve"]["api_key"] = "(set, not shown)"
+    return out
 
 
 def parse(data: dict, *, base: Path | None = None) -> Config:

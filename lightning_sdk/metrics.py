@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from lightning_sdk.agent import MAX_ABS_REWARD
+from lightning_sdk.config import RUN_CONFIG_FILE
 from lightning_sdk.errors import SetupError
 from lightning_sdk.files import atomic_write_text
 
@@ -129,6 +130,11 @@ class MetricsLog:
         self._report_to = ["tensorboard"] if report_to is None else list(report_to)
         self._name, self._config = name, config or {}
         self._trackers: list[Tracker] | None = None  # started on the first row: a run that fails first has none
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        """The run's effective config as config.json, whole or not at all (the dashboard reads it while a run goes).
+        Called once the run directory is this run's (fresh, resumed or overwritten), so it never replaces another's."""
+        atomic_write_text(self.run_dir / RUN_CONFIG_FILE, json.dumps(config, indent=1, sort_keys=True) + "\n")
 
     def rewrite(self, history: list[dict[str, Any]], *, baseline_eval: float | None = None) -> None:
         """Make metrics.jsonl hold exactly the checkpointed iterations (after a resume nothing is doubled)."""

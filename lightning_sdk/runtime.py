@@ -28,7 +28,7 @@ from rich.console import Console
 
 from lightning_sdk import credit, data, models, tracing
 from lightning_sdk.agent import load_agent, run_environment
-from lightning_sdk.config import Config, policies
+from lightning_sdk.config import Config, effective, policies
 from lightning_sdk.errors import CaptureError, RunError, SetupError
 from lightning_sdk.files import DirBusyError, clean_atomic_leftovers, locked_dir
 from lightning_sdk.metrics import MetricsLog, check_trackers
@@ -170,6 +170,7 @@ class Runtime:
         store.add_tasks((data.task_id(t), t) for t in train_tasks + eval_tasks)
         metrics = MetricsLog(self.run_dir, report_to=cfg.run.report_to, name=cfg.run.name,
                              config=cfg.model_dump(mode="json"))
+        metrics.write_config(effective(cfg))
         metrics.rewrite(state.history, baseline_eval=state.baseline_eval)
         feed = TaskFeed(train_tasks, cfg.data.tasks_per_iteration, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
 
@@ -580,8 +581,8 @@ class Runtime:
                                 beta=self.cfg.train.beta)
         self.console.print(table)
         last = latest_checkpoint(self.run_dir)
-        self.console.print(f"run directory: {self.run_dir}  (metrics.jsonl, reward_curve.png, tensorboard/, "
-                           f"store.sqlite, checkpoints/)"
+        self.console.print(f"run directory: {self.run_dir}  (config.json, metrics.jsonl, reward_curve.png, "
+                           f"tensorboard/, store.sqlite, checkpoints/)"
                            + (f"; trained adapter: {adapter_dir(last)}" if last is not None and not self.multi else
                               f"; trained adapters: {', '.join(f'{k}: {v}' for k, v in self._adapter_paths(last).items())}"
                               if last is not None else ""),

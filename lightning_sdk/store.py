@@ -73,6 +73,21 @@ CREATE VIEW IF NOT EXISTS rewards (rollout_id, span_id, name, kind, value, creat
 FAILED_EVAL_SCORE = 0.0  # what an eval rollout that failed (no reward) scores: the one rule, used everywhere
 
 
+# rollout_page's sort keys -> the SQL they order by (fixed text: a sort key never reaches SQL itself)
+ROLLOUT_SORTS = {
+    "started": "started_at", "rollout": "rollout_id", "phase": "phase", "iteration": "iteration",
+    "status": "status", "reward": "reward", "seconds": "(ended_at - started_at)", "model": "model",
+    "task": "task_id", "output": "output", "error": "error",
+    "calls": "(SELECT COUNT(*) FROM spans s WHERE s.rollout_id = rollouts.rollout_id AND s.source = 'gateway')",
+    "spans": "(SELECT COUNT(*) FROM spans s WHERE s.rollout_id = rollouts.rollout_id)",
+}
+
+
+def _like(text: str) -> str:
+    """A LIKE pattern matching `text` anywhere, its own %, _ and \\ taken literally (ESCAPE '\\')."""
+    return "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
 def eval_score(reward: float | None) -> float:
     """An eval rollout's score: its reward, or FAILED_EVAL_SCORE when it failed."""
     return FAILED_EVAL_SCORE if reward is None else reward
@@ -274,21 +289,33 @@ class Store:
 
     def rollout_page(self, *, status: str | None = None, phase: str | None = None, iteration: int | None = None,
                      min_reward: float | None = None, max_reward: float | None = None, component: str | None = None,
-                     limit: int = 50, offset: int = 0) -> tuple[int, list[RolloutRecord]]:
-        """(how many match, one page of them newest first): the filters run in SQL, so a big store is never
-        loaded whole."""
+                     search: str | None = None, group_id: str | None = None, sort: str = "started",
+                     descending: bool = True, limit: int = 50,
+                     offset: int = 0) -> tuple[int, list[RolloutRecord]]:
+        """(how many match, one page of them, newest first unless `sort` names another of ROLLOUT_SORTS): the
+        filters run in SQL, so a big store is never loaded whole. `search` is plain text looked for in the output
+        and the task (LIKE, case-insensitive for ASCII; its % and _ match themselves)."""
+        if sort not in ROLLOUT_SORTS:
+            raise ValueError(f"sort {sort!r}: expected one of {sorted(ROLLOUT_SORTS)}")
         where, args = [], []
         for col, op, val in (("status", "=", status), ("phase", "=", phase), ("iteration", "=", iteration),
-                             ("reward", ">=", min_reward), ("reward", "<=", max_reward)):
+                             ("reward", ">=", min_reward), ("reward", "<=", max_reward), ("group_id", "=", group_id)):
             if val is not None:
                 where.append(f"{col} {op} ?")
                 args.append(val)
         if component is not None:
             where.append("rollout_id IN (SELECT rollout_id FROM spans WHERE component = ?)")
             args.append(component)
+        if search:
+            # the payload is JSON text: look for the text as json.dumps wrote it (quotes, non-ASCII escaped)
+            where.append("(output LIKE ? ESCAPE '\\' OR task_id LIKE ? ESCAPE '\\'"
+                         " OR task_id IN (SELECT task_id FROM tasks WHERE payload LIKE ? ESCAPE '\\'))")
+            args += [_like(search), _like(search), _like(json.dumps(search)[1:-1])]
         cond = (" WHERE " + " AND ".join(where)) if where else ""
         total = self._read(f"SELECT COUNT(*) AS n FROM rollouts{cond}", args)[0]["n"]
-        rows = self._read(f"SELECT * FROM rollouts{cond} ORDER BY started_at DESC, rollout_id DESC LIMIT ? OFFSET ?",
+        way = "DESC" if descending else "ASC"
+        rows = self._read(f"SELECT * FROM rollouts{cond} ORDER BY {ROLLOUT_SORTS[sort]} {way} NULLS LAST, "
+                          f"started_at {way}, rollout_id {way} LIMIT ? OFFSET ?",
                           [*args, int(limit), max(0, int(offset))])
         return total, [self._rollout(r) for r in rows]
 

@@ -63,3 +63,11 @@ def test_missing_required_and_bad_toml(tmp_path):
         config.load(write(tmp_path, "[agent\n"))
     with pytest.raises(config.ConfigError, match="cannot read"):
         config.load(tmp_path / "nope.toml")
+
+
+def test_the_effective_config_a_run_records_holds_every_default_and_hides_the_api_key(tmp_path):
+    cfg = config.load(write(tmp_path, BASE + '[serve]\napi_key = "sk-secret-123"\n[train]\nlr = 1e-3\n'))
+    out = config.effective(cfg)
+    assert out["train"]["lr"] == 1e-3 and out["train"]["clip_eps"] == cfg.train.clip_eps  # set, and a default
+    assert out["rollout"]["credit"] == "lightning_rl" and "sk-secret-123" not in str(out)
+    assert out["serve"]["api_key"] == "(set, not shown)"

@@ -3,8 +3,8 @@
 The run is watched live: its first rollout waits for a gate file, so the page is loaded while the run is under
 way, and the iterations and the eval after training appear without a reload. Agent text is hostile: a task's
 question, a tool's error and (written into the store afterwards) a completion carry script probes, and the test
-checks they are shown as text and never run. Screenshots go to $DASHBOARD_SCREENSHOTS (docs/dashboard/ for the
-docs), else to the test's tmp dir.
+checks they are shown as text and never run. Screenshots go to $DASHBOARD_SCREENSHOTS, else to the test's tmp dir
+(the pictures in docs/dashboard/ are scripts/dashboard_screenshots.py's, over a longer run).
 """
 
 import hashlib
@@ -69,7 +69,7 @@ async def solve(task: dict, llm: ls.LLM) -> str:
 
 @ls.reward
 def score(task: dict, output: str) -> float:
-    return float(output.strip() == task["answer"])
+    return float(output.strip() == task["answer"]) + len(output) / 100  # outputs of other lengths: group signal
 '''
 
 
@@ -195,7 +195,7 @@ def test_dashboard_in_a_browser(live, project, browser, tmp_path):
     completion = json.loads(call.attributes["gen_ai.output.messages"])[0]["parts"][0]["content"]
 
     cells = page.locator(f"tr[data-rollout='{probe_rollout.rollout_id}'] td").all_text_contents()
-    assert cells[5:7] == ["1", str(len(spans))]  # LLM calls, all spans
+    assert cells[7:9] == ["1", str(len(spans))]  # LLM calls, all spans
 
     # Into one rollout: its timeline shows the prompt messages, the completion, the tool spans, the error.
     page.click(f"tr[data-rollout='{probe_rollout.rollout_id}'] a")
@@ -296,3 +296,193 @@ def test_bad_run_dir_is_one_line_exit_2(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stdout.strip().splitlines() == [
         f"error: --run-dir {tmp_path / 'nope'}: no such directory (a run directory or a folder of runs)"]
+
+
+# ------------------------------------------------------------------------ issue 27: what each page explains
+
+def _open(browser, live, where: str):
+    page = browser.new_page(viewport={"width": 1300, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(live["url"] + where)
+    return page, errors
+
+
+def _until(page, expression: str, seconds: float = 20) -> None:
+    """Wait until `expression` is true in the page. Polled from here: Playwright's own polling of a string predicate
+    runs it through eval, which the dashboard's Content-Security-Policy forbids."""
+    for _ in range(int(seconds * 20)):
+        if page.evaluate(expression):
+            return
+        page.wait_for_timeout(50)
+    raise AssertionError(f"still false after {seconds} s: {expression}")
+
+
+def _iteration_rows(run_dir: Path) -> list[dict]:
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in rows if r.get("phase") != "eval"]
+
+
+def test_every_logged_scalar_has_its_chart_and_the_reward_its_std_band(live, project, browser, tmp_path):
+    _finish(live, project)
+    rows = _iteration_rows(live["dir"])
+    numeric = {k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    # reward_mean and reward_std are the reward chart (a line and its band); tokens per completion is derived
+    wanted = (numeric - {"iteration", "reward_mean", "reward_std"}) | {"tokens_per_completion"}
+    assert {"train.loss", "train.kl", "train.grad_norm", "train.entropy", "train.clip_frac", "train.zero_variance_frac",
+            "train.logprob_gap", "collect_s", "update_s"} <= wanted
+    page, errors = _open(browser, live, "#/run/main")
+    page.wait_for_selector(".chart")
+    assert sorted(page.locator(".chart").evaluate_all("cs => cs.map(c => c.dataset.key)")) == sorted(wanted)
+    band = page.locator("svg[aria-label='reward per iteration'] path.band")
+    assert band.count() == 1 and band.get_attribute("d").count("L") == 2 * len(rows) - 1  # mean+std out, mean-std back
+    # smoothing: the loss line is redrawn as a moving average, the raw values stay beside it, faded
+    loss = page.locator(".chart[data-key='train.loss'] path.line")
+    raw_d = loss.get_attribute("d")
+    assert page.locator(".chart path.raw").count() == 0
+    page.locator("input[name=smoothing]").fill("0.9")
+    _until(page, "document.querySelectorAll('.chart path.raw').length > 0")
+    losses = [r["train.loss"] for r in rows]
+    smoothed = page.locator(".chart[data-key='train.loss'] path.line").get_attribute("d")
+    assert (smoothed != raw_d) == (len(set(losses)) > 1)
+    assert errors == []
+
+
+def test_config_is_shown_and_two_runs_differ_first(live, project, browser):
+    _finish(live, project)
+    config = json.loads((live["dir"] / "config.json").read_text())
+    assert config["train"]["lr"] == 2e-3 and config["train"]["clip_eps"] is not None  # a default, written out
+    # a second run that used lr 1e-3: a copy of this one, as `lightning run` would have recorded it
+    other = project / "runs/try"
+    shutil.copytree(live["dir"], other, ignore=shutil.ignore_patterns("checkpoints", "tensorboard"))
+    config["train"]["lr"], config["run"]["name"], config["run"]["dir"] = 1e-3, "try", str(other)
+    (other / "config.json").write_text(json.dumps(config))
+
+    page, errors = _open(browser, live, "#/run/main")
+    page.wait_for_selector("details.config")
+    page.click("details.config summary")
+    assert page.locator("details.config tr[data-key='train.lr'] td").all_text_contents() == ["train.lr", "0.002"]
+    assert "config.json in the run" in page.locator("details.config summary").text_content()
+
+    page.goto(live["base"] + "/#/compare/main/try")
+    page.wait_for_selector(".config-diff tbody tr")
+    rows = page.locator(".config-diff tbody tr")
+    assert rows.nth(0).locator("td").all_text_contents() == ["train.lr", "0.002", "0.001"]
+    assert rows.evaluate_all("rs => rs.map(r => r.dataset.key)") == ["train.lr", "run.dir", "run.name"]
+    # each run's eval lines in its own curve's colour, and named in the legend
+    chart = page.locator("svg[aria-label='reward per iteration']")
+    curves = chart.locator("polyline.line").evaluate_all("ps => ps.map(p => p.getAttribute('stroke'))")
+    evals = chart.locator("line.eval-line").evaluate_all(
+        "ls => ls.map(l => [l.dataset.run, l.dataset.when, l.getAttribute('stroke')])")
+    assert len(set(curves)) == 2
+    assert sorted(evals) == sorted([["main", "before", curves[0]], ["main", "after", curves[0]],
+                                    ["try", "before", curves[1]], ["try", "after", curves[1]]])
+    legend = chart.locator("text.legend").all_text_contents()
+    assert sum(t.startswith("main eval before: ") for t in legend) == 1
+    assert sum(t.startswith("try eval after: ") for t in legend) == 1
+    assert errors == []
+
+
+def test_rollout_list_previews_sorts_searches_and_keeps_its_state_in_the_url(live, project, browser):
+    _finish(live, project)
+    with Store(live["dir"] / "store.sqlite", read_only=True) as store:
+        records = store.rollouts()
+        tasks = {r.task_id: store.task(r.task_id) for r in records}
+    page, errors = _open(browser, live, "#/run/main")
+    page.wait_for_selector("tr.click")
+    everyone = page.locator("tr.click").count()
+    # previews: the task's question and the output, as text
+    first = page.locator("tr.click").first
+    rid = first.get_attribute("data-rollout")
+    record = next(r for r in records if r.rollout_id == rid)
+    cells = first.locator("td")
+    assert cells.nth(1).text_content() == " ".join(tasks[record.task_id]["question"].split())[:160]
+    assert cells.nth(2).text_content() == " ".join((record.output or "").split())[:160]
+    probe = page.locator("tr.click td.preview", has_text="What is 2 + 3? <script>")  # the probe task, as text
+    assert probe.count() > 0 and page.evaluate("window.__xss") is None and page.locator("img").count() == 0
+
+    def rewards():
+        return [float(t) if t else None for t in page.locator("tr.click td:nth-child(7)").all_text_contents()]
+
+    page.click("th[data-sort=reward]")
+    _until(page, "location.hash.includes('sort=reward')")
+    _until(page, "document.querySelector('th[data-sort=reward]').textContent.endsWith('▼')")
+    shown = [r for r in rewards() if r is not None]
+    assert shown == sorted(shown, reverse=True) and len(set(shown)) > 1
+    page.click("th[data-sort=reward]")
+    _until(page, "location.hash.includes('desc=0')")
+    _until(page, "document.querySelector('th[data-sort=reward]').textContent.endsWith('▲')")
+    shown = [r for r in rewards() if r is not None]
+    assert shown == sorted(shown)
+
+    # search: server-side, over the task's text and the output; its words go into the address
+    wanted = {r.rollout_id for r in records if "4 + 4" in (r.output or "") or "4 + 4" in tasks[r.task_id]["question"]}
+    assert 0 < len(wanted) < everyone
+    page.fill("input[name=q]", "4 + 4")
+    _until(page, "location.hash.includes('q=')")
+    _until(page, f"document.querySelectorAll('tr.click').length === {len(wanted)}")
+    assert set(page.locator("tr.click").evaluate_all("rs => rs.map(r => r.dataset.rollout)")) == wanted
+    assert "4 + 4" in page.evaluate("new URLSearchParams(location.hash.split('?')[1]).get('q')")
+    page.fill("input[name=q]", "%")  # LIKE's wildcard is looked for as itself: no output or task has it
+    page.wait_for_selector("text=no rollout matches")
+    # Back: the list as it was before each change
+    page.go_back()
+    _until(page, f"document.querySelectorAll('tr.click').length === {len(wanted)}")
+    assert page.input_value("input[name=q]") == "4 + 4"
+    page.go_back()
+    _until(page, f"document.querySelectorAll('tr.click').length === {everyone}")
+    assert page.input_value("input[name=q]") == "" and "desc=0" in page.url
+    assert errors == []
+
+
+def test_a_rollout_page_explains_its_advantage_with_the_trainers_numbers(live, project, browser):
+    from lightning_sdk import credit
+    from lightning_sdk.train.grpo import group_advantages
+    from lightning_sdk.transitions import to_transitions
+
+    _finish(live, project)
+    # A group whose rewards differ (outputs of other lengths), as the trainer saw it: its succeeded rollouts'
+    # transitions. The test's own probe rollout (written into the store above) is in no iteration's batch.
+    with Store(live["dir"] / "store.sqlite", read_only=True) as store:
+        train = [r for r in store.rollouts(phase="train") if r.status == "succeeded" and r.group_id != "probe"]
+        groups: dict[str, list] = {}
+        for r in train:
+            groups.setdefault(r.group_id, []).append(r)
+        gid, members = next((g, m) for g, m in groups.items() if len({r.reward for r in m}) > 1)
+        ts = [t for r in members for t in to_transitions(r, store.spans(r.rollout_id), credit=credit.last_call,
+                                                          error_reward=-1.0)]
+        task = store.task(members[0].task_id)
+        spans = {r.rollout_id: store.spans(r.rollout_id) for r in members}
+    adv = group_advantages([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts], "group",
+                           credit=[t.credit for t in ts], shaping=[t.shaping for t in ts],
+                           scored={gid: {r.rollout_id: r.reward for r in members}}).tolist()
+    mine = ts[0]
+    page, errors = _open(browser, live, f"#/run/main/rollout/{mine.rollout_id}")
+    page.wait_for_selector(f"#span-{mine.span_id} .advantage [data-field=value]")
+    box = page.locator(f"#span-{mine.span_id} .advantage")
+    value = lambda k: float(box.locator(f"[data-field={k}]").get_attribute("data-value"))  # noqa: E731
+    assert value("value") == pytest.approx(adv[0], abs=1e-6)
+    assert value("outcome") == mine.outcome and value("credit") == mine.credit and value("shaping") == mine.shaping
+    rewards = [r.reward for r in members]
+    assert value("group_mean") == pytest.approx(sum(rewards) / len(rewards))
+    sentence = box.locator(".adv-sentence").text_content()
+    assert "last_call" in sentence and f"{adv[0]:.3g}" in sentence
+    credit_line = page.locator("#credit").text_content()
+    assert "last_call" in credit_line and "config.json in the run" in credit_line and "(" not in credit_line
+    # the group side by side, its expected answer, the completion's log-probs token by token
+    cards = page.locator(".group .member")
+    assert sorted(cards.evaluate_all("cs => cs.map(c => c.dataset.rollout)")) == sorted(r.rollout_id for r in members)
+    assert page.locator(".group .member.self").get_attribute("data-rollout") == mine.rollout_id
+    for r in members:
+        card = page.locator(f".group .member[data-rollout='{r.rollout_id}']")
+        assert card.locator("pre.out").text_content() == (r.output or "")
+        assert card.locator("[data-field=reward]").text_content() == f"{r.reward:.3f}"
+    assert page.locator("#expected").text_content() == task["answer"]
+    call = next(s for s in spans[mine.rollout_id] if s.span_id == mine.span_id)
+    cells = page.locator(f"#span-{mine.span_id} .logprobs .tok")
+    assert cells.count() == len(call.attributes["lightning.llm.completion_token_ids"]) == len(mine.completion_ids)
+    texts = call.attributes["lightning.llm.completion_tokens"]
+    lps = call.attributes["lightning.llm.completion_logprobs"]
+    assert cells.first.get_attribute("title").startswith(f"token {json.dumps(texts[0])}")
+    assert float(cells.first.get_attribute("data-logprob")) == pytest.approx(lps[0])
+    assert page.evaluate("window.__xss") is None and errors == []

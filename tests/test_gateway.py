@@ -77,11 +77,14 @@ def test_the_gateway_records_each_call_and_the_agent_gets_only_what_it_asked_for
         a = call.attributes
         assert call.trace_id == trace_id and call.parent_id == "cd" * 8 and call.component == "writer"
         assert a[PROMPT_IDS] and a[COMPLETION_IDS] and len(a[COMPLETION_LOGPROBS]) == len(a[COMPLETION_IDS])
+        assert len(a["lightning.llm.completion_tokens"]) == len(a[COMPLETION_IDS])  # streamed too: for the dashboard
         assert a["lightning.llm.policy"] == server.served_model_name and a["gen_ai.request.model"] == "whatever"
         assert a["gen_ai.request.temperature"] == 1.0  # sent explicitly: no backend default decides it
     the_asked = next(c for c in calls.values() if c.attributes[COMPLETION_IDS] == asked["choices"][0]["token_ids"])
     assert the_asked.attributes[PROMPT_IDS] == asked["prompt_token_ids"]
     assert the_asked.attributes[COMPLETION_LOGPROBS] == [t["logprob"] for t in asked["choices"][0]["logprobs"]["content"]]
+    assert the_asked.attributes["lightning.llm.completion_tokens"] == [
+        t["token"] for t in asked["choices"][0]["logprobs"]["content"]]
     gateway.capture.record_to(None)
     store.close()
 

@@ -14,11 +14,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_sdk import config as config_mod
 from lightning_sdk import credit as credit_mod
+from lightning_sdk.dashboard.explain import Scoring, explain, view
 from lightning_sdk.errors import CaptureError
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.records import messages
-from lightning_sdk.tracing.records import COMPLETION_IDS, PROMPT_IDS, REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord
+from lightning_sdk.tracing.records import (COMPLETION_IDS, COMPLETION_LOGPROBS, COMPLETION_TOKENS, PROMPT_IDS,
+                                           REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord)
 from lightning_sdk.train.checkpoint import (STATE, checkpoint_name, completed_iterations, latest_checkpoint,
                                             trained_into)
 from lightning_sdk.transitions import is_llm_call, to_transitions
@@ -27,6 +30,11 @@ STORE_FILE = "store.sqlite"
 METRICS_FILE = "metrics.jsonl"
 STATUSES = ("running", "succeeded", "failed", "abandoned", "untrained")
 MAX_PAGE = 500
+PREVIEW = 160  # characters of a task or an output in the rollout list
+# a task's expected answer, under the names datasets use (the cookbook's: answer, result, gold)
+ANSWER_FIELDS = ("answer", "result", "expected", "expected_answer", "gold", "target", "solution", "label")
+QUESTION_FIELDS = ("question", "prompt", "input", "query", "problem", "instruction", "text")
+CONFIG_TOML = "lightning.toml"
 
 
 class RunNotFound(LookupError):
@@ -40,7 +48,9 @@ class CreditSettings:
     rule: str = "lightning_rl"
     components: tuple[str, ...] = ()
     error_reward: float = -1.0
-    source: str = "default (pass --config to use a run's own rollout.credit)"
+    scale: str = "group"  # train.scale_rewards
+    failed_reward: float | None = None  # rollout.failed_reward
+    source: str = "the defaults (no config.json in the run, no lightning.toml beside it, no --config)"
 
 
 def is_run(path: Path) -> bool:
@@ -72,6 +82,49 @@ class RunReader:
 
     # ------------------------------------------------------------------------------------------------ runs
 
+    def config(self, path: Path) -> tuple[dict[str, Any] | None, str | None]:
+        """The run's effective config and where it was read: its config.json (`lightning run` writes it), else a
+        lightning.toml beside the run whose run.dir is this run, loaded with its defaults."""
+        try:
+            text = (path / config_mod.RUN_CONFIG_FILE).read_text()
+            return json.loads(text), f"{config_mod.RUN_CONFIG_FILE} in the run"
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError):  # being written (it is written whole, by a rename) or damaged
+            return None, None
+        for folder in (path.parent, path.parent.parent):
+            toml = folder / CONFIG_TOML
+            if not toml.is_file():
+                continue
+            try:
+                cfg = config_mod.load(toml)
+            except config_mod.ConfigError:
+                continue
+            if cfg.run.dir is not None and Path(cfg.run.dir).resolve() == path:
+                return config_mod.effective(cfg), str(toml)
+        return None, None
+
+    def scoring(self, path: Path) -> tuple[CreditSettings, Scoring]:
+        """The credit settings a run's rollouts are credited with: the run's own config when it has one (a custom
+        rule only with --config: the dashboard does not import code named in a run directory), else --config's."""
+        cfg, source = self.config(path)
+        settings, rule = self.credit, self._rule
+        if cfg is not None:
+            r, train = cfg.get("rollout", {}), cfg.get("train", {})
+            name = r.get("credit", "lightning_rl")
+            if name in credit_mod.BUILTIN or name == self.credit.rule:
+                pols = cfg.get("policies") or {}
+                components = [c for p in pols.values() for c in p.get("components", [])] if pols else r.get(
+                    "components", [])
+                failed = r.get("failed_reward")
+                settings = CreditSettings(rule=name, components=tuple(components),
+                                          error_reward=float(r.get("error_reward", -1.0)),
+                                          scale=str(train.get("scale_rewards", "group")),
+                                          failed_reward=None if failed is None else float(failed), source=str(source))
+                rule = credit_mod.resolve(name) if name in credit_mod.BUILTIN else self._rule
+        return settings, Scoring(rule, settings.rule, settings.components, settings.error_reward, settings.scale,
+                                 settings.failed_reward)
+
     def run_dir(self, run_id: str) -> Path:
         path = (self.root / run_id).resolve()
         if not path.is_relative_to(self.root) or not is_run(path):
@@ -102,6 +155,8 @@ class RunReader:
         state = _state(path)
         history = _history(path) or state.get("history", [])
         evals = self._with_store(path, _evals, [])
+        cfg, config_source = self.config(path)
+        settings, _ = self.scoring(path)
         if not any(e["iteration"] == 0 for e in evals) and state.get("baseline_eval") is not None:
             evals.insert(0, {"iteration": 0, "label": "before training", "mean": state["baseline_eval"],
                              "finished": None, "running": 0})
@@ -112,29 +167,37 @@ class RunReader:
                          else None} for h in history],
             "counts": self._with_store(path, Store.status_counts, {}),
             "components": self._with_store(path, Store.components, []),
-            "credit": asdict(self.credit),
+            "credit": asdict(settings),
+            "config": flatten(cfg) if cfg is not None else None, "config_source": config_source,
+            # with [policies], their names: each one's curves (transitions.<name>, train.<name>.<key>) go together
+            "policies": sorted((cfg or {}).get("policies") or {}) or sorted(
+                {k.split(".", 1)[1] for h in history for k in h if k.startswith("transitions.")}),
         }
 
     # -------------------------------------------------------------------------------------------- rollouts
 
     def rollouts(self, run_id: str, *, status: str | None = None, phase: str | None = None,
                  component: str | None = None, min_reward: float | None = None, max_reward: float | None = None,
-                 iteration: int | None = None, offset: int = 0, limit: int = 50) -> dict[str, Any]:
-        """One page of rollouts, newest first, with the filters applied in SQL (a big store is never loaded whole)."""
+                 iteration: int | None = None, search: str | None = None, sort: str = "started",
+                 descending: bool = True, offset: int = 0, limit: int = 50) -> dict[str, Any]:
+        """One page of rollouts (newest first, or by `sort`), with the filters and the text search applied in SQL (a
+        big store is never loaded whole); each row previews its task and its output."""
         path = self.run_dir(run_id)
         limit = max(1, min(int(limit), MAX_PAGE))
         completed = completed_iterations(path)
 
         def query(store: Store) -> dict[str, Any]:
             total, records = store.rollout_page(status=status, phase=phase, iteration=iteration, min_reward=min_reward,
-                                                max_reward=max_reward, component=component, limit=limit,
-                                                offset=offset)
+                                                max_reward=max_reward, component=component, search=search,
+                                                sort=sort, descending=descending, limit=limit, offset=offset)
             calls = store.span_counts([r.rollout_id for r in records])
+            tasks = {tid: store.task(tid) for tid in {r.task_id for r in records}}
             return {"total": total, "offset": offset, "limit": limit, "rows": [
                 {"rollout_id": r.rollout_id, "phase": r.phase, "iteration": r.iteration, "status": r.status,
                  "reward": r.reward, "calls": calls.get(r.rollout_id, (0, 0))[0],
                  "spans": calls.get(r.rollout_id, (0, 0))[1], "seconds": r.seconds,
                  "model": r.model, "task_id": r.task_id, "error": r.error,
+                 "task_preview": preview(question(tasks.get(r.task_id))), "output_preview": preview(r.output),
                  "checkpoint": trained_into(r.phase, r.iteration, r.status, completed)} for r in records]}
 
         return self._with_store(path, query, {"total": 0, "offset": offset, "limit": limit, "rows": []})
@@ -154,22 +217,31 @@ class RunReader:
         if found is None:
             return None
         record, spans, task = found
-        credited, note = self._credit(record, spans)
+        settings, scoring = self.scoring(path)
+        credited, note = self._credit(record, spans, scoring)
+        explained = self._with_store(path, lambda store: explain(store, record, scoring), None)
         # Times from the rollout's start, so that what came before the first call shows too.
         t0 = min([int(record.started_at * 1e9), *(s.start_ns for s in spans)])
         return {
             "rollout": {**asdict(record), "seconds": record.seconds},
             "task": task,
-            "credit": {**asdict(self.credit), "note": note},
-            "spans": [_span_view(s, t0, credited.get(s.span_id)) for s in spans],
+            "expected": expected(task),
+            "credit": {**asdict(settings), "note": explained.note if explained else note},
+            "spans": [{**_span_view(s, t0, credited.get(s.span_id)),
+                       "advantage": view(explained.advantages[s.span_id], settings.rule)
+                       if explained and s.span_id in explained.advantages else None} for s in spans],
+            # the rollouts of its group, itself included, side by side
+            "group": [{"rollout_id": g.rollout_id, "status": g.status, "reward": g.reward, "output": g.output,
+                       "rollout_advantage": explained.rollout_advantage.get(g.rollout_id),
+                       "self": g.rollout_id == record.rollout_id} for g in explained.group] if explained else [],
         }
 
-    def _credit(self, record, spans: list[SpanRecord]) -> tuple[dict[str, float], str]:
+    @staticmethod
+    def _credit(record, spans: list[SpanRecord], s: Scoring) -> tuple[dict[str, float], str]:
         if record.reward is None:
             return {}, "no reward yet: nothing credited"
         try:
-            ts = to_transitions(record, spans, credit=self._rule, components=self.credit.components,
-                                error_reward=self.credit.error_reward)
+            ts = to_transitions(record, spans, credit=s.rule, components=s.components, error_reward=s.error_reward)
         except (CaptureError, ValueError) as e:
             return {}, f"not a training rollout: {e}"
         return {t.span_id: t.reward for t in ts}, f"{len(ts)} call(s) credited"
@@ -194,6 +266,42 @@ class RunReader:
 
 
 # ------------------------------------------------------------------------------------------------- helpers
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}; lists and empty tables stay values."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def expected(task: dict | None) -> dict[str, Any] | None:
+    """The task's expected answer and the field it is in, when it has one."""
+    for name in ANSWER_FIELDS:
+        if isinstance(task, dict) and task.get(name) is not None:
+            return {"field": name, "value": task[name]}
+    return None
+
+
+def question(task: dict | None) -> str | None:
+    """What the task asks, in one string: its question-like field, else the task as JSON."""
+    if not isinstance(task, dict):
+        return None
+    for name in QUESTION_FIELDS:
+        if isinstance(task.get(name), str):
+            return task[name]
+    return json.dumps({k: v for k, v in task.items() if k != "id"}, default=str)
+
+
+def preview(text: str | None) -> str:
+    if not text:
+        return ""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= PREVIEW else flat[:PREVIEW - 1] + "…"
+
 
 def _history(path: Path) -> list[dict[str, Any]]:
     try:
@@ -238,7 +346,7 @@ def _kind(span: SpanRecord) -> str:
 
 
 _SHOWN = {"gen_ai.input.messages", "gen_ai.output.messages", PROMPT_IDS, COMPLETION_IDS,
-          "lightning.llm.completion_logprobs", "lightning.rollout.id", "lightning.rollout.attempt",
+          COMPLETION_LOGPROBS, COMPLETION_TOKENS, "lightning.rollout.id", "lightning.rollout.attempt",
           "lightning.component"}
 
 
@@ -262,10 +370,14 @@ def _span_view(s: SpanRecord, t0: int, credited: float | None) -> dict[str, Any]
                                   else a.get("gen_ai.usage.output_tokens")),
             "model": a.get("gen_ai.response.model") or a.get("gen_ai.request.model"),
             "credited_reward": credited,
+            # per completion token: its text (when the server sent it) and the sampler's log-prob
+            "completion_ids": a.get(COMPLETION_IDS), "completion_logprobs": a.get(COMPLETION_LOGPROBS),
+            "completion_token_texts": a.get(COMPLETION_TOKENS),
         })
     elif kind == "reward":
         view.update({"reward_name": a.get(REWARD_NAME), "reward_value": a.get(REWARD_VALUE)})
     return view
 
 
-__all__ = ["CreditSettings", "RunNotFound", "RunReader", "discover", "is_run", "messages"]
+__all__ = ["CreditSettings", "RunNotFound", "RunReader", "discover", "expected", "flatten", "is_run", "messages",
+           "preview", "question"]

@@ -26,6 +26,7 @@ from fastapi.responses import FileResponse, PlainTextResponse, RedirectResponse,
 from fastapi.staticfiles import StaticFiles
 
 from lightning_sdk.dashboard.runs import MAX_PAGE, STATUSES, RunNotFound, RunReader
+from lightning_sdk.store import ROLLOUT_SORTS
 
 STATIC = Path(__file__).parent / "static"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
@@ -127,10 +128,12 @@ def create_app(reader: RunReader, token: str, cookie: str) -> FastAPI:
     def rollouts(run: str, status: Literal[STATUSES] | None = None,  # type: ignore[valid-type]
                  phase: Literal["train", "eval"] | None = None, component: str | None = None,
                  min_reward: float | None = None, max_reward: float | None = None,
-                 iteration: int | None = Query(None, ge=0), offset: int = Query(0, ge=0),
-                 limit: int = Query(50, ge=1, le=MAX_PAGE)) -> Any:
+                 iteration: int | None = Query(None, ge=0), q: str | None = Query(None, max_length=500),
+                 sort: Literal[tuple(ROLLOUT_SORTS)] = "started",  # type: ignore[valid-type]
+                 desc: bool = True, offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=MAX_PAGE)) -> Any:
         return found(reader.rollouts, run, status=status, phase=phase, component=component or None,
-                     min_reward=min_reward, max_reward=max_reward, iteration=iteration, offset=offset, limit=limit)
+                     min_reward=min_reward, max_reward=max_reward, iteration=iteration, search=q or None, sort=sort,
+                     descending=desc, offset=offset, limit=limit)
 
     @app.get("/api/rollout")
     def rollout(run: str, id: str) -> Any:  # noqa: A002 - the query parameter's name

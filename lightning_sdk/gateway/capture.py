@@ -27,8 +27,9 @@ from opentelemetry import baggage, trace
 from lightning_sdk.drain import Drain
 from lightning_sdk.tracing.context import COMPONENT_KEY, PROPAGATOR, ROLLOUT_KEY
 from lightning_sdk.tracing.propagation import CALL_ID_HEADER
-from lightning_sdk.tracing.records import (API, ATTEMPT, COMPLETION_IDS, COMPLETION_LOGPROBS, COMPONENT, GATEWAY,
-                                           POLICY, PROMPT_IDS, ROLLOUT_ID, UNREPRODUCIBLE, CallSink, SpanRecord)
+from lightning_sdk.tracing.records import (API, ATTEMPT, COMPLETION_IDS, COMPLETION_LOGPROBS, COMPLETION_TOKENS,
+                                           COMPONENT, GATEWAY, POLICY, PROMPT_IDS, ROLLOUT_ID, UNREPRODUCIBLE, CallSink,
+                                           SpanRecord)
 
 __all__ = ["CALL_ID_HEADER", "Call", "Capture", "OpenRollouts", "Origin", "Rollout", "origin", "unreproducible"]
 
@@ -119,6 +120,7 @@ class _Choice:
     tool_calls: dict[int, dict] = field(default_factory=dict)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -149,6 +151,7 @@ class Call:
             ch.tool_calls = dict(enumerate(msg.get("tool_calls") or ()))
             ch.token_ids = list(c.get("token_ids") or ())
             ch.logprobs = _logprob_values(c.get("logprobs"))
+            ch.tokens = _logprob_tokens(c.get("logprobs"))
             ch.finish_reason = c.get("finish_reason")
 
     def chunk(self, chunk: dict) -> None:
@@ -172,6 +175,7 @@ class Call:
                 slot["function"]["arguments"] += fn.get("arguments") or ""
             ch.token_ids += c.get("token_ids") or ()
             ch.logprobs += _logprob_values(c.get("logprobs"))
+            ch.tokens += _logprob_tokens(c.get("logprobs"))
             ch.finish_reason = c.get("finish_reason") or ch.finish_reason
 
     def fail(self, status: int, error: str) -> None:
@@ -220,6 +224,8 @@ class Call:
             a[PROMPT_IDS], a[COMPLETION_IDS] = list(self.prompt_ids), list(first.token_ids)
             if len(first.logprobs) == len(first.token_ids):
                 a[COMPLETION_LOGPROBS] = first.logprobs
+            if len(first.tokens) == len(first.token_ids):  # shown by the dashboard; never trained on
+                a[COMPLETION_TOKENS] = first.tokens
             a["gen_ai.usage.input_tokens"] = len(self.prompt_ids)
             a["gen_ai.usage.output_tokens"] = sum(len(c.token_ids) for c in self.choices.values())
             if self.response_id:
@@ -249,6 +255,16 @@ def _logprob_values(logprobs: Any) -> list[float]:
         return [float(e["logprob"]) for e in content if isinstance(e, dict) and "logprob" in e]
     if isinstance(logprobs, dict) and isinstance(logprobs.get("token_logprobs"), list):  # completions API
         return [float(x) for x in logprobs["token_logprobs"] if x is not None]
+    return []
+
+
+def _logprob_tokens(logprobs: Any) -> list[str]:
+    """Each token's text beside its log-prob (chat: content[].token; completions: tokens[])."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if isinstance(content, list):
+        return [str(e.get("token", "")) for e in content if isinstance(e, dict) and "logprob" in e]
+    if isinstance(logprobs, dict) and isinstance(logprobs.get("tokens"), list):
+        return [str(t) for t, x in zip(logprobs["tokens"], logprobs.get("token_logprobs") or ()) if x is not None]
     return []
 
 

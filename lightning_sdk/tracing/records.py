@@ -21,6 +21,7 @@ COMPONENT = "lightning.component"
 PROMPT_IDS = "lightning.llm.prompt_token_ids"
 COMPLETION_IDS = "lightning.llm.completion_token_ids"  # choice 0: the one an agent reads
 COMPLETION_LOGPROBS = "lightning.llm.completion_logprobs"
+COMPLETION_TOKENS = "lightning.llm.completion_tokens"  # each completion token's text, as the server sent it
 POLICY = "lightning.llm.policy"  # the adapter (or base model) name that served the call
 API = "lightning.llm.api"  # "chat.completions" | "completions" | "responses": the route the agent called
 UNREPRODUCIBLE = "lightning.llm.unreproducible"  # sampling settings of the call the trainer cannot reproduce

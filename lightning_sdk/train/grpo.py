@@ -7,55 +7,27 @@ credit rule and names each option's TRL / verl equivalent.
 
 from __future__ import annotations
 
-import math
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
-STD_EPS = 1e-4  # added to the std before dividing (TRL's convention)
+from lightning_sdk import advantage
+# STD_EPS and GroupOutcomes stay importable from here: the trainer and the tests name them with the GRPO math
+from lightning_sdk.advantage import STD_EPS, GroupOutcomes, group_outcomes  # noqa: F401
+
 KL_LOG_RATIO_CLAMP, KL_CLAMP = 20.0, 10.0  # verl's low_var_kl bounds on the k3 term
-SCALES = ("group", "batch", "none")
-
-# group id -> {rollout id: outcome} of EVERY scored rollout of the group, those that left no transition (all their
-# calls greedy, failed or of another component) included: the baseline is the group's, not the trained calls'.
-GroupOutcomes = Mapping[str, Mapping[str, float]]
 
 
-def _groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str], rollout_ids: Sequence[str],
-            scored: GroupOutcomes | None = None) -> dict[str, tuple[list[str], torch.Tensor]]:
-    """group -> (its rollouts, their outcomes in float64): the transitions' rollouts in first-seen order, or, with
-    `scored`, every scored rollout of each group the transitions touch. Every transition of a rollout must carry
-    the same outcome: the episode reward is the rollout's, not the call's."""
-    per: dict[str, float] = {}
-    members: dict[str, list[str]] = defaultdict(list)
-    for r, g, rid in zip(torch.as_tensor(outcomes, dtype=torch.float64).tolist(), group_ids, rollout_ids):
-        if rid not in per:
-            per[rid] = r
-            members[g].append(rid)
-        elif per[rid] != r:
-            raise ValueError(f"rollout {rid}: its transitions carry different episode rewards ({per[rid]} and {r});"
-                             f" intermediate rewards belong in Transition.shaping")
-    if scored is not None:
-        for g, rids in members.items():
-            everyone = scored.get(g, {})
-            for rid in rids:
-                if rid not in everyone or float(everyone[rid]) != per[rid]:
-                    raise ValueError(f"rollout {rid}: its outcome {per[rid]} is not the one the scored rollouts of "
-                                     f"group {g} give it ({everyone.get(rid)})")
-            for rid, r in everyone.items():
-                if not math.isfinite(float(r)):
-                    raise ValueError(f"group_advantages: rollout {rid}'s outcome {r} is not finite")
-                per[rid] = float(r)
-            members[g] = list(everyone)
-    return {g: (rids, torch.tensor([per[r] for r in rids], dtype=torch.float64)) for g, rids in members.items()}
+def _floats(v: Sequence[float] | torch.Tensor) -> list[float]:
+    return v.tolist() if isinstance(v, torch.Tensor) else [float(x) for x in v]
 
 
 def zero_variance_groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str],
                          rollout_ids: Sequence[str], scored: GroupOutcomes | None = None) -> set[str]:
     """Groups of two or more rollouts whose episode rewards are all equal: they carry no GRPO signal."""
-    return {g for g, (rids, x) in _groups(outcomes, group_ids, rollout_ids, scored).items()
-            if len(rids) > 1 and bool(x.max() == x.min())}
+    return {g for g, (rids, x) in group_outcomes(_floats(outcomes), group_ids, rollout_ids, scored).items()
+            if len(rids) > 1 and max(x) == min(x)}
 
 
 def single_rollout_groups(group_ids: Sequence[str], rollout_ids: Sequence[str],
@@ -73,72 +45,16 @@ def group_advantages(
     rollout_ids: Sequence[str],
     scale: str = "group",
     *,
-    credit: Sequence[float] | None = None,
-    shaping: Sequence[float] | None = None,
+    credit: Sequence[float] | torch.Tensor | None = None,
+    shaping: Sequence[float] | torch.Tensor | None = None,
     scored: GroupOutcomes | None = None,
 ) -> torch.Tensor:
-    """One advantage per transition (LLM call), from its rollout's outcome and its own intermediate rewards.
-
-    1. Each rollout r of a group gets A_r = (R_r - mean_g R) / d, over *rollouts* (however many calls each made):
-       d = the group's std (Bessel, + 1e-4; TRL's scale_rewards="group"), the batch's std ("batch") or 1 ("none").
-    2. Call k of rollout r gets credit_k * A_r (credit_k >= 0 from the credit rule: no call goes negative from its
-       position alone) plus its shaping s_k / d, the shaping limited to what the rollout failing (succeeding)
-       outright would do to A_r: it stays within [A_r(R_r -> worst R in group) - A_r, A_r(R_r -> best) - A_r].
-    Groups with one rollout, or whose outcomes are all equal, give 0 to every call, shaping included: intermediate
-    rewards alone never make a training signal. `scored` gives every scored rollout's outcome per group: the mean,
-    the std and "one rollout" then count the rollouts that left no transition too (docs/credit.md rule 1).
-    """
-    if scale not in SCALES:
-        raise ValueError(f"scale {scale!r}: expected one of {SCALES}")
-    n_t = len(group_ids)
-    c = torch.ones(n_t, dtype=torch.float64) if credit is None else torch.as_tensor(credit, dtype=torch.float64)
-    s = torch.zeros(n_t, dtype=torch.float64) if shaping is None else torch.as_tensor(shaping, dtype=torch.float64)
-    if bool((c < 0).any()):
-        raise ValueError("credit weights must be >= 0 (a call's share of its rollout's advantage)")
-    # One nan or inf here would make every advantage, the loss and then every adapter tensor non-finite.
-    for name, v in (("outcomes", torch.as_tensor(outcomes, dtype=torch.float64)), ("credit", c), ("shaping", s)):
-        bad = (~torch.isfinite(v)).nonzero()
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"group_advantages: {name}[{i}] = {v[i].item()} (rollout {rollout_ids[i]}) is not "
-                             f"finite")
-    groups = _groups(outcomes, group_ids, rollout_ids, scored)
-    live = {g: v for g, v in groups.items() if len(v[0]) > 1}
-    batch_d = 1.0
-    if scale == "batch" and live:
-        every = torch.cat([x for _, x in live.values()])
-        batch_d = (every.std() if len(every) > 1 else torch.tensor(0.0)).item() + STD_EPS
-
-    def adv(x: torch.Tensor) -> torch.Tensor:  # the advantages of outcomes x of one group
-        a = x - x.mean()
-        if scale == "group":
-            return a / (x.std() + STD_EPS)
-        return a / batch_d if scale == "batch" else a
-
-    base: dict[str, float] = {}  # rollout -> A_r
-    bounds: dict[str, tuple[float, float]] = {}  # rollout -> shaping's (lowest, highest) shift of A_r
-    divisor: dict[str, float] = {}
-    for g, (rids, x) in live.items():
-        if bool(x.max() == x.min()):
-            continue
-        a = adv(x)
-        d = x.std().item() + STD_EPS if scale == "group" else batch_d
-        if not math.isfinite(d):  # rewards near 1e154 and beyond (agent.MAX_ABS_REWARD keeps them out)
-            raise ValueError(f"group_advantages: group {g}'s rewards {x.tolist()} are too large: their std "
-                             f"overflows, which would make every advantage 0")
-        for j, rid in enumerate(rids):
-            worst, best = x.clone(), x.clone()
-            worst[j], best[j] = x.min(), x.max()
-            base[rid], divisor[rid] = a[j].item(), d
-            bounds[rid] = (adv(worst)[j].item() - a[j].item(), adv(best)[j].item() - a[j].item())
-    out = torch.zeros(n_t, dtype=torch.float64)
-    for i, rid in enumerate(rollout_ids):
-        if rid in base:
-            lo, hi = bounds[rid]
-            out[i] = c[i] * base[rid] + min(max(s[i].item() / divisor[rid], lo), hi)
-    if not bool(torch.isfinite(out).all()):
-        raise ValueError("group_advantages: an advantage overflowed; rewards of this size cannot be normalised")
-    return out.float()
+    """One advantage per transition (LLM call) as a float32 tensor: lightning_sdk.advantage computes it (and
+    explains it to the dashboard); its docstring states the rule."""
+    values = advantage.group_advantages(_floats(outcomes), group_ids, rollout_ids, scale,
+                                        credit=None if credit is None else _floats(credit),
+                                        shaping=None if shaping is None else _floats(shaping), scored=scored)
+    return torch.tensor(values, dtype=torch.float64).float()
 
 
 def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_norm: str = "rollout", *,

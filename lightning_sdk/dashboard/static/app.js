@@ -48,6 +48,9 @@ async function api(path, params) {
 }
 
 const href = (...parts) => "#/" + parts.map(encodeURIComponent).join("/");
+// series colours: a run's (or a policy's) curve, its band and its eval lines share one
+const PALETTE = ["#3b6fd8", "#d2691e", "#2e9b57", "#8e44ad", "#c0392b", "#16a085", "#7f8c8d", "#b8860b"];
+const color = (n) => PALETTE[n % PALETTE.length];
 const num = (v, d = 3) => (v === null || v === undefined ? "" : Number(v).toFixed(d));
 const sig = (v) => (v === null || v === undefined ? "" : String(Number(Number(v).toPrecision(3))));
 const ms = (v) => (v === null || v === undefined ? "" : v < 1000 ? `${v.toFixed(1)} ms` : `${(v / 1000).toFixed(2)} s`);
@@ -66,25 +69,43 @@ function badge(status) { return el("span", { class: `badge ${status}` }, status)
 
 let current = null; // the view on screen: { refresh }; polled while the page is visible
 
+// The address: #/<view>/<args>?<the view's state>; the state part (a list's filters) is the view's to read.
+function parseHash() {
+  const [path, query] = location.hash.replace(/^#\/?/, "").split("?");
+  return { parts: path.split("/").filter(Boolean).map(decodeURIComponent), query: new URLSearchParams(query || "") };
+}
+
 function route() {
-  const parts = location.hash.replace(/^#\/?/, "").split("/").filter(Boolean).map(decodeURIComponent);
+  const { parts, query } = parseHash();
+  const key = parts.join("/");
+  // Same view, other state (Back after a filter change): the view takes the state, the page is not rebuilt.
+  if (current && current.key === key && current.restore) {
+    current.restore(query);
+    tick();
+    return;
+  }
   // Each view draws into its own box: a slow answer for a view left behind lands in a detached box.
   const box = el("div");
   fill(document.getElementById("view"), box);
   if (parts[0] === "run" && parts[2] === "rollout") current = rolloutView(box, parts[1], parts[3]);
-  else if (parts[0] === "run") current = runView(box, parts[1]);
+  else if (parts[0] === "run") current = runView(box, parts[1], query);
   else if (parts[0] === "compare") current = compareView(box, parts[1], parts[2]);
   else current = runsView(box);
+  current.key = key;
   current.busy = false;
   tick();
 }
 
 async function tick() {
   const view = current;
-  if (!view || view.busy) return;
+  if (!view) return;
+  if (view.busy) { view.again = true; return; } // a state change during a refresh: refresh once more after it
   view.busy = true;
   try {
-    await view.refresh();
+    do {
+      view.again = false;
+      await view.refresh();
+    } while (view.again && view === current);
     if (view === current) document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
   } catch (e) {
     if (view === current) document.getElementById("updated").textContent = `error: ${e.message}`;
@@ -139,48 +160,169 @@ function runsView(main) {
 
 // ------------------------------------------------------------------------------------------------ one run
 
-function rewardChart(runs) {
+// Exponential moving average (TensorBoard's smoothing): 0 leaves the values as they are; nulls stay gaps.
+function ema(values, weight) {
+  let last = null;
+  return values.map((v) => {
+    if (v === null || v === undefined || !Number.isFinite(v)) return null;
+    last = last === null || weight <= 0 ? v : weight * last + (1 - weight) * v;
+    return last;
+  });
+}
+
+const finite = (v) => typeof v === "number" && Number.isFinite(v);
+
+function axes(g, { W, H, L, R, T, B, lo, hi, x0, x1, x, y, xlabel }) {
+  for (let k = 0; k <= 4; k++) {
+    const v = lo + ((hi - lo) * k) / 4;
+    g.append(svg("line", { class: "grid", x1: L, x2: W - R, y1: y(v), y2: y(v) }), svg("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end" }, sig(v)));
+  }
+  const step = Math.max(1, Math.ceil((x1 - x0) / 8));
+  for (let i = x0; i <= x1; i += step) g.append(svg("text", { x: x(i), y: H - B + 14, "text-anchor": "middle" }, i));
+  g.append(svg("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }), svg("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }));
+  if (xlabel) g.append(svg("text", { x: (L + W - R) / 2, y: H - 2, "text-anchor": "middle" }, xlabel));
+}
+
+const pathOf = (pts) => pts.map((p, i) => `${i ? "L" : "M"}${p[0].toFixed(1)},${p[1].toFixed(1)}`).join("");
+
+// Runs of consecutive finite points, so that a missing value breaks the line instead of bridging it.
+function segments(xs, ys) {
+  const out = [];
+  let cur = [];
+  xs.forEach((xv, i) => {
+    if (finite(ys[i])) cur.push([xv, ys[i]]);
+    else if (cur.length) { out.push(cur); cur = []; }
+  });
+  if (cur.length) out.push(cur);
+  return out;
+}
+
+function rewardChart(runs, smoothing = 0) {
   // runs: [{ name, history, evals }]; x counts iterations as the run's table does (1..N), evals at 0 and N.
+  // The band is reward_mean ± reward_std of each iteration's training rollouts.
   const W = 900, H = 260, L = 44, R = 250, T = 14, B = 30;
   const ys = [0, 1];
   let maxX = 1;
   for (const r of runs) {
-    r.history.forEach((h) => ys.push(h.reward_mean));
-    r.evals.forEach((e) => ys.push(e.mean));
+    r.history.forEach((h) => { if (finite(h.reward_mean)) ys.push(h.reward_mean - (h.reward_std || 0), h.reward_mean + (h.reward_std || 0)); });
+    r.evals.forEach((e) => { if (finite(e.mean)) ys.push(e.mean); });
     maxX = Math.max(maxX, r.history.length, ...r.evals.map((e) => e.iteration));
   }
-  const lo = Math.min(...ys.filter((v) => v !== null)), hi = Math.max(...ys.filter((v) => v !== null));
+  const lo = Math.min(...ys), hi = Math.max(...ys);
   const x = (i) => L + (i / maxX) * (W - L - R);
   const y = (v) => T + (1 - (v - lo) / (hi - lo || 1)) * (H - T - B);
   const g = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "reward per iteration" });
-  for (let k = 0; k <= 4; k++) {
-    const v = lo + ((hi - lo) * k) / 4;
-    g.append(svg("line", { class: "grid", x1: L, x2: W - R, y1: y(v), y2: y(v) }), svg("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end" }, v.toFixed(2)));
-  }
-  const step = Math.max(1, Math.ceil(maxX / 10));
-  for (let i = 0; i <= maxX; i += step) g.append(svg("text", { x: x(i), y: H - B + 16, "text-anchor": "middle" }, i));
-  g.append(svg("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }), svg("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }));
-  g.append(svg("text", { x: (L + W - R) / 2, y: H - 2, "text-anchor": "middle" }, "iteration"));
+  axes(g, { W, H, L, R, T, B, lo, hi, x0: 0, x1: maxX, x, y, xlabel: "iteration" });
   let ly = T + 6;
-  const legend = (cls, label, dash) => {
-    g.append(svg("line", { class: dash || cls, x1: W - R + 12, x2: W - R + 34, y1: ly, y2: ly }), svg("text", { class: "legend", x: W - R + 40, y: ly + 4 }, label));
+  const legend = (stroke, label, dash) => {
+    g.append(svg("line", { stroke, "stroke-width": 2, "stroke-dasharray": dash || "none", x1: W - R + 12, x2: W - R + 34, y1: ly, y2: ly }),
+      svg("text", { class: "legend", x: W - R + 40, y: ly + 4 }, label));
     ly += 18;
   };
   runs.forEach((r, n) => {
-    const cls = `s${n}`;
-    const pts = r.history.map((h, i) => [x(i + 1), y(h.reward_mean)]);
-    if (pts.length) g.append(svg("polyline", { class: cls, points: pts.map((p) => p.join(",")).join(" ") }));
-    r.history.forEach((h, i) => g.append(svg("circle", { class: cls, cx: x(i + 1), cy: y(h.reward_mean), r: 3 },
-      svg("title", {}, `${r.name} iteration ${i + 1}: reward ${num(h.reward_mean)} ± ${num(h.reward_std)}`))));
-    legend(cls, runs.length > 1 ? `${r.name}: train reward` : "train rollouts (mean)");
+    const c = color(n);
+    const pts = r.history.map((h, i) => [i + 1, h.reward_mean, h.reward_std || 0]).filter((p) => finite(p[1]));
+    if (pts.length) {
+      const upper = pts.map(([i, m, sd]) => [x(i), y(m + sd)]), lower = pts.map(([i, m, sd]) => [x(i), y(m - sd)]).reverse();
+      g.append(svg("path", { class: "band", "data-run": r.name, fill: c, d: pathOf([...upper, ...lower]) + "Z" },
+        svg("title", {}, `${r.name}: reward mean ± std`)));
+    }
+    const sm = ema(r.history.map((h) => h.reward_mean), smoothing);
+    if (pts.length) g.append(svg("polyline", { class: "line", stroke: c, points: r.history.map((h, i) => finite(sm[i]) ? `${x(i + 1)},${y(sm[i])}` : "").filter(Boolean).join(" ") }));
+    r.history.forEach((h, i) => { if (finite(h.reward_mean)) g.append(svg("circle", { fill: c, cx: x(i + 1), cy: y(h.reward_mean), r: 3 },
+      svg("title", {}, `${r.name} iteration ${i + 1}: reward ${num(h.reward_mean)} ± ${num(h.reward_std)}`))); });
+    legend(c, runs.length > 1 ? `${r.name}: train reward ± std` : "train rollouts (mean ± std)");
     for (const e of r.evals) {
-      if (e.mean === null) continue;
-      const c = e.iteration === 0 ? "before" : `after${n ? " s1e" : ""}`;
-      g.append(svg("line", { class: c, x1: L, x2: W - R, y1: y(e.mean), y2: y(e.mean) }, svg("title", {}, `${r.name} eval ${e.label}: ${num(e.mean)}`)));
-      legend(cls, `${runs.length > 1 ? r.name + " " : ""}eval ${e.iteration === 0 ? "before" : "after"}: ${num(e.mean)}`, c);
+      if (!finite(e.mean)) continue;
+      const dash = e.iteration === 0 ? "6 4" : "2 3";
+      const label = `${runs.length > 1 ? r.name + " " : ""}eval ${e.iteration === 0 ? "before" : "after"}: ${num(e.mean)}`;
+      g.append(svg("line", { class: "eval-line", stroke: c, "stroke-dasharray": dash, "data-run": r.name, "data-when": e.iteration === 0 ? "before" : "after",
+        x1: L, x2: W - R, y1: y(e.mean), y2: y(e.mean) }, svg("title", {}, `${r.name} eval ${e.label}: ${num(e.mean)}`)));
+      legend(c, label, dash);
     }
   });
   return g;
+}
+
+// What each logged key is, in words; a key not named here is charted under its own name.
+const METRIC_NAMES = {
+  "train.loss": "loss", "train.kl": "KL to the reference", "train.grad_norm": "gradient norm", "train.entropy": "entropy",
+  "train.clip_frac": "clip fraction", "train.zero_variance_frac": "zero-variance groups (fraction)",
+  "train.logprob_gap": "logprob gap (trainer − sampler)", "train.lr": "learning rate", "tokens_per_completion": "tokens per completion",
+  "completion_tokens": "completion tokens (all calls)", "collect_s": "collect seconds", "update_s": "update seconds",
+  "hotload_s": "hot-load seconds", "transitions": "transitions (trained calls)", "rollouts": "rollouts", "failed": "failed rollouts",
+};
+const FIRST = ["train.loss", "train.kl", "train.grad_norm", "train.entropy", "train.clip_frac", "train.zero_variance_frac",
+  "train.logprob_gap", "tokens_per_completion", "collect_s", "update_s", "hotload_s"];
+const SECTIONS = [["update", "The update"], ["collect", "Collection"], ["time", "Time"], ["policy", "Per policy"]];
+
+// One chart per numeric key of the metrics rows (reward_mean and reward_std are the reward chart above), plus
+// tokens per completion; with [policies], a policy's keys (transitions.<p>, train.<p>.<key>) share one chart.
+function chartSpecs(runs) {
+  const specs = new Map();
+  const policies = new Set(runs.flatMap((r) => r.policies || []));
+  const spec = (id, title, section) => specs.get(id) || specs.set(id, { id, title, section, series: [] }).get(id);
+  runs.forEach((r, n) => {
+    const keys = new Set();
+    r.history.forEach((h) => Object.entries(h).forEach(([k, v]) => { if (typeof v === "number") keys.add(k); }));
+    if (keys.has("completion_tokens") && keys.has("transitions")) keys.add("tokens_per_completion");
+    for (const k of keys) {
+      if (k === "iteration" || k === "reward_mean" || k === "reward_std") continue;
+      const value = k === "tokens_per_completion" ? (h) => (h.transitions ? h.completion_tokens / h.transitions : null) : (h) => h[k];
+      const t = k.match(/^transitions\.(.+)$/), p = k.match(/^train\.([^.]+)\.(.+)$/);
+      let s, label = runs.length > 1 ? r.name : k;
+      if (t && policies.has(t[1])) { s = spec("transitions.*", "transitions per policy", "policy"); label = `${runs.length > 1 ? r.name + " " : ""}${t[1]}`; }
+      else if (p && policies.has(p[1])) { s = spec(`train.*.${p[2]}`, `${METRIC_NAMES["train." + p[2]] || "train." + p[2]} per policy`, "policy"); label = `${runs.length > 1 ? r.name + " " : ""}${p[1]}`; }
+      else s = spec(k, METRIC_NAMES[k] || k, k.endsWith("_s") || k === "train.seconds" ? "time" : k.startsWith("train.") ? "update" : "collect");
+      s.series.push({ label, run: n, value, xs: r.history.map((h) => h.iteration) });
+    }
+  });
+  const rank = (id) => (FIRST.includes(id) ? FIRST.indexOf(id) : FIRST.length);
+  return [...specs.values()].sort((a, b) => rank(a.id) - rank(b.id) || a.id.localeCompare(b.id));
+}
+
+function smallChart(spec, runs, smoothing) {
+  const W = 420, H = 170, L = 52, R = 10, T = 10, B = 22;
+  const lines = spec.series.map((s, n) => {
+    const raw = runs[s.run].history.map((h) => { const v = s.value(h); return finite(v) ? v : null; });
+    return { ...s, raw, smooth: ema(raw, smoothing), c: color(spec.series.length > runs.length ? n : s.run) };
+  });
+  const all = lines.flatMap((l) => l.raw.filter(finite));
+  const xs = lines.flatMap((l) => l.xs.filter(finite));
+  let lo = Math.min(...all), hi = Math.max(...all);
+  if (!all.length) { lo = 0; hi = 1; }
+  if (lo === hi) { lo -= Math.abs(lo) * 0.1 || 0.5; hi += Math.abs(hi) * 0.1 || 0.5; }
+  const x0 = xs.length ? Math.min(...xs) : 0, x1 = xs.length ? Math.max(...xs, x0 + 1) : 1;
+  const x = (i) => L + ((i - x0) / (x1 - x0)) * (W - L - R);
+  const y = (v) => T + (1 - (v - lo) / (hi - lo)) * (H - T - B);
+  const g = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": spec.title });
+  axes(g, { W, H, L, R, T, B, lo, hi, x0, x1, x, y });
+  for (const l of lines) {
+    if (smoothing > 0) for (const seg of segments(l.xs, l.raw)) g.append(svg("path", { class: "raw", stroke: l.c, d: pathOf(seg.map(([i, v]) => [x(i), y(v)])) }));
+    for (const seg of segments(l.xs, l.smooth)) g.append(svg("path", { class: "line", stroke: l.c, d: pathOf(seg.map(([i, v]) => [x(i), y(v)])) }));
+    l.xs.forEach((i, k) => { if (finite(l.raw[k])) g.append(svg("circle", { fill: l.c, cx: x(i), cy: y(l.raw[k]), r: 2 }, svg("title", {}, `${l.label} iteration ${i}: ${sig(l.raw[k])}`))); });
+  }
+  const legend = lines.length > 1 ? el("div", { class: "legend" }, lines.map((l) => el("span", { class: "key", "data-color": l.c }, svgSwatch(l.c), l.label))) : null;
+  return el("div", { class: "chart", "data-key": spec.id }, el("div", { class: "title", title: spec.id }, spec.title), g, legend);
+}
+
+function svgSwatch(c) {
+  return svg("svg", { width: 14, height: 8, class: "swatch" }, svg("line", { x1: 0, x2: 14, y1: 4, y2: 4, stroke: c, "stroke-width": 3 }));
+}
+
+// The grid of metric charts, by section, with the smoothing control; `state.smoothing` survives redraws.
+function metricCharts(runs, state, redraw) {
+  const specs = chartSpecs(runs);
+  if (!specs.length) return null;
+  const slider = el("input", { type: "range", name: "smoothing", min: 0, max: 0.95, step: 0.05, value: state.smoothing });
+  const shown = el("span", { class: "muted" }, state.smoothing.toFixed(2));
+  slider.addEventListener("input", () => { state.smoothing = Number(slider.value); shown.textContent = state.smoothing.toFixed(2); redraw(); });
+  return el("div", { class: "metrics" },
+    el("div", { class: "filters" }, el("label", {}, "smoothing (moving average)", slider), shown),
+    SECTIONS.map(([id, title]) => {
+      const mine = specs.filter((s) => s.section === id);
+      return mine.length ? [el("h4", {}, title), el("div", { class: "charts" }, mine.map((s) => smallChart(s, runs, state.smoothing)))] : null;
+    }));
 }
 
 // [header, class, cell of a history row]; a compact table (two runs side by side) keeps the marked ones
@@ -217,57 +359,122 @@ function countsLine(s) {
     c.running ? el("span", { class: "badge live" }, "live") : null);
 }
 
-function runView(main, run) {
-  const filters = { status: "", phase: "", component: "", min_reward: "", max_reward: "", iteration: "", offset: 0 };
-  const head = el("div"), chart = el("div", { class: "card" }), iters = el("div"), list = el("div");
+// The run's effective configuration, as a table of dotted keys; `filterBox` narrows it by key or value.
+function configCard(s) {
+  if (!s.config) return el("p", { class: "muted" }, "No configuration recorded: the run has no config.json and no lightning.toml beside it names it.");
+  const rows = Object.entries(s.config).map(([k, v]) => el("tr", { "data-key": k }, el("td", { class: "l" }, k), el("td", { class: "l" }, text(v))));
+  const box = el("input", { type: "search", name: "config-filter", placeholder: "filter keys" });
+  box.addEventListener("input", () => rows.forEach((r) => { r.hidden = !r.textContent.toLowerCase().includes(box.value.toLowerCase()); }));
+  return el("details", { class: "card config" }, el("summary", {}, `Configuration: ${rows.length} values, defaults included, from ${s.config_source}`),
+    box, table([["key", "l"], ["value", "l"]], rows));
+}
+
+// The list's state as it goes into the address (and back): only what differs from the default.
+const LIST_DEFAULTS = { status: "", phase: "", component: "", min_reward: "", max_reward: "", iteration: "", q: "", sort: "started", desc: "1", offset: "0" };
+function listState(query) {
+  const out = {};
+  for (const [k, d] of Object.entries(LIST_DEFAULTS)) out[k] = query.get(k) ?? d;
+  return out;
+}
+
+// [header, class, sort key, cell]: every column sorts (trained into follows the iteration it was collected in)
+function rolloutCols(run) {
+  return [
+    ["rollout", "l", "rollout", (r) => el("a", { href: href("run", run, "rollout", r.rollout_id) }, r.rollout_id)],
+    ["task", "l preview", "task", (r) => r.task_preview],
+    ["output", "l preview", "output", (r) => r.output_preview],
+    ["phase", "l", "phase", (r) => r.phase], ["iter", "", "iteration", iterLabel],
+    ["status", "l", "status", (r) => badge(r.status)], ["reward", "", "reward", (r) => num(r.reward)],
+    ["LLM calls", "", "calls", (r) => r.calls], ["spans", "", "spans", (r) => r.spans],
+    ["seconds", "", "seconds", (r) => num(r.seconds, 2)], ["model", "l", "model", (r) => r.model ?? ""],
+    ["trained into", "l", "iteration", (r) => r.checkpoint ?? ""], ["error", "l err", "error", (r) => r.error ?? ""],
+  ];
+}
+
+function runView(main, run, query) {
+  const filters = listState(query);
+  const state = { smoothing: 0 };
+  const head = el("div"), chart = el("div", { class: "card" }), charts = el("div"), config = el("div"), iters = el("div"), list = el("div");
   const comp = el("select", { name: "component" }, el("option", { value: "" }, "any"));
   const controls = {};
+  // A change of the list's state is a new history entry: Back returns to the list as it was.
+  const push = () => {
+    const q = new URLSearchParams();
+    for (const [k, d] of Object.entries(LIST_DEFAULTS)) if (String(filters[k]) !== d) q.set(k, filters[k]);
+    const target = href("run", run) + (q.toString() ? "?" + q : "");
+    if (location.hash !== target) history.pushState(null, "", target);
+    tick();
+  };
   const field = (name, node) => {
     controls[name] = node;
-    node.addEventListener("change", () => { filters[name] = node.value; filters.offset = 0; tick(); });
+    node.addEventListener("change", () => { filters[name] = node.value; filters.offset = "0"; push(); });
     return node;
   };
   const choose = (name, values) => field(name, el("select", { name }, el("option", { value: "" }, "any"), values.map((v) => el("option", { value: v }, v))));
   const box = (name, ph) => field(name, el("input", { name, type: "number", step: "any", placeholder: ph }));
+  const search = field("q", el("input", { name: "q", type: "search", placeholder: "task or output text", class: "search" }));
+  let typing = null; // search as one types, once a pause says the word is whole
+  search.addEventListener("input", () => { clearTimeout(typing); typing = setTimeout(() => { if (filters.q !== search.value) { filters.q = search.value; filters.offset = "0"; push(); } }, 300); });
   const bar = el("div", { class: "filters" },
+    el("label", {}, "search", search),
     el("label", {}, "status", choose("status", ["succeeded", "failed", "abandoned", "running", "untrained"])),
     el("label", {}, "phase", choose("phase", ["train", "eval"])),
     el("label", {}, "component", field("component", comp)),
     el("label", {}, "min reward", box("min_reward", "≥")), el("label", {}, "max reward", box("max_reward", "≤")),
     el("label", {}, "iteration", box("iteration", "from 1")));
-  fill(main, el("p", {}, el("a", { href: "#/" }, "← runs")), head, chart, el("h3", {}, "Iterations"), iters,
+  const showControls = () => { for (const [k, c] of Object.entries(controls)) if (c !== comp || filters[k] === "") c.value = filters[k]; };
+  showControls();
+  fill(main, el("p", {}, el("a", { href: "#/" }, "← runs")), head, chart, charts, config, el("h3", {}, "Iterations"), iters,
     el("h3", {}, "Rollouts"), bar, list);
   let components = "";
   const changed = differ();
+  let summary = null;
+  const drawCharts = () => {
+    fill(chart, el("b", {}, "Reward per iteration"), el("br"), rewardChart([{ name: run, history: summary.history, evals: summary.evals }], state.smoothing));
+    fill(charts, metricCharts([{ name: run, history: summary.history, policies: summary.policies }], state, drawCharts));
+  };
   // What checkpoint iter-N trained on: iteration N's succeeded train rollouts (train/checkpoint.trained_into).
   const trainedOn = (n) => {
-    Object.assign(filters, { status: "succeeded", phase: "train", iteration: String(n), offset: 0 });
-    for (const k of ["status", "phase", "iteration"]) controls[k].value = filters[k];
-    tick();
+    Object.assign(filters, { status: "succeeded", phase: "train", iteration: String(n), offset: "0" });
+    showControls();
+    push();
+  };
+  const sortBy = (key) => {
+    filters.desc = filters.sort === key ? (filters.desc === "1" ? "0" : "1") : "1";
+    filters.sort = key;
+    filters.offset = "0";
+    push();
   };
   return {
+    restore(q) { Object.assign(filters, listState(q)); showControls(); },
     async refresh() {
-      const [s, page] = await Promise.all([api("summary", { run }), api("rollouts", { run, limit: PAGE, ...filters })]);
+      const params = { ...filters, desc: filters.desc === "1" ? "true" : "false" };
+      const [s, page] = await Promise.all([api("summary", { run }), api("rollouts", { run, limit: PAGE, ...params })]);
       if (!changed([s, page, filters])) return;
-      fill(head, el("h2", {}, run), el("div", { class: "muted" }, s.path), countsLine(s));
-      fill(chart, el("b", {}, "Reward per iteration"), el("br"), rewardChart([{ name: run, history: s.history, evals: s.evals }]));
-      fill(iters, iterationTable(s, false, trainedOn));
+      const fresh = JSON.stringify(s) !== JSON.stringify(summary);
+      summary = s;
+      if (fresh) {
+        fill(head, el("h2", {}, run), el("div", { class: "muted" }, s.path), countsLine(s));
+        drawCharts();
+        fill(config, configCard(s));
+        fill(iters, iterationTable(s, false, trainedOn));
+      }
       if (components !== JSON.stringify(s.components)) {
         components = JSON.stringify(s.components);
         fill(comp, el("option", { value: "" }, "any"), s.components.map((c) => el("option", { value: c, selected: c === filters.component }, c)));
       }
-      const go = (d) => { filters.offset = Math.max(0, filters.offset + d); tick(); };
+      const go = (d) => { filters.offset = String(Math.max(0, Number(filters.offset) + d)); push(); };
+      const cols = rolloutCols(run);
+      const arrow = (key) => (filters.sort === key ? (filters.desc === "1" ? " ▼" : " ▲") : "");
       fill(list,
-        table([["rollout", "l"], ["phase", "l"], ["iter"], ["status", "l"], ["reward"], ["LLM calls"], ["spans"], ["seconds"], ["model", "l"], ["trained into", "l"], ["error", "l"]],
-          page.rows.map((r) => el("tr", { class: "click", "data-rollout": r.rollout_id, onclick: () => { location.hash = href("run", run, "rollout", r.rollout_id); } },
-            el("td", { class: "l" }, el("a", { href: href("run", run, "rollout", r.rollout_id) }, r.rollout_id)),
-            el("td", { class: "l" }, r.phase), el("td", {}, iterLabel(r)), el("td", { class: "l" }, badge(r.status)),
-            el("td", {}, num(r.reward)), el("td", {}, r.calls), el("td", {}, r.spans), el("td", {}, num(r.seconds, 2)), el("td", { class: "l" }, r.model ?? ""),
-            el("td", { class: "l" }, r.checkpoint ?? ""), el("td", { class: "err", title: r.error ?? "" }, r.error ?? "")))),
+        el("div", { class: "scroll" }, el("table", { class: "rollouts" },
+          el("thead", {}, el("tr", {}, cols.map(([h, cls, key]) => el("th", { class: `${cls} sortable`, "data-sort": key, title: `sort by ${h}`, onclick: () => sortBy(key) }, h + arrow(key))))),
+          el("tbody", {}, page.rows.map((r) => el("tr", { class: "click", "data-rollout": r.rollout_id, onclick: (e) => { if (e.target.tagName !== "A") location.hash = href("run", run, "rollout", r.rollout_id); } },
+            cols.map(([h, cls, , cell]) => el("td", { class: cls, title: h === "error" ? r.error ?? "" : h === "task" ? r.task_preview : h === "output" ? r.output_preview : null }, cell(r)))))))),
         el("div", { class: "pager" },
-          el("button", { disabled: filters.offset === 0, onclick: () => go(-PAGE) }, "← newer"),
+          el("button", { disabled: Number(filters.offset) === 0, onclick: () => go(-PAGE) }, "← previous"),
           el("span", { class: "muted" }, page.total ? `${page.offset + 1}–${page.offset + page.rows.length} of ${page.total}` : "no rollout matches"),
-          el("button", { disabled: page.offset + page.rows.length >= page.total, onclick: () => go(PAGE) }, "older →")));
+          el("button", { disabled: page.offset + page.rows.length >= page.total, onclick: () => go(PAGE) }, "next →")));
     },
   };
 }
@@ -302,7 +509,7 @@ function spanCard(s) {
   // The status message is usually "Type: message" of the exception event below; show it once.
   if (err && s.status_message && !raised.some((a) => s.status_message === `${a["exception.type"]}: ${a["exception.message"]}`))
     body.push(el("pre", { class: "errtext" }, s.status_message));
-  if (s.kind === "llm") body.push(el("div", { class: "cols" }, messagesBlock("prompt", s.input), messagesBlock("completion", s.output)));
+  if (s.kind === "llm") body.push(advantageBox(s.advantage), el("div", { class: "cols" }, messagesBlock("prompt", s.input), messagesBlock("completion", s.output)), logprobStrip(s));
   for (const e of s.events || []) {
     const a = e.attributes || {};
     body.push(el("div", { class: e.name === "exception" ? "errtext" : "" }, el("div", {}, `event: ${e.name}`),
@@ -315,6 +522,48 @@ function spanCard(s) {
     if (attrs) body.push(el("details", { open: s.kind !== "llm" }, el("summary", { class: "muted" }, "attributes"), attrs));
   }
   return el("div", { class: `card span ${s.kind}${err ? " error" : ""}`, id: `span-${s.span_id}`, "data-kind": s.kind }, head, body);
+}
+
+// How the call's advantage was made: the sentence, then its numbers (the trainer's, from lightning_sdk.advantage).
+function advantageBox(a) {
+  if (!a) return el("div", { class: "advantage muted" }, "Not trained on: no advantage.");
+  const cell = (k, label, v) => [el("span", { class: "k" }, label), el("span", { "data-field": k, "data-value": v }, v === null || v === undefined ? "none" : sig(v))];
+  return el("div", { class: "advantage" }, el("p", { class: "adv-sentence" }, a.sentence),
+    el("div", { class: "kv" }, cell("value", "advantage trained with", a.value), cell("outcome", "outcome (rollout reward)", a.outcome),
+      cell("group_mean", "group mean", a.group_mean), cell("group_std", "group std", a.group_std), cell("group_size", "rollouts in group", a.group_size),
+      cell("divisor", "divided by", a.divisor), cell("rollout_advantage", "rollout advantage", a.rollout_advantage),
+      cell("credit", "credit weight", a.credit), cell("shaping", "intermediate rewards", a.shaping), cell("shaping_term", "shaping term", a.shaping_term)));
+}
+
+// The completion's tokens, each coloured by the probability the sampler gave it; hover for the token and its log-prob.
+function logprobStrip(s) {
+  const lps = s.completion_logprobs, ids = s.completion_ids || [], texts = s.completion_token_texts;
+  if (!lps || !lps.length) return el("div", { class: "muted" }, "No per-token log-probs recorded for this call.");
+  return el("div", {}, el("div", { class: "muted" }, `per-token log-probs: ${lps.length} tokens, darker = less likely`),
+    el("div", { class: "logprobs" }, lps.map((lp, i) => {
+      const tok = texts ? texts[i] : `#${ids[i]}`;
+      const p = Math.exp(lp);
+      return el("span", { class: `tok p${Math.min(9, Math.floor(p * 10))}`, title: `token ${JSON.stringify(tok)} (id ${ids[i]}): logprob ${lp.toFixed(4)}, p ${p.toFixed(3)}`, "data-logprob": lp },
+        tok === "" ? "∅" : tok.replace(/\n/g, "⏎"));
+    })));
+}
+
+// The credit settings as one sentence.
+function creditLine(c) {
+  const scale = c.scale === "group" ? "divided by their group's std" : c.scale === "batch" ? "divided by the batch's std" : "not divided";
+  return `${c.note}. Credit rule ${c.rule}, each failed span after a call costs ${c.error_reward}, advantages ${scale}; ` +
+    `these settings come from ${c.source}.`;
+}
+
+// The other rollouts of its group (same task, same iteration) with their rewards and outputs, side by side.
+function groupCard(run, d) {
+  if (!d.group.length) return null;
+  return el("div", {}, el("h3", {}, `Its group: ${d.group.length} rollout(s) of this task`),
+    el("div", { class: "group" }, d.group.map((g) => el("div", { class: `card member${g.self ? " self" : ""}`, "data-rollout": g.rollout_id },
+      el("div", { class: "head" }, g.self ? el("b", {}, "this rollout") : el("a", { href: href("run", run, "rollout", g.rollout_id) }, g.rollout_id), " ", badge(g.status)),
+      el("div", { class: "kv" }, el("span", { class: "k" }, "reward"), el("span", { "data-field": "reward" }, g.reward === null ? "none" : num(g.reward)),
+        el("span", { class: "k" }, "rollout advantage"), el("span", { "data-field": "rollout_advantage", "data-value": g.rollout_advantage }, g.rollout_advantage === null || g.rollout_advantage === undefined ? "none" : sig(g.rollout_advantage))),
+      el("pre", { class: "out" }, g.output ?? "")))));
 }
 
 function timeline(spans) {
@@ -351,11 +600,13 @@ function rolloutView(main, run, id) {
           el("span", { class: "k" }, "attempt"), el("span", {}, r.attempt),
           el("span", { class: "k" }, "model"), el("span", {}, r.model ?? ""),
           el("span", { class: "k" }, "seconds"), el("span", {}, num(r.seconds, 2)),
-          el("span", { class: "k" }, "credit"), el("span", {}, `${d.credit.note} (rule ${d.credit.rule}, ${d.credit.source})`)),
+          el("span", { class: "k" }, "credit"), el("span", { id: "credit" }, creditLine(d.credit))),
           el("h3", {}, "task"), el("pre", {}, text(d.task)),
+          d.expected ? [el("h3", {}, `expected answer (the task's ${d.expected.field})`), el("pre", { id: "expected" }, text(d.expected.value))] : null,
           el("h3", {}, "output"), el("pre", { id: "output" }, text(r.output)),
           r.error ? [el("h3", { class: "errtext" }, "error"), el("pre", { class: "errtext" }, r.error)] : null,
           r.traceback ? el("details", {}, el("summary", {}, "traceback"), el("pre", {}, r.traceback)) : null),
+        groupCard(run, d),
         el("h3", {}, `Timeline: ${d.spans.length} span(s)`),
         d.spans.length ? el("div", { class: "card scroll" }, timeline(d.spans)) : el("p", { class: "muted" }, "No span recorded."),
         el("div", { id: "spans" }, d.spans.map(spanCard)));
@@ -365,15 +616,40 @@ function rolloutView(main, run, id) {
 
 // ------------------------------------------------------------------------------------------------ two runs
 
+// Two runs' configurations: the keys whose values differ first, the rest folded away.
+function configDiff(a, b, sa, sb) {
+  if (!sa.config && !sb.config) return el("p", { class: "muted" }, "Neither run recorded its configuration.");
+  const ca = sa.config || {}, cb = sb.config || {};
+  const keys = [...new Set([...Object.keys(ca), ...Object.keys(cb)])].sort();
+  const show = (c, k) => (k in c ? text(c[k]) : "(not set)");
+  const row = (k) => el("tr", { "data-key": k }, el("td", { class: "l" }, k), el("td", { class: "l" }, show(ca, k)), el("td", { class: "l" }, show(cb, k)));
+  // run.name and run.dir differ between any two runs: said, but after what was chosen
+  const own = (k) => k === "run.name" || k === "run.dir";
+  const differ = keys.filter((k) => JSON.stringify(ca[k]) !== JSON.stringify(cb[k]));
+  const chosen = differ.filter((k) => !own(k)), same = keys.filter((k) => !differ.includes(k));
+  return el("div", { class: "card" },
+    el("b", {}, chosen.length ? `${chosen.length} setting(s) differ` : "The same settings (besides name and directory)"),
+    el("div", { class: "config-diff" }, table([["key", "l"], [a, "l"], [b, "l"]], [...chosen, ...differ.filter(own)].map(row))),
+    el("details", {}, el("summary", { class: "muted" }, `${same.length} setting(s) the same`), table([["key", "l"], [a, "l"], [b, "l"]], same.map(row))));
+}
+
 function compareView(main, a, b) {
   const changed = differ();
-  const top = el("div", { class: "card" }), cols = el("div", { class: "cols" });
-  fill(main, el("p", {}, el("a", { href: "#/" }, "← runs")), el("h2", {}, `${a}  vs  ${b}`), top, cols);
+  const state = { smoothing: 0 };
+  const diff = el("div"), top = el("div", { class: "card" }), charts = el("div"), cols = el("div", { class: "cols" });
+  fill(main, el("p", {}, el("a", { href: "#/" }, "← runs")), el("h2", {}, `${a}  vs  ${b}`), diff, top, charts, cols);
+  let runs = null;
+  const drawCharts = () => {
+    fill(top, el("b", {}, "Reward per iteration"), el("br"), rewardChart(runs, state.smoothing));
+    fill(charts, metricCharts(runs, state, drawCharts));
+  };
   return {
     async refresh() {
       const [sa, sb] = await Promise.all([api("summary", { run: a }), api("summary", { run: b })]);
       if (!changed([sa, sb])) return;
-      fill(top, rewardChart([{ name: a, history: sa.history, evals: sa.evals }, { name: b, history: sb.history, evals: sb.evals }]));
+      fill(diff, configDiff(a, b, sa, sb));
+      runs = [{ name: a, history: sa.history, evals: sa.evals, policies: sa.policies }, { name: b, history: sb.history, evals: sb.evals, policies: sb.policies }];
+      drawCharts();
       fill(cols, [[a, sa], [b, sb]].map(([name, s]) => el("div", { class: "side" },
         el("h3", {}, el("a", { href: href("run", name) }, name)), countsLine(s), iterationTable(s, true))));
     },
