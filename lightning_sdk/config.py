@@ -247,7 +247,7 @@ class TrainConfig(_Section):
         "token", description="the PPO ratio per token, or per sequence: exp(mean log-ratio of the completion) for "
                              "each of its tokens (GSPO; TRL's importance_sampling_level = 'sequence', which pairs "
                              "with much smaller clip_eps / clip_eps_high, e.g. 3e-4 / 4e-4)")
-    max_staleness: int = Field(0, ge=0, description="pipelined training (docs/scaling.md): 0 collects, updates "
+    max_staleness: int = Field(0, ge=0, description="pipelined training (docs/pipeline.md): 0 collects, updates "
                                "and hot-loads in turn; k >= 1 collects the next batch while the trainer updates, "
                                "from the newest adapter served, and leaves out a call whose adapter is more than k "
                                "updates behind the one being trained (train.stale_dropped); the importance weight "
