@@ -9,9 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from lightning_sdk.api import RunResult
+from lightning_sdk.evals import EvalScore
 from lightning_sdk.summary import iteration_table
 from lightning_sdk.train.checkpoint import RunState
 
@@ -21,9 +23,10 @@ ROW = {"iteration": 1, "policy": "builtin:tiny-arith", "reward_mean": 0.25, "rew
        "update_s": 1.0}
 
 
-def rendered(beta: float) -> str:
+def rendered(beta: float, split: str = "train") -> str:
     console = Console(record=True, width=200)
-    console.print(iteration_table("arith", [ROW] * 3, 0.1, 0.5, beta=beta))
+    before, after = EvalScore(0.1, 0.03, 100, split), EvalScore(0.5, 0.05, 100, split)
+    console.print(iteration_table("arith", [ROW] * 3, before, after, beta=beta))
     return console.export_text()
 
 
@@ -32,6 +35,13 @@ def test_the_table_leaves_out_kl_without_beta_and_says_what_logprob_gap_is():
     header = lambda text: next(line for line in text.splitlines() if "logprob gap" in line and "┃" in line)  # noqa
     assert " kl " not in header(plain) and " kl " in header(with_kl)
     assert "logprob gap: mean |trainer - server| log-prob per sampled token" in plain
+
+
+def test_the_table_says_what_the_eval_scored_with_its_standard_error():
+    on_train, held_out = rendered(0.0, "train"), rendered(0.0, "held-out")
+    assert "eval rows: score on the training tasks, mean ± standard error over 100 tasks" in on_train
+    assert "held-out" not in on_train and "eval rows: held-out score" in held_out
+    assert "0.100 ± 0.030" in on_train and "0.500 ± 0.050" in on_train
 
 
 def test_the_first_line_comes_at_once_in_a_log_file(tmp_path):
@@ -62,3 +72,40 @@ def test_a_run_result_reads_in_one_line(tmp_path):
     text = repr(RunResult(run_dir=tmp_path, state=state, eval_untrained=0.24, eval_trained=0.8512))
     assert "\n" not in text and len(text) < 200 and "reward_mean" not in text
     assert "iterations=30" in text and "eval_trained=0.851" in text
+
+
+@pytest.fixture(scope="module")
+def quiet_run(tmp_path_factory):
+    """The default run's agent and config, made short (12 tasks, 2 iterations), through `ls.run(quiet=True)` in a
+    process of its own; data.eval is the training file, as in the default run."""
+    d = tmp_path_factory.mktemp("quiet")
+    (d / "agent.py").write_text((ROOT / "cookbook/arith/agent.py").read_text())
+    rows = (ROOT / "cookbook/arith/data/train.jsonl").read_text().splitlines()
+    (d / "train.jsonl").write_text("\n".join(rows[::9]) + "\n")
+    toml = (ROOT / "lightning.toml").read_text()
+    for old, new in (('dir = "runs/arith"', 'dir = "run"'), ("iterations = 30", "iterations = 2"),
+                     ('"cookbook/arith/agent.py"', '"agent.py"'), ('"cookbook/arith/data/train.jsonl"', '"train.jsonl"'),
+                     ("tasks_per_iteration = 16", "tasks_per_iteration = 4"), ("group_size = 8", "group_size = 4")):
+        assert old in toml
+        toml = toml.replace(old, new)
+    (d / "lightning.toml").write_text(toml)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", "import lightning_sdk as ls; ls.run('lightning.toml', quiet=True)"],
+                       cwd=d, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return d, p
+
+
+def test_a_quiet_run_prints_nothing(quiet_run):
+    _, p = quiet_run
+    assert p.stdout == ""
+    print("stderr:", p.stderr)
+    assert p.stderr == ""
+
+
+def test_the_default_run_leaves_no_warning_in_its_server_log(quiet_run):
+    d, _ = quiet_run
+    log = (d / "run/server.log").read_text()
+    assert "loaded lora adapter arith-iter2" in log and "unloaded lora adapter arith-iter1" in log  # hot-loads ran
+    noisy = [line for line in log.splitlines() if "warn" in line.lower() or "deprecat" in line.lower()]
+    assert noisy == []
