@@ -1,9 +1,13 @@
 """What a person reads of a run: its first line at once, also in a log file; a table without columns the run's
-settings keep at zero, that says what logprob gap means; a one-line repr of the result."""
+settings keep at zero, that says what logprob gap means and what the eval scored; a one-line repr of the result;
+nothing at all from `ls.run(quiet=True)`, and no warning in server.log; `lightning eval` naming the iteration it
+scored, with the same score twice, its rollouts kept for `lightning traces`."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -109,3 +113,38 @@ def test_the_default_run_leaves_no_warning_in_its_server_log(quiet_run):
     assert "loaded lora adapter arith-iter2" in log and "unloaded lora adapter arith-iter1" in log  # hot-loads ran
     noisy = [line for line in log.splitlines() if "warn" in line.lower() or "deprecat" in line.lower()]
     assert noisy == []
+
+
+def lightning(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "lightning_sdk.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_evals_on_the_training_file_say_so_with_their_standard_error(quiet_run):
+    d, _ = quiet_run
+    rows = [json.loads(line) for line in (d / "run/metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r.get("phase") == "eval"]
+    assert [(r["eval"], r["eval_split"], r["eval_tasks"]) for r in evals] == [("untrained", "train", 12),
+                                                                              ("trained", "train", 12)]
+    assert all(0 < r["eval_stderr"] < 0.3 for r in evals if 0 < r["eval.reward_mean"] < 1)
+
+
+def test_lightning_eval_names_the_iteration_scores_the_same_twice_and_keeps_its_rollouts(quiet_run):
+    d, _ = quiet_run
+    first, second = (lightning("eval", "--trained", cwd=d) for _ in range(2))
+    assert first.returncode == 0 and second.returncode == 0, first.stdout + first.stderr
+    line = re.compile(r"score on the training tasks (\d\.\d{3} ± \d\.\d{3}) over 12 tasks \(mean reward ± standard "
+                      r"error\) of iteration 2 \(checkpoint .*iter-00002, served as arith-iter2\)")
+    scores = [line.search(out.stdout) for out in (first, second)]
+    assert all(scores), first.stdout
+    assert scores[0].group(1) == scores[1].group(1)  # run.seed fixes each eval rollout's sample
+    assert "held-out" not in first.stdout
+    kept = sorted((d / "run/evals").glob("*.sqlite"))
+    assert len(kept) == 2 and all(k.name.endswith("-iter2.sqlite") for k in kept)  # one file per eval, none replaced
+    assert f"eval rollouts: {kept[0]}" in first.stdout or f"eval rollouts: {kept[1]}" in first.stdout
+    listed = lightning("traces", "--run-dir", "run", "--phase", "eval", "-n", "100", cwd=d)
+    assert listed.returncode == 0, listed.stderr
+    # the run's own two evals, then each kept store's one
+    assert listed.stdout.count("eval-untrained-") == 12 and listed.stdout.count("eval-trained-") == 12 + 2 * 12
+    assert not re.search(r"\bit0\d{3}-", listed.stdout)  # no training rollout
