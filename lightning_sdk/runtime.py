@@ -156,8 +156,8 @@ class Runtime:
         store.add_tasks((data.task_id(t), t) for t in train_tasks + eval_tasks)
         metrics = MetricsLog(self.run_dir, report_to=cfg.run.report_to, name=cfg.run.name,
                              config=cfg.model_dump(mode="json"))
-        split = split_of(map(data.task_id, eval_tasks), map(data.task_id, train_tasks))
-        baseline = (EvalScore(state.baseline_eval, state.baseline_eval_stderr, len(eval_tasks), *split)
+        eval_split = split_of(map(data.task_id, eval_tasks), map(data.task_id, train_tasks))
+        baseline = (EvalScore(state.baseline_eval, state.baseline_eval_stderr, len(eval_tasks), *eval_split)
                     if state.baseline_eval is not None else None)
         metrics.rewrite(state.history, baseline_eval=baseline)
         feed = TaskFeed(train_tasks, cfg.data.tasks_per_iteration, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
@@ -183,12 +183,13 @@ class Runtime:
                                        "scored; set data.eval (held-out tasks, a dataset) for a before/after score",
                                        highlight=False, soft_wrap=True)
                 if eval_tasks and baseline is None:
-                    baseline = self._evaluate(eval_tasks, {p.name: base for p in self.policies}, "untrained", split)
+                    baseline = self._evaluate(eval_tasks, {p.name: base for p in self.policies}, "untrained",
+                                              eval_split)
                     state.baseline_eval, state.baseline_eval_stderr = baseline.mean, baseline.stderr
                     metrics.log_eval("untrained", baseline, 0, policy=base)
                 for it in range(state.completed, cfg.run.iterations):
                     policy = self._iteration(it, feed.batch_for(it), policy, state, store, trainer, metrics)
-                final = self._evaluate(eval_tasks, policy, "trained", split) if eval_tasks else None
+                final = self._evaluate(eval_tasks, policy, "trained", eval_split) if eval_tasks else None
                 if final is not None:
                     metrics.log_eval("trained", final, cfg.run.iterations, policy=self._label(policy))
         finally:

@@ -15,6 +15,7 @@ PKG = Path(lightning_sdk.__file__).parent
 # Top-level part -> its height. A module may import only parts at its height or below.
 HEIGHT = {
     "errors": 0, "files": 0, "distribution": 0, "compat": 0, "drain": 0, "console": 1, "summary": 1, "config": 1, "data": 1,
+    "evals": 1,                                    # what an eval score says: below the table and the metrics
     "agent": 2, "tracing": 3,                      # the agent side: no store, trainer or server below them
     "gateway": 3,                                  # makes each call's record; the store keeps it
     "store": 4, "credit": 5, "transitions": 6, "models": 5,

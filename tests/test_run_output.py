@@ -88,7 +88,8 @@ def quiet_run(tmp_path_factory):
     (d / "train.jsonl").write_text("\n".join(rows[::9]) + "\n")
     toml = (ROOT / "lightning.toml").read_text()
     for old, new in (('dir = "runs/arith"', 'dir = "run"'), ("iterations = 30", "iterations = 2"),
-                     ('"cookbook/arith/agent.py"', '"agent.py"'), ('"cookbook/arith/data/train.jsonl"', '"train.jsonl"'),
+                     ('"cookbook/arith/agent.py"', '"agent.py"'),
+                     ('"cookbook/arith/data/train.jsonl"', '"train.jsonl"'),
                      ("tasks_per_iteration = 16", "tasks_per_iteration = 4"), ("group_size = 8", "group_size = 4")):
         assert old in toml
         toml = toml.replace(old, new)
