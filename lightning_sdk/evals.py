@@ -3,7 +3,11 @@
 A run scores data.eval before and after training, and `lightning eval` scores any policy. When those tasks are
 training tasks (the default run scores its own 100 sums) the score is not a held-out one, and every place that
 shows it says "score on the training tasks". Each eval rollout samples with a seed drawn from (run.seed, task id):
-the gateway gives it to the rollout's calls that set none, so the same policy scores the same twice.
+the gateway gives it to the rollout's calls that set none, so the same policy scores the same twice. The server
+samples a seeded request from a generator of its own, so its neighbours in a batch do not change its draw. What
+can still differ: an agent whose rollout makes several calls at once (their seeds follow the order they arrive
+in), and float rounding that differs with the batch's shape (a sample moves only if its uniform lands that close
+to a boundary: unseen in 2 x 100 evals of the default run, every reply the same).
 """
 
 from __future__ import annotations
