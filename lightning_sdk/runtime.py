@@ -114,6 +114,7 @@ class Runtime:
             raise SetupError(str(e)) from None
         self.collector: Collector | None = None  # set while a session is open
         self.final_eval: float | None = None
+        self.final_score: EvalScore | None = None  # the trained eval, with its standard error
         self.policies = policies(cfg)
         self.multi = bool(cfg.policies)  # one adapter per policy, each call served by its component's
 
@@ -198,7 +199,7 @@ class Runtime:
         metrics.plot(state.history, baseline=state.baseline_eval, final=final.mean if final is not None else None,
                      eval_words=scored.words if scored else "eval")
         self._print_table(state, baseline, final)
-        self.final_eval = final.mean if final is not None else None
+        self.final_eval, self.final_score = (final.mean if final is not None else None), final
         return state
 
     def evaluate(self, tasks: list[dict], adapter: Path | dict[str, Path] | None = None, *,

@@ -73,9 +73,10 @@ def test_a_run_result_reads_in_one_line(tmp_path):
     state = RunState()
     state.history = [dict(ROW, iteration=k) for k in range(1, 31)]
     state.completed = 30
-    text = repr(RunResult(run_dir=tmp_path, state=state, eval_untrained=0.24, eval_trained=0.8512))
+    text = repr(RunResult(run_dir=tmp_path, state=state, eval_untrained=0.24, eval_trained=0.8512,
+                          eval_trained_stderr=0.0361))
     assert "\n" not in text and len(text) < 200 and "reward_mean" not in text
-    assert "iterations=30" in text and "eval_trained=0.851" in text
+    assert "iterations=30" in text and "eval_trained=0.851±0.036" in text and "eval_untrained=0.240," in text
 
 
 @pytest.fixture(scope="module")
