@@ -57,7 +57,7 @@ class EvalScore:
         if self.split == TRAIN:
             return "score on the training tasks"
         if self.split == MIXED:
-            return f"score on {self.n} tasks, {self.seen} of them training tasks"
+            return f"score on tasks partly seen in training ({self.seen} of {self.n})"
         return "held-out score"
 
     def __str__(self) -> str:

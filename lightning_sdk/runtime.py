@@ -39,7 +39,7 @@ from lightning_sdk.servers import ServerError, SleepableServer
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.process import new_api_key
 from lightning_sdk.servers.select import resolved_backend
-from lightning_sdk.store import Store, eval_score
+from lightning_sdk.store import Store, eval_score, seal
 from lightning_sdk.summary import iteration_table
 from lightning_sdk.train.checkpoint import (CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint,
                                            policy_adapters, write_checkpoint)
@@ -233,6 +233,8 @@ class Runtime:
                 score = self._evaluate(tasks, policy, "trained" if adapter is not None else "untrained", split,
                                        iteration=0 if adapter is None else iteration or 0)
                 served = self._label(policy)
+            if keep is not None:
+                seal(db)  # before it appears: readers of it then write nothing beside it
         return Evaluated(score, served, kept.path if keep is not None else None)
 
     @contextmanager

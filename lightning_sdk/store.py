@@ -79,6 +79,16 @@ def eval_score(reward: float | None) -> float:
     return FAILED_EVAL_SCORE if reward is None else reward
 
 
+def seal(path: str | Path) -> None:
+    """Make a closed store one self-contained file: its write-ahead log folded in and WAL mode left, so a read-only
+    reader (`lightning traces`) creates no -wal/-shm beside it. For a store nothing writes to any more."""
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=DELETE")
+    finally:
+        db.close()
+
+
 @dataclass(frozen=True)
 class RolloutRecord:
     rollout_id: str

@@ -24,7 +24,7 @@ def test_split_of_says_whether_the_eval_tasks_are_training_tasks():
     assert split_of(["a", "y"], ["a", "b"]) == ("mixed", 1)
     assert EvalScore.of([1.0], "train").words == "score on the training tasks"
     assert EvalScore.of([1.0], "held-out").words == "held-out score"
-    assert EvalScore.of([1.0, 0.0, 0.0], "mixed", 1).words == "score on 3 tasks, 1 of them training tasks"
+    assert EvalScore.of([1.0, 0.0, 0.0], "mixed", 1).words == "score on tasks partly seen in training (1 of 3)"
 
 
 def test_an_eval_score_carries_its_standard_error():

@@ -150,3 +150,4 @@ def test_lightning_eval_names_the_iteration_scores_the_same_twice_and_keeps_its_
     # the run's own two evals, then each kept store's one
     assert listed.stdout.count("eval-untrained-") == 12 and listed.stdout.count("eval-trained-") == 12 + 2 * 12
     assert not re.search(r"\bit0\d{3}-", listed.stdout)  # no training rollout
+    assert sorted((d / "run/evals").iterdir()) == kept  # complete files only: no temp, and the reader left no -wal
