@@ -40,13 +40,16 @@ class RunResult:
     eval_untrained: float | None
     eval_trained: float | None
     name: str = "run"  # run.name: the single policy's name
+    eval_untrained_stderr: float | None = None  # each eval score's standard error (evals.EvalScore)
+    eval_trained_stderr: float | None = None
 
     def __repr__(self) -> str:  # a line, not the whole history: what a notebook shows after `ls.run(...)`
-        def score(x: float | None) -> str:
-            return "None" if x is None else f"{x:.3f}"
+        def score(x: float | None, stderr: float | None) -> str:
+            return "None" if x is None else f"{x:.3f}" + ("" if stderr is None else f"±{stderr:.3f}")
 
         return (f"RunResult(run_dir={str(self.run_dir)!r}, iterations={self.state.completed}, "
-                f"eval_untrained={score(self.eval_untrained)}, eval_trained={score(self.eval_trained)})")
+                f"eval_untrained={score(self.eval_untrained, self.eval_untrained_stderr)}, "
+                f"eval_trained={score(self.eval_trained, self.eval_trained_stderr)})")
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -105,5 +108,8 @@ def _run(cfg: Config, *, resume: bool, overwrite: bool, quiet: bool) -> RunResul
     configure_output()
     runtime = Runtime(cfg, resume=resume, overwrite=overwrite, console=make_console(quiet=quiet))
     state = runtime.run()
+    final = runtime.final_score
     return RunResult(run_dir=Path(cfg.run.dir), state=state, eval_untrained=state.baseline_eval,
-                     eval_trained=runtime.final_eval, name=cfg.run.name)
+                     eval_trained=runtime.final_eval, name=cfg.run.name,
+                     eval_untrained_stderr=state.baseline_eval_stderr,
+                     eval_trained_stderr=final.stderr if final is not None else None)

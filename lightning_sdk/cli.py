@@ -1,5 +1,5 @@
 """`lightning`: the command line. `lightning run` trains, `lightning check` says whether a run would train before
-it does, `lightning eval` scores a policy on held-out tasks, `lightning traces` shows what the store holds,
+it does, `lightning eval` scores a policy on the eval tasks, `lightning traces` shows what the store holds,
 `lightning worker` runs the agent for a remote run."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from rich.table import Table
 from lightning_sdk import config as config_mod
 from lightning_sdk.console import configure_output, make_console
 from lightning_sdk.distribution import DISTRIBUTION, VERSION, missing_train_extra
+from lightning_sdk.evals import EVALS_DIR
 
 EXIT_USAGE = 2  # click's convention for bad input
 
@@ -109,11 +110,12 @@ def check(config_path: Path, tasks: int) -> None:
                    "directory holding one per policy, by name).")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Override run.dir.")
 @click.option("--data", "data_path", type=click.Path(path_type=Path),  # a directory: a datasets save_to_disk
-              help="Held-out tasks (default: data.eval).")
+              help="Eval tasks (default: data.eval).")
 @click.option("--limit", type=click.IntRange(min=1), help="Score only the first N tasks.")
 def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Path | None,
           data_path: Path | None, limit: int | None) -> None:
-    """Score a policy on held-out tasks: the base model, or a trained adapter (--trained / --checkpoint)."""
+    """Score a policy on the eval tasks: the base model, or a trained adapter (--trained / --checkpoint). Says
+    whether those are held-out or training tasks; the rollouts are kept in the run's evals/ folder."""
     console = make_console()
     if trained and checkpoint is not None:
         _fail(console, "--trained and --checkpoint exclude each other")
@@ -125,12 +127,14 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
         cfg.run.dir = run_dir
     DatasetError, ModelLoadError, Runtime = _training_side(console, "lightning eval")
     from lightning_sdk import data
+    from lightning_sdk.dashboard.runs import STORE_FILE
     from lightning_sdk.errors import RunError, SetupError
-    from lightning_sdk.train.checkpoint import adapter_dir, latest_checkpoint, policy_adapters
+    from lightning_sdk.train.checkpoint import (CHECKPOINTS, adapter_dir, checkpoint_iteration, checkpoint_of,
+                                               latest_checkpoint, policy_adapters)
 
     path = data_path or cfg.data.eval
     if path is None:
-        _fail(console, f"{config_path}: data.eval is not set; name the held-out tasks with --data")
+        _fail(console, f"{config_path}: data.eval is not set; name the eval tasks with --data")
     adapter = None
     if trained:
         checkpoint = latest_checkpoint(Path(cfg.run.dir))
@@ -149,17 +153,32 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
             _fail(console, f"--checkpoint {checkpoint}: neither a PEFT adapter directory nor a checkpoint holding one"
                   + ("; it holds one adapter per policy: the config needs their [policies]"
                      if policy_adapters(checkpoint) else ""))
+    # The policy by the update that made it, and the run whose evals/ keeps the rollouts: the checkpoint's run, or
+    # run.dir; none where that holds no run yet (an evals/ folder would make `lightning run` refuse the directory).
+    made_by = checkpoint_of(checkpoint) if checkpoint is not None else None
+    iteration = checkpoint_iteration(made_by) if made_by is not None else None
+    run = made_by.parent.parent if made_by is not None and made_by.parent.name == CHECKPOINTS else Path(cfg.run.dir)
+    keep = run / EVALS_DIR if (run / STORE_FILE).is_file() else None
     try:
         tasks = data.load(path)[:limit]
-        score = Runtime(cfg, console=console).evaluate(tasks, adapter)
+        done = Runtime(cfg, console=console).evaluate(tasks, adapter, iteration=iteration, keep=keep)
     except (DatasetError, ModelLoadError, SetupError) as e:
         _fail(console, str(e), getattr(e, "traceback", None))
     except RunError as e:
         console.print(f"[bold red]eval stopped:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(1)
-    policy = (f"adapter {adapter}" if isinstance(adapter, Path) else f"base {cfg.model.name}" if adapter is None
-              else "adapters " + ", ".join(f"{k}: {v}" for k, v in adapter.items()))
-    console.print(f"held-out score {score:.3f} over {len(tasks)} tasks ({policy})", highlight=False, soft_wrap=True)
+    if adapter is None:
+        policy = f"the base model {cfg.model.name} (untrained)"
+    elif iteration is not None:
+        policy = f"iteration {iteration} (checkpoint {made_by}, served as {done.policy})"
+    else:
+        policy = ("adapter " + str(adapter) if isinstance(adapter, Path)
+                  else "adapters " + ", ".join(f"{k}: {v}" for k, v in adapter.items())) + f", served as {done.policy}"
+    score = done.score
+    console.print(f"{score.words} {score} over {score.n} tasks (mean reward ± standard error) of {policy}",
+                  highlight=False, soft_wrap=True)
+    console.print(f"eval rollouts: {done.store} (lightning traces --run-dir {run} --phase eval)" if done.store else
+                  f"eval rollouts not kept: {run} holds no run", highlight=False, soft_wrap=True)
 
 
 @main.command()
@@ -170,10 +189,13 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
 @click.option("-n", "--limit", default=20, show_default=True, type=click.IntRange(min=1))
 @click.option("--rollout", "rollout_id", help="Show one rollout's spans.")
 @click.option("--status", type=click.Choice(["running", "succeeded", "failed", "abandoned", "untrained"]))
+@click.option("--phase", type=click.Choice(["train", "eval"]),
+              help="Only training or eval rollouts (eval: also those of `lightning eval`, kept in evals/).")
 @click.option("--checkpoint", help="Only the rollouts this checkpoint's update trained on (iter-00003, or a path).")
 def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str | None, status: str | None,
-           checkpoint: str | None) -> None:
-    """List recent rollouts with their reward and LLM calls (or one rollout's spans)."""
+           phase: str | None, checkpoint: str | None) -> None:
+    """List recent rollouts with their reward and LLM calls (or one rollout's spans); a run's store, then the
+    stores of its `lightning eval`s."""
     from lightning_sdk.store import Store
 
     console = make_console()
@@ -194,17 +216,20 @@ def traces(config_path: Path, run_dir: Path | None, limit: int, rollout_id: str 
                     return
         _fail(console, f"no rollout {rollout_id!r} in " + ", ".join(map(str, stores)))
     for db in stores:
+        if checkpoint is not None and db.parent.name == EVALS_DIR:
+            continue  # `lightning eval` trains nothing
         with Store(db, read_only=True) as store:
-            _list_rollouts(console, store, db, limit, status, checkpoint)
+            _list_rollouts(console, store, db, limit, status, phase, checkpoint)
 
 
 def _stores(run_dir: Path) -> list[Path]:
-    """The run's store, or those of the runs in a folder of runs (found as the dashboard finds them)."""
+    """The run's store, or those of the runs in a folder of runs (found as the dashboard finds them); each followed
+    by the stores its `lightning eval`s kept in evals/, oldest first."""
     from lightning_sdk.dashboard.runs import STORE_FILE, discover
 
-    if (run_dir / STORE_FILE).is_file():
-        return [run_dir / STORE_FILE]
-    return [run / STORE_FILE for run in discover(run_dir) if (run / STORE_FILE).is_file()]
+    runs = [run_dir] if (run_dir / STORE_FILE).is_file() else [run for run in discover(run_dir)
+                                                                 if (run / STORE_FILE).is_file()]
+    return [db for run in runs for db in [run / STORE_FILE, *sorted((run / EVALS_DIR).glob("[!.]*.sqlite"))]]
 
 
 def _show_rollout(console: Console, store: Any, record: Any) -> None:
@@ -235,7 +260,7 @@ def _show_rollout(console: Console, store: Any, record: Any) -> None:
             say(describe(span))
 
 
-def _list_rollouts(console: Console, store: Any, db: Path, limit: int, status: str | None,
+def _list_rollouts(console: Console, store: Any, db: Path, limit: int, status: str | None, phase: str | None,
                    checkpoint: str | None) -> None:
     from lightning_sdk.train.checkpoint import checkpoint_name, completed_iterations, trained_into
 
@@ -243,7 +268,7 @@ def _list_rollouts(console: Console, store: Any, db: Path, limit: int, status: s
     completed = completed_iterations(Path(run_dir))
     title = f"{db}: {store.count('rollouts')} rollouts, {store.count('spans')} spans"
     if checkpoint is None:
-        rows = store.rollouts(status=status, limit=limit, newest_first=True)
+        rows = store.rollouts(phase=phase, status=status, limit=limit, newest_first=True)
     else:
         name = Path(checkpoint).name
         n = next((k for k in range(1, completed + 1) if checkpoint_name(k) == name), None)
@@ -252,11 +277,11 @@ def _list_rollouts(console: Console, store: Any, db: Path, limit: int, status: s
                            f"{checkpoint_name(completed)})" if completed else
                   f"--checkpoint {checkpoint}: no update of this run has completed yet")
         rows = [r for r in store.rollouts(phase="train", iteration=n, status=status, newest_first=True)
-                if trained_into(r.phase, r.iteration, r.status, completed) == name]
+                if phase in (None, "train") and trained_into(r.phase, r.iteration, r.status, completed) == name]
         title += f"; the {len(rows)} rollouts {name} trained on"
         rows = rows[:limit]
     if not rows:
-        wanted = " and ".join(f for f in (status and f"status {status}",
+        wanted = " and ".join(f for f in (phase and f"phase {phase}", status and f"status {status}",
                                           checkpoint and f"trained into {Path(checkpoint).name}") if f)
         console.print(f"{db}: no rollouts" + (f" with {wanted}" if wanted else " yet"), highlight=False,
                       soft_wrap=True)

@@ -91,7 +91,9 @@ class AgentConfig(_Section):
 
 class DataConfig(_Section):
     train: Path
-    eval: Path | None = None  # held-out tasks scored before and after training; none = no eval pass
+    # tasks scored before and after training, ideally held out (training tasks are scored too, and every output then
+    # says "score on the training tasks"); none = no eval pass
+    eval: Path | None = None
     tasks_per_iteration: int = Field(16, ge=1)
     group_size: int = Field(8, ge=2, description="rollouts per task: the GRPO group")
     shuffle: bool = True

@@ -20,6 +20,7 @@ def configure_output() -> None:
             stream.reconfigure(line_buffering=True)
     logging.getLogger("lightning_sdk").setLevel(logging.INFO)
     quiet_progress_bars()
+    drop_known_noise()
 
 
 def quiet_progress_bars() -> None:
@@ -27,6 +28,29 @@ def quiet_progress_bars() -> None:
     redraw is a line of noise. Set before huggingface_hub is imported; server subprocesses inherit it."""
     if not sys.stderr.isatty():
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+# bitsandbytes (installed with the dev and gpu extras) tries, when peft imports it on a CPU with AVX512-BF16, to
+# fetch a faster 4-bit kernel from the Hub; `kernels` refuses it (unverified publisher, or no network) and
+# bitsandbytes warns, then uses its own kernel. Nothing a user can act on: dropped by this exact message only.
+NOISE = {"bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community"}
+
+
+def drop_known_noise() -> None:
+    """Drop the library log lines of NOISE (this process: the runtime's, the model server's)."""
+    for name, start in NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(getattr(f, "noise", None) == start for f in logger.filters):
+            logger.addFilter(_Drop(start))
+
+
+class _Drop(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.noise = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.noise)
 
 
 def make_console(quiet: bool = False) -> Console:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import os
 import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -70,7 +73,6 @@ def locked_dir(path: str | Path, lock_name: str = ".lock") -> Iterator[Path]:
     Raises DirBusyError, naming the holder's pid, when another process holds it.
     """
     import fcntl
-    import os
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -94,6 +96,39 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+@dataclass
+class NewFile:
+    """A file being written as `tmp`; `path` is where it appeared (set once the `new_file` block completed)."""
+
+    tmp: Path
+    path: Path | None = None
+
+
+@contextmanager
+def new_file(folder: str | Path, stem: str, suffix: str) -> Iterator[NewFile]:
+    """Write a new file under a hidden temporary name in `folder`; when the block completes it appears as
+    `stem + suffix` (or `stem-2 + suffix`, ...: it never replaces a file), in one hard link. A block that raises,
+    or a process killed in it, leaves no file of that name. The temp's SQLite -wal/-shm companions go too."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=folder, prefix=f".{stem}{suffix}.tmp-")
+    os.close(fd)
+    out = NewFile(Path(name))
+    try:
+        yield out
+        for k in itertools.count(1):
+            path = folder / f"{stem}{'' if k == 1 else f'-{k}'}{suffix}"
+            try:
+                os.link(out.tmp, path)  # fails if `path` exists, where a rename would replace it
+            except FileExistsError:
+                continue
+            out.path = path
+            break
+    finally:
+        for leftover in (out.tmp, Path(f"{out.tmp}-wal"), Path(f"{out.tmp}-shm")):
+            leftover.unlink(missing_ok=True)
 
 
 def load_py_file(path: str | Path, module_name: str | None = None, *, importable_siblings: bool = False) -> ModuleType:

@@ -1,9 +1,11 @@
 """Where a run's numbers go: metrics.jsonl, the trackers named in `run.report_to`, and a reward-curve PNG.
 
 metrics.jsonl always gets every row: one per iteration, plus one per eval pass (`"phase": "eval"`, `"eval":
-"untrained" | "trained"`). Each tracker (TensorBoard by default; MLflow, W&B, Trackio with the `[track]` extra)
-gets the same numbers as scalars: `reward_mean`, `train/loss`, ... at the iteration's step, and the eval score
-as `eval/reward_mean` at step 0 (untrained) and step `run.iterations` (trained).
+"untrained" | "trained"`, its mean `eval.reward_mean`, standard error `eval_stderr`, `eval_tasks`, and
+`eval_split`: "train" when the eval tasks are the training tasks, "held-out" when none is, "mixed"; see
+evals.py). Each tracker (TensorBoard by default; MLflow, W&B, Trackio with the `[track]` extra) gets the same
+numbers as scalars: `reward_mean`, `train/loss`, ... at the iteration's step, and the eval score as
+`eval/reward_mean` (and `eval/reward_stderr`) at step 0 (untrained) and step `run.iterations` (trained).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Callable, Protocol
 from lightning_sdk.agent import MAX_ABS_REWARD
 from lightning_sdk.config import RUN_CONFIG_FILE
 from lightning_sdk.errors import SetupError
+from lightning_sdk.evals import EvalScore
 from lightning_sdk.files import atomic_write_text
 
 
@@ -136,7 +139,7 @@ class MetricsLog:
         Called once the run directory is this run's (fresh, resumed or overwritten), so it never replaces another's."""
         atomic_write_text(self.run_dir / RUN_CONFIG_FILE, json.dumps(config, indent=1, sort_keys=True) + "\n")
 
-    def rewrite(self, history: list[dict[str, Any]], *, baseline_eval: float | None = None) -> None:
+    def rewrite(self, history: list[dict[str, Any]], *, baseline_eval: EvalScore | None = None) -> None:
         """Make metrics.jsonl hold exactly the checkpointed iterations (after a resume nothing is doubled)."""
         rows = ([eval_row("untrained", baseline_eval, 0)] if baseline_eval is not None else []) + history
         atomic_write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in rows))
@@ -148,13 +151,17 @@ class MetricsLog:
         for tracker in self.trackers():
             tracker.log(values, int(row["iteration"]))
 
-    def log_eval(self, label: str, score: float, step: int, *, policy: str | None = None) -> None:
-        """An eval pass's mean reward: a metrics.jsonl row, and `eval/reward_mean` at `step` in every tracker."""
+    def log_eval(self, label: str, score: EvalScore, step: int, *, policy: str | None = None) -> None:
+        """An eval pass's score: a metrics.jsonl row, and `eval/reward_mean` (and its standard error) at `step` in
+        every tracker."""
         row = eval_row(label, score, step, policy=policy)
         with self.jsonl.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        values = {"eval/reward_mean": score.mean}
+        if score.stderr is not None:
+            values["eval/reward_stderr"] = score.stderr
         for tracker in self.trackers():
-            tracker.log({"eval/reward_mean": float(score)}, step)
+            tracker.log(values, step)
 
     def trackers(self) -> list[Tracker]:
         if self._trackers is None:
@@ -165,7 +172,10 @@ class MetricsLog:
         for tracker in self._trackers or []:
             tracker.close()
 
-    def plot(self, history: list[dict[str, Any]], *, baseline: float | None, final: float | None) -> Path:
+    def plot(self, history: list[dict[str, Any]], *, baseline: float | None, final: float | None,
+             eval_words: str = "eval") -> Path:
+        """reward_curve.png: the training reward per iteration, the eval scores as lines (`eval_words` says what
+        they score, e.g. "score on the training tasks")."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -181,9 +191,9 @@ class MetricsLog:
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
         ax.plot(its, means, marker="o", label="training rollouts (mean reward)")
         if shown(baseline):
-            ax.axhline(baseline, color="grey", linestyle="--", label=f"eval, untrained: {baseline:.3f}")
+            ax.axhline(baseline, color="grey", linestyle="--", label=f"{eval_words}, untrained: {baseline:.3f}")
         if shown(final):
-            ax.axhline(final, color="green", linestyle=":", label=f"eval, trained: {final:.3f}")
+            ax.axhline(final, color="green", linestyle=":", label=f"{eval_words}, trained: {final:.3f}")
         ax.set_xlabel("iteration")
         ax.set_ylabel("reward")
         ax.set_title(self.run_dir.name)
@@ -196,8 +206,9 @@ class MetricsLog:
         return out
 
 
-def eval_row(label: str, score: float, step: int, *, policy: str | None = None) -> dict[str, Any]:
-    row: dict[str, Any] = {"phase": "eval", "eval": label, "iteration": step, "eval.reward_mean": float(score)}
+def eval_row(label: str, score: EvalScore, step: int, *, policy: str | None = None) -> dict[str, Any]:
+    row: dict[str, Any] = {"phase": "eval", "eval": label, "iteration": step, "eval.reward_mean": score.mean,
+                           "eval_stderr": score.stderr, "eval_tasks": score.n, "eval_split": score.split}
     if policy is not None:
         row["policy"] = policy
     return row

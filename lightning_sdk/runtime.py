@@ -30,7 +30,8 @@ from lightning_sdk import credit, data, models, tracing
 from lightning_sdk.agent import load_agent, run_environment
 from lightning_sdk.config import Config, effective, policies
 from lightning_sdk.errors import CaptureError, RunError, SetupError
-from lightning_sdk.files import DirBusyError, clean_atomic_leftovers, locked_dir
+from lightning_sdk.evals import EvalScore, eval_seed, split_of
+from lightning_sdk.files import DirBusyError, clean_atomic_leftovers, locked_dir, new_file
 from lightning_sdk.metrics import MetricsLog, check_trackers
 from lightning_sdk.pipeline import UpdateThread, split_stale
 from lightning_sdk.rollouts.collector import Agent, Collector, make_collector, runs_agent
@@ -39,7 +40,7 @@ from lightning_sdk.servers import ServerError, SleepableServer
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.process import new_api_key
 from lightning_sdk.servers.select import pipelined_cpu_threads, resolved_backend
-from lightning_sdk.store import Store, eval_score
+from lightning_sdk.store import Store, eval_score, seal
 from lightning_sdk.summary import iteration_table
 from lightning_sdk.train.checkpoint import (CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint,
                                            policy_adapters, write_checkpoint)
@@ -48,10 +49,20 @@ from lightning_sdk.transitions import Transition, to_transitions
 if TYPE_CHECKING:  # torch comes with the trainer, imported when a run starts
     from lightning_sdk.train.grpo import GroupOutcomes
 
-__all__ = ["RunError", "Runtime", "SetupError", "TaskFeed", "policy_failure"]
+__all__ = ["Evaluated", "RunError", "Runtime", "SetupError", "TaskFeed", "policy_failure"]
 
 MIN_FREE_BYTES = 64 * 2**20  # below this a run cannot even write its first checkpoint of a tiny model
 RUN_LOCK = ".lock"  # in run.dir: held (flock) by the one `lightning run` using it
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """What `Runtime.evaluate` scored: the score, the served policy's name, and the store file its rollouts were
+    kept in (None: a throwaway store)."""
+
+    score: EvalScore
+    policy: str
+    store: Path | None
 
 
 class TaskFeed:
@@ -122,6 +133,7 @@ class Runtime:
         self.collector: Collector | None = None  # set while a session is open
         self._started = 0.0  # when this process began its iterations
         self.final_eval: float | None = None
+        self.final_score: EvalScore | None = None  # the trained eval, with its standard error
         self.policies = policies(cfg)
         self.multi = bool(cfg.policies)  # one adapter per policy, each call served by its component's
 
@@ -171,7 +183,10 @@ class Runtime:
         metrics = MetricsLog(self.run_dir, report_to=cfg.run.report_to, name=cfg.run.name,
                              config=cfg.model_dump(mode="json"))
         metrics.write_config(effective(cfg))
-        metrics.rewrite(state.history, baseline_eval=state.baseline_eval)
+        eval_split = split_of(map(data.task_id, eval_tasks), map(data.task_id, train_tasks))
+        baseline = (EvalScore(state.baseline_eval, state.baseline_eval_stderr, len(eval_tasks), *eval_split)
+                    if state.baseline_eval is not None else None)
+        metrics.rewrite(state.history, baseline_eval=baseline)
         feed = TaskFeed(train_tasks, cfg.data.tasks_per_iteration, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
 
         try:
@@ -192,54 +207,84 @@ class Runtime:
                     self.console.print(f"resumed {self.run_dir} after iteration {state.completed} ({checkpoint.name})")
                 if not eval_tasks:
                     self.console.print("no eval: data.eval is not set, so the untrained and trained models are not "
-                                       "scored on held-out tasks; set data.eval (a dataset) for a before/after score",
+                                       "scored; set data.eval (held-out tasks, a dataset) for a before/after score",
                                        highlight=False, soft_wrap=True)
-                if eval_tasks and state.baseline_eval is None:
-                    state.baseline_eval = self._evaluate(eval_tasks, {p.name: base for p in self.policies},
-                                                         "untrained")
-                    metrics.log_eval("untrained", state.baseline_eval, 0, policy=base)
+                if eval_tasks and baseline is None:
+                    baseline = self._evaluate(eval_tasks, {p.name: base for p in self.policies}, "untrained",
+                                              eval_split)
+                    state.baseline_eval, state.baseline_eval_stderr = baseline.mean, baseline.stderr
+                    metrics.log_eval("untrained", baseline, 0, policy=base)
                 self._started = time.perf_counter()  # each row's elapsed_s: the loop's pace, whatever overlaps
                 if cfg.train.max_staleness:
                     policy = self._pipelined(feed, policy, state, store, trainer, metrics)
                 else:
                     for it in range(state.completed, cfg.run.iterations):
                         policy = self._iteration(it, feed.batch_for(it), policy, state, store, trainer, metrics)
-                final = self._evaluate(eval_tasks, policy, "trained") if eval_tasks else None
+                final = self._evaluate(eval_tasks, policy, "trained", eval_split) if eval_tasks else None
                 if final is not None:
                     metrics.log_eval("trained", final, cfg.run.iterations, policy=self._label(policy))
         finally:
             metrics.close()
-        metrics.plot(state.history, baseline=state.baseline_eval, final=final)
-        self._print_table(state, final)
-        self.final_eval = final
+        scored = final or baseline
+        metrics.plot(state.history, baseline=state.baseline_eval, final=final.mean if final is not None else None,
+                     eval_words=scored.words if scored else "eval")
+        self._print_table(state, baseline, final)
+        self.final_eval, self.final_score = (final.mean if final is not None else None), final
         return state
 
-    def evaluate(self, tasks: list[dict], adapter: Path | dict[str, Path] | None = None) -> float:
+    def evaluate(self, tasks: list[dict], adapter: Path | dict[str, Path] | None = None, *,
+                 iteration: int | None = None, keep: Path | None = None) -> Evaluated:
         """Score the base model, or the base with `adapter` (a PEFT directory; with [policies], one per policy,
-        each serving its components' calls), on `tasks`: `lightning eval`.
+        each serving its components' calls), on `tasks`: `lightning eval`. `iteration`: the update that made the
+        adapter, which names it (`<run>-iter<N>`) and the rollouts' iteration (0 for the base model).
 
-        Its spans go to a throwaway store, so evaluating never touches a run's own store or checkpoints.
+        The rollouts go to a store of their own, never the run's (which a running run owns, and whose eval scores
+        the dashboard reads per iteration): with `keep` (a run's evals/ folder) a new file there,
+        `<UTC time>-iter<N>.sqlite`, that appears only complete and never replaces one; else a throwaway store.
         """
-        with self.scratch_session(tasks) as (collector, _):
-            policy = {p.name: collector.server.served_model_name for p in self.policies}
-            adapters = {self.cfg.run.name: adapter} if isinstance(adapter, Path) else adapter or {}
-            for name, path in adapters.items():
-                policy[name] = f"{self.cfg.run.name}-eval" if not self.multi else f"{self.cfg.run.name}-{name}-eval"
-                collector.hot_load(policy[name], path)
-            return self._evaluate(tasks, policy, "trained" if adapter is not None else "untrained")
+        name = self.cfg.run.name
+        train = data.load(self.cfg.data.train, self.cfg.data.required_fields)
+        split = split_of(map(data.task_id, tasks), map(data.task_id, train))
+        tag = "untrained" if adapter is None else f"iter{iteration}" if iteration is not None else "adapter"
+        with ExitStack() as stack:
+            if keep is None:
+                folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lightning-scratch-")))
+                db = folder / "store.sqlite"
+            else:
+                stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+                kept = stack.enter_context(new_file(keep, f"{stamp}-{tag}", ".sqlite"))
+                db, folder = kept.tmp, Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lightning-eval-")))
+            with self._store_session(tasks, db, folder) as (collector, _):
+                policy = {p.name: collector.server.served_model_name for p in self.policies}
+                adapters = {name: adapter} if isinstance(adapter, Path) else adapter or {}
+                for policy_name, path in adapters.items():
+                    policy[policy_name] = f"{name}-{tag}" if not self.multi else f"{name}-{policy_name}-{tag}"
+                    collector.hot_load(policy[policy_name], path)
+                score = self._evaluate(tasks, policy, "trained" if adapter is not None else "untrained", split,
+                                       iteration=0 if adapter is None else iteration or 0)
+                served = self._label(policy)
+            if keep is not None:
+                seal(db)  # before it appears: readers of it then write nothing beside it
+        return Evaluated(score, served, kept.path if keep is not None else None)
 
     @contextmanager
     def scratch_session(self, tasks: list[dict]) -> Iterator[tuple[Collector, Store]]:
         """The run's gateway, agent and inference server over a throwaway store that holds `tasks`: nothing is
-        written into run.dir (`lightning eval`, `lightning check`). Bad input raises before the server starts."""
+        written into run.dir (`lightning check`). Bad input raises before the server starts."""
+        with tempfile.TemporaryDirectory(prefix="lightning-scratch-") as tmp:
+            with self._store_session(tasks, Path(tmp) / "store.sqlite", Path(tmp)) as session:
+                yield session
+
+    @contextmanager
+    def _store_session(self, tasks: list[dict], db: Path, log_dir: Path) -> Iterator[tuple[Collector, Store]]:
+        """The run's gateway, agent and inference server over the store `db`, which gets `tasks`."""
         with ExitStack() as stack:
             gateway = self._agent_side(stack)
             agent = self._load_agent()
             model_path = models.resolve(self.cfg.model.name)
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="lightning-scratch-"))
-            store = stack.enter_context(Store(Path(tmp) / "store.sqlite"))
+            store = stack.enter_context(Store(db))
             store.add_tasks((data.task_id(t), t) for t in tasks)
-            with self._session(agent, gateway, model_path, store, Path(tmp)) as collector:
+            with self._session(agent, gateway, model_path, store, log_dir) as collector:
                 yield collector, store
 
     # ------------------------------------------------------------------------------------------ the session
@@ -565,20 +610,23 @@ class Runtime:
                            f"first: {bad[0].error}")
         return results
 
-    def _evaluate(self, tasks: list[dict], policy: dict[str, str], label: str) -> float:
-        phase_it = 0 if label == "untrained" else self.cfg.run.iterations
+    def _evaluate(self, tasks: list[dict], policy: dict[str, str], label: str, split: tuple[str, int],
+                  iteration: int | None = None) -> EvalScore:
+        """Each task once under `policy`; rollouts stored with phase 'eval' at `iteration` (default: 0 untrained,
+        run.iterations trained), each sampling with its task's seed (evals.eval_seed)."""
+        phase_it = iteration if iteration is not None else 0 if label == "untrained" else self.cfg.run.iterations
         jobs = [RolloutJob(rollout_id=f"eval-{label}-{i:04d}-{uuid.uuid4().hex[:8]}", task_id=data.task_id(t),
-                           group_id=f"eval:{label}:{i}", task=t, iteration=phase_it, phase="eval")
+                           group_id=f"eval:{label}:{i}", task=t, iteration=phase_it, phase="eval",
+                           seed=eval_seed(self.cfg.run.seed, data.task_id(t)))
                 for i, t in enumerate(tasks)]
         results = self._collect(jobs, policy, f"eval ({label})")
-        scores = [eval_score(r.reward) for r in results]
-        mean = sum(scores) / len(scores)
-        self.console.print(f"eval ({label}, {self._label(policy)}): mean reward {mean:.3f} over {len(scores)} tasks")
-        return mean
+        score = EvalScore.of([eval_score(r.reward) for r in results], *split)
+        self.console.print(f"eval ({label}, {self._label(policy)}): {score.words} {score} over {score.n} tasks "
+                           f"(mean reward ± standard error)", highlight=False, soft_wrap=True)
+        return score
 
-    def _print_table(self, state: RunState, final: float | None) -> None:
-        table = iteration_table(self.cfg.run.name, state.history, state.baseline_eval, final,
-                                beta=self.cfg.train.beta)
+    def _print_table(self, state: RunState, baseline: EvalScore | None, final: EvalScore | None) -> None:
+        table = iteration_table(self.cfg.run.name, state.history, baseline, final, beta=self.cfg.train.beta)
         self.console.print(table)
         last = latest_checkpoint(self.run_dir)
         self.console.print(f"run directory: {self.run_dir}  (config.json, metrics.jsonl, reward_curve.png, "

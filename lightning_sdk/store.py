@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sqlite3
 import threading
 import time
@@ -91,6 +92,16 @@ def _like(text: str) -> str:
 def eval_score(reward: float | None) -> float:
     """An eval rollout's score: its reward, or FAILED_EVAL_SCORE when it failed."""
     return FAILED_EVAL_SCORE if reward is None else reward
+
+
+def seal(path: str | Path) -> None:
+    """Make a closed store one self-contained file: its write-ahead log folded in and WAL mode left, so a read-only
+    reader (`lightning traces`) creates no -wal/-shm beside it. For a store nothing writes to any more."""
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=DELETE")
+    finally:
+        db.close()
 
 
 @dataclass(frozen=True)
@@ -337,13 +348,20 @@ class Store:
         return {r["rollout_id"]: (r["calls"], r["spans"]) for r in rows}
 
     def eval_scores(self) -> list[dict]:
-        """Per eval iteration: the mean score of its finished rollouts (`eval_score`), how many finished, how many
-        still run."""
+        """Per eval iteration: the mean score of its finished rollouts (`eval_score`), its standard error (sample
+        std / sqrt(n); None below two), how many finished, how many still run."""
         rows = self._read(
             "SELECT iteration, AVG(CASE WHEN status != 'running' THEN COALESCE(reward, ?) END) AS mean,"
+            " AVG(CASE WHEN status != 'running' THEN COALESCE(reward, ?) * COALESCE(reward, ?) END) AS mean_sq,"
             " SUM(status != 'running') AS finished, SUM(status = 'running') AS running FROM rollouts"
-            " WHERE phase = 'eval' GROUP BY iteration ORDER BY iteration", (FAILED_EVAL_SCORE,))
-        return [dict(r) for r in rows]
+            " WHERE phase = 'eval' GROUP BY iteration ORDER BY iteration", (FAILED_EVAL_SCORE,) * 3)
+        out = []
+        for r in map(dict, rows):
+            n, mean, mean_sq = r["finished"] or 0, r["mean"], r.pop("mean_sq")
+            r["stderr"] = (math.sqrt(max(0.0, mean_sq - mean * mean) * n / (n - 1) / n)
+                           if n > 1 and mean_sq is not None and math.isfinite(mean_sq) else None)
+            out.append(r)
+        return out
 
     def rewards(self, rollout_id: str) -> list[dict]:
         """Intermediate rewards (reward spans) in the order they were emitted, then the final one."""

@@ -6,6 +6,8 @@ from typing import Any, Callable
 
 from rich.table import Table
 
+from lightning_sdk.evals import EvalScore
+
 GAP_MEANING = ("logprob gap: mean |trainer - server| log-prob per sampled token before the update (near 0: the "
                "trainer scores what the server sampled)")
 
@@ -14,10 +16,11 @@ def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.3g}"
 
 
-def iteration_table(name: str, history: list[dict[str, Any]], baseline: float | None, final: float | None, *,
-                    beta: float) -> Table:
-    """One row per iteration. A column that the run's settings keep at zero (kl when train.beta is 0) is left out:
-    a column of zeros reads as a result."""
+def iteration_table(name: str, history: list[dict[str, Any]], baseline: EvalScore | None,
+                    final: EvalScore | None, *, beta: float) -> Table:
+    """One row per iteration, between the eval rows. A column that the run's settings keep at zero (kl when
+    train.beta is 0) is left out: a column of zeros reads as a result. The title says what the eval scored (the
+    training tasks, or held-out ones)."""
     columns: list[tuple[str, Callable[[dict], str]]] = [
         ("iter", lambda r: str(r["iteration"])), ("policy", lambda r: r["policy"]),
         ("reward", lambda r: f"{r['reward_mean']:.3f}"), ("± std", lambda r: f"{r['reward_std']:.3f}"),
@@ -27,14 +30,18 @@ def iteration_table(name: str, history: list[dict[str, Any]], baseline: float | 
         ("collect s", lambda r: f"{r['collect_s']:.1f}"), ("update s", lambda r: f"{r['update_s']:.1f}")]
     if beta == 0:
         columns = [c for c in columns if c[0] != "kl"]
-    table = Table(title=f"{name}: reward per iteration\n{GAP_MEANING}")
+    scored = next((s for s in (baseline, final) if s is not None), None)
+    title = f"{name}: reward per iteration\n{GAP_MEANING}"
+    if scored is not None:
+        title += f"\neval rows: {scored.words}, mean ± standard error over {scored.n} tasks"
+    table = Table(title=title)
     for header, _ in columns:
         table.add_column(header, justify="right")
     blank = [""] * (len(columns) - 3)
     if baseline is not None:
-        table.add_row("eval", "untrained", f"{baseline:.3f}", *blank, style="dim")
+        table.add_row("eval", "untrained", str(baseline), *blank, style="dim")
     for row in history:
         table.add_row(*(cell(row) for _, cell in columns))
     if final is not None:
-        table.add_row("eval", "trained", f"{final:.3f}", *blank, style="bold green")
+        table.add_row("eval", "trained", str(final), *blank, style="bold green")
     return table

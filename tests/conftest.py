@@ -71,10 +71,10 @@ def gw(gateway_server, store):
 
 
 @contextlib.contextmanager
-def in_rollout(gateway, rollout_id: str, attempt: int = 1, phase: str = "train"):
+def in_rollout(gateway, rollout_id: str, attempt: int = 1, phase: str = "train", seed: int | None = None):
     """A rollout as a runtime runs one: opened at the gateway under a fresh trace id, then its context entered."""
     trace_id = secrets.token_hex(16)
-    gateway.rollouts.open(trace_id, rollout_id, attempt, phase)
+    gateway.rollouts.open(trace_id, rollout_id, attempt, phase, seed=seed)
     try:
         with tracing.rollout_context(rollout_id, attempt, trace_id=trace_id) as ctx:
             yield ctx

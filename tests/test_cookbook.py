@@ -83,8 +83,10 @@ def test_calc_autogen_trains_and_evals(tmp_path):
     # `lightning eval` scores the base and the trained adapter on the held-out tasks.
     base = lightning("eval", "-c", str(toml), "--limit", "1", cwd=tmp_path)
     trained = lightning("eval", "-c", str(toml), "--trained", cwd=tmp_path)
-    assert re.search(r"held-out score \d\.\d{3} over 1 tasks \(base ", base)
-    assert re.search(r"held-out score \d\.\d{3} over 2 tasks \(adapter .*iter-00001", trained)
+    assert re.search(r"held-out score \d\.\d{3} over 1 tasks \(mean reward ± standard error\) of the base model ",
+                     base)
+    assert re.search(r"held-out score \d\.\d{3} ± \d\.\d{3} over 2 tasks .* of iteration 1 \(checkpoint .*iter-00001",
+                     trained)
     # The pretrained model calls the calculator in about half of its answers (teacher.py): across the run's 13
     # rollouts (9 training, 2 + 2 in its evals) AutoGen ran the calls, each followed by the reflection LLM call.
     everything = store.rollouts(phase="train") + store.rollouts(phase="eval")

@@ -323,8 +323,9 @@ def test_eval_trained_serves_every_policys_adapter(two_policy_run):
     args = ["eval", "--trained", "--run-dir", str(d / "run"), "--data", str(d / "train.jsonl"), "--limit", "3"]
     out = CliRunner().invoke(main, ["eval", "-c", str(d / "lightning.toml"), *args[1:]])
     assert out.exit_code == 0, out.output
-    assert "writer=duo-writer-eval, rewriter=duo-rewriter-eval" in out.output.replace("\n", "")
-    assert "adapters writer: " in out.output.replace("\n", "")
+    text = out.output.replace("\n", "")
+    assert "writer=duo-writer-iter2, rewriter=duo-rewriter-iter2" in text  # each adapter named by its iteration
+    assert "of iteration 2 (checkpoint " in text and "iter-00002, served as writer=duo-writer-iter2" in text
     # A config without the run's [policies] cannot serve them: one line, exit 2.
     single = d / "single.toml"
     single.write_text((d / "lightning.toml").read_text().split("[policies.writer]")[0])

@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--max-connections must be at least 1 (got {args.max_connections})")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from lightning_sdk.console import drop_known_noise
+
+    drop_known_noise()  # before peft imports bitsandbytes
     if args.parent_pid:
         threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
     import torch

@@ -15,6 +15,7 @@ import logging
 import resource
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator
 
 import torch
@@ -231,7 +232,11 @@ class Engine:
                 self.model.load_adapter(path, adapter_name=name)
             else:
                 # The first adapter wraps the base model; later ones are added to the same wrapper.
-                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+                with warnings.catch_warnings():
+                    # peft reads transformers' deprecated `is_gradient_checkpointing`: nothing a user can change
+                    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                            category=FutureWarning)
+                    self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name)
         except Exception as e:
             if isinstance(self.model, PeftModel) and name in self.model.peft_config:
                 self.model.delete_adapter(name)  # drop what a half-finished load left behind
@@ -251,6 +256,8 @@ class Engine:
             # PEFT refuses to delete the only adapter; take the LoRA layers out instead (no merge).
             self.model = self.model.unload()
         else:
+            if name in self.model.active_adapters:  # activate another first: peft would pick one, and warn
+                self.model.set_adapter(next(a for a in reversed(self._adapters) if a != name))
             self.model.delete_adapter(name)
         del self._adapters[name]
         self._adapter_names = tuple(self._adapters)

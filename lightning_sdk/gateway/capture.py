@@ -15,12 +15,13 @@ thread, off the event loop that relays the calls.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from opentelemetry import baggage, trace
 
@@ -63,6 +64,8 @@ class Rollout:
     rollout_id: str
     attempt: int
     phase: str  # 'train' | 'eval'
+    seed: int | None = None  # an eval rollout's: its calls that set no seed sample with one made from it
+    calls: Iterator[int] = field(default_factory=itertools.count, compare=False)  # numbers its calls 0, 1, ...
 
 
 class OpenRollouts:
@@ -73,11 +76,12 @@ class OpenRollouts:
         self._open: dict[str, Rollout] = {}
         self._lock = threading.Lock()
 
-    def open(self, key: str, rollout_id: str, attempt: int = 1, phase: str = "train") -> None:
+    def open(self, key: str, rollout_id: str, attempt: int = 1, phase: str = "train", *,
+             seed: int | None = None) -> None:
         with self._lock:
             if len(self._open) >= MAX_OPEN:
                 self._open.pop(next(iter(self._open)))
-            self._open[key] = Rollout(rollout_id, attempt, phase)
+            self._open[key] = Rollout(rollout_id, attempt, phase, seed)
 
     def close(self, key: str) -> None:
         with self._lock:

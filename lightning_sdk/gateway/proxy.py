@@ -287,6 +287,10 @@ class Gateway:
         if where.rollout is not None and where.rollout.phase == "train" and type(body.get("seed")) is int:
             # A fixed seed would make every rollout of a group the same sample: vary it per rollout.
             sent_body["seed"] = _vary(body["seed"], where.trace_id or "")
+        elif where.rollout is not None and where.rollout.seed is not None and body.get("seed") is None:
+            # An eval rollout: a seed of its own (evals.eval_seed) and the call's place in it, so the same policy
+            # scores the same twice whatever the batch or the order. Training calls are never seeded here.
+            sent_body["seed"] = (where.rollout.seed + next(where.rollout.calls)) % 2**63
         call = self.capture.begin(where, api, {k: v for k, v in sent_body.items()
                                                if k not in ("return_token_ids", "logprobs", "top_logprobs")},
                                   asked=asked, policy=served)

@@ -99,7 +99,7 @@ class EmbeddedCollector:
 
             async def attempt(job: RolloutJob) -> RolloutResult:
                 async with gate:
-                    self.gateway.rollouts.open(job.trace_id, job.rollout_id, job.attempt, job.phase)
+                    self.gateway.rollouts.open(job.trace_id, job.rollout_id, job.attempt, job.phase, seed=job.seed)
                     try:
                         return await run_rollout(job, rollout_fn=self.agent.rollout_fn,
                                                  reward_fn=self.agent.reward_fn, llm=llm, store=self.store,

@@ -24,6 +24,8 @@ class RolloutJob:
     # The rollout's OpenTelemetry trace id (32 hex digits): the gateway attributes the calls that carry it (or call
     # its per-rollout base URL, which it names) to this rollout. From the OS: unguessable by other agents.
     trace_id: str = field(default_factory=new_trace_id)
+    # An eval rollout's sampling seed (evals.eval_seed): the gateway seeds its calls that set none. None: unseeded.
+    seed: int | None = None
 
     def retry(self) -> "RolloutJob":
         """The same rollout run once more, as a new attempt under a new id (the old one stays, abandoned)."""

@@ -278,7 +278,7 @@ class RayCollector:
             if not choices:
                 raise RunError("every rollout worker has died")
             w = choices[next(turn) % len(choices)]
-            self.gateway.rollouts.open(job.trace_id, job.rollout_id, job.attempt, job.phase)
+            self.gateway.rollouts.open(job.trace_id, job.rollout_id, job.attempt, job.phase, seed=job.seed)
             pending[w.run.remote(job, base_url, api_key, policy)] = (i, job, w)
 
         with progress_bar(self.console, label, len(jobs)) as advance:

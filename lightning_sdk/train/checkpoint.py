@@ -31,6 +31,7 @@ class RunState:
     completed: int = 0  # iterations finished and checkpointed
     history: list[dict[str, Any]] = field(default_factory=list)
     baseline_eval: float | None = None
+    baseline_eval_stderr: float | None = None  # its standard error (evals.EvalScore)
     adapter_name: str | None = None
     adapter_names: dict[str, str] | None = None  # with [policies]: each policy's served adapter name
 
@@ -72,6 +73,22 @@ def completed_iterations(run_dir: Path) -> int:
         return int(json.loads((checkpoint / STATE).read_text())["completed"]) if checkpoint is not None else 0
     except (OSError, ValueError, KeyError, TypeError):
         return 0
+
+
+def checkpoint_of(path: Path) -> Path | None:
+    """The checkpoint `path` is, or lies in (its trainer/adapter, ...); None if it is in none."""
+    for p in (Path(path), *Path(path).parents):
+        if p.name.startswith("iter-") and (p / STATE).is_file():
+            return p
+    return None
+
+
+def checkpoint_iteration(checkpoint: Path) -> int | None:
+    """The iteration whose update made `checkpoint` (its state.json's `completed`); None if unreadable."""
+    try:
+        return int(json.loads((checkpoint / STATE).read_text())["completed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def adapter_dir(checkpoint: Path) -> Path:

@@ -1,0 +1,72 @@
+"""What an eval score says: its mean with its standard error, on which tasks, and how it is made reproducible.
+
+A run scores data.eval before and after training, and `lightning eval` scores any policy. When those tasks are
+training tasks (the default run scores its own 100 sums) the score is not a held-out one, and every place that
+shows it says "score on the training tasks". Each eval rollout samples with a seed drawn from (run.seed, task id):
+the gateway gives it to the rollout's calls that set none, so the same policy scores the same twice. The server
+samples a seeded request from a generator of its own, so its neighbours in a batch do not change its draw. What
+can still differ: an agent whose rollout makes several calls at once (their seeds follow the order they arrive
+in), and float rounding that differs with the batch's shape (a sample moves only if its uniform lands that close
+to a boundary: unseen in 2 x 100 evals of the default run, every reply the same).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["EVALS_DIR", "EvalScore", "eval_seed", "split_of"]
+
+EVALS_DIR = "evals"  # in a run's directory: one store per `lightning eval` of the run, <UTC time>-iter<N>.sqlite
+
+TRAIN, HELD_OUT, MIXED = "train", "held-out", "mixed"  # EvalScore.split: every, no, or some eval task is trained on
+
+
+def split_of(eval_ids: Iterable[str], train_ids: Iterable[str]) -> tuple[str, int]:
+    """Whether the eval tasks are training tasks (by task id: the same file gives the same ids): the split, and
+    how many eval tasks are training tasks."""
+    train = set(train_ids)
+    ids = list(eval_ids)
+    seen = sum(i in train for i in ids)
+    return (TRAIN if ids and seen == len(ids) else HELD_OUT if seen == 0 else MIXED), seen
+
+
+@dataclass(frozen=True)
+class EvalScore:
+    """The mean score over `n` eval tasks, and its standard error (sample std / sqrt(n); None for one task)."""
+
+    mean: float
+    stderr: float | None
+    n: int
+    split: str = HELD_OUT  # TRAIN | HELD_OUT | MIXED
+    seen: int = 0  # eval tasks that are training tasks
+
+    @classmethod
+    def of(cls, scores: list[float], split: str = HELD_OUT, seen: int = 0) -> EvalScore:
+        # statistics: exact sums, so a finite reward as large as 1e200 gives a finite mean
+        n = len(scores)
+        stderr = statistics.stdev(scores) / math.sqrt(n) if n > 1 else None
+        return cls(float(statistics.mean(scores)), stderr, n, split, seen)
+
+    @property
+    def words(self) -> str:
+        """What the score is, in words: "score on the training tasks", "held-out score", ..."""
+        if self.split == TRAIN:
+            return "score on the training tasks"
+        if self.split == MIXED:
+            return f"score on tasks partly seen in training ({self.seen} of {self.n})"
+        return "held-out score"
+
+    def __str__(self) -> str:
+        return f"{self.mean:.3f}" + ("" if self.stderr is None else f" ± {self.stderr:.3f}")
+
+
+def eval_seed(run_seed: int, task_id: str) -> int:
+    """The sampling seed of an eval rollout of `task_id`: the same in every eval of a run.seed, whatever the batch,
+    the order or the policy (the untrained and trained evals draw the same random numbers: their difference is
+    less noisy)."""
+    digest = hashlib.sha256(f"{run_seed}:{task_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # below 2**63: what the servers' seed field takes
