@@ -42,6 +42,7 @@ from lightning_sdk.gateway.responses import responses_router
 
 log = logging.getLogger("lightning_sdk")  # the runtime's logger: which names the agent asked for is part of a run
 
+BACKEND_IDLE_S = 2.0  # seconds an idle connection to a backend is kept: well under its keep-alive
 _MAX_NAMES = 1000  # distinct model names remembered: a caller cycling through names cannot grow this forever
 _HOP = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
@@ -158,8 +159,11 @@ class Gateway:
 
     def _app(self) -> FastAPI:
         app = FastAPI(title="lightning-sdk gateway", telemetry={"tracing": False})
+        # An idle connection is dropped before the backend's own keep-alive (uvicorn's and vLLM's: 5 s) can close
+        # it under a request reusing it, which would fail that call with a ReadError.
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10),
-                                         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+                                         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
+                                                             keepalive_expiry=BACKEND_IDLE_S))
 
         @app.exception_handler(GatewayError)
         async def _gateway_error(request: Request, e: GatewayError) -> JSONResponse:
