@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["EVALS_DIR", "EvalScore", "eval_seed", "split_of"]
+__all__ = ["EVALS_DIR", "EvalScore", "eval_seed", "score_words", "split_of"]
 
 EVALS_DIR = "evals"  # in a run's directory: one store per `lightning eval` of the run, <UTC time>-iter<N>.sqlite
 
@@ -54,14 +54,20 @@ class EvalScore:
     @property
     def words(self) -> str:
         """What the score is, in words: "score on the training tasks", "held-out score", ..."""
-        if self.split == TRAIN:
-            return "score on the training tasks"
-        if self.split == MIXED:
-            return f"score on tasks partly seen in training ({self.seen} of {self.n})"
-        return "held-out score"
+        return score_words(self.split, self.seen, self.n)
 
     def __str__(self) -> str:
         return f"{self.mean:.3f}" + ("" if self.stderr is None else f" ± {self.stderr:.3f}")
+
+
+def score_words(split: str | None, seen: int | None = None, n: int | None = None) -> str:
+    """An eval score's name for its split: how it is called wherever it is shown. "eval" for a score whose split
+    is unknown (a run's metrics.jsonl from before eval_split); the mixed count only when it is known."""
+    if split == TRAIN:
+        return "score on the training tasks"
+    if split == MIXED:
+        return "score on tasks partly seen in training" + (f" ({seen} of {n})" if seen is not None and n else "")
+    return "held-out score" if split == HELD_OUT else "eval"
 
 
 def eval_seed(run_seed: int, task_id: str) -> int:

@@ -289,6 +289,10 @@ class Store:
         rows = self._read("SELECT payload FROM tasks WHERE task_id=?", (task_id,))
         return json.loads(rows[0]["payload"]) if rows else None
 
+    def task_ids(self, phase: str) -> set[str]:
+        """The tasks the store has rollouts of in `phase` ('train': the tasks trained on)."""
+        return {r["task_id"] for r in self._read("SELECT DISTINCT task_id FROM rollouts WHERE phase=?", (phase,))}
+
     def call_counts(self, rollout_ids: Sequence[str]) -> dict[str, int]:
         """LLM calls (the gateway's records, `records.is_llm_call`) per rollout."""
         if not rollout_ids:

@@ -377,9 +377,9 @@ def test_config_is_shown_and_two_runs_differ_first(live, project, browser):
     assert len(set(curves)) == 2
     assert sorted(evals) == sorted([["main", "before", curves[0]], ["main", "after", curves[0]],
                                     ["try", "before", curves[1]], ["try", "after", curves[1]]])
-    legend = chart.locator("text.legend").all_text_contents()
-    assert sum(t.startswith("main eval before: ") for t in legend) == 1
-    assert sum(t.startswith("try eval after: ") for t in legend) == 1
+    legend = chart.locator("text.legend").all_text_contents()  # eval.jsonl shares no task with train.jsonl
+    assert sum(t.startswith("main held-out score before: ") and t.endswith(" (1 task)") for t in legend) == 1
+    assert sum(t.startswith("try held-out score after: ") for t in legend) == 1
     assert errors == []
 
 

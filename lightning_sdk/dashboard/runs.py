@@ -1,5 +1,6 @@
 """Reading run directories for the dashboard, read-only: the runs under a root, a run's iterations and evals,
-its rollouts (filtered, one page at a time) and one rollout as a timeline.
+its rollouts (filtered, one page at a time) and one rollout as a timeline; the rollouts of the run's store, or of
+one of the stores its `lightning eval`s kept in evals/ (sealed: read-only readers leave no file beside them).
 
 A run may be writing while it is read: the store is opened read-only per request (SQLite WAL lets a reader see
 every committed write), a half-written last line of metrics.jsonl is skipped, and a run directory replaced by
@@ -18,6 +19,7 @@ from lightning_sdk import config as config_mod
 from lightning_sdk import credit as credit_mod
 from lightning_sdk.dashboard.explain import Scoring, explain, view
 from lightning_sdk.errors import CaptureError
+from lightning_sdk.evals import EVALS_DIR, score_words, split_of
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.records import messages
 from lightning_sdk.tracing.records import (COMPLETION_IDS, COMPLETION_LOGPROBS, COMPLETION_TOKENS, PROMPT_IDS,
@@ -134,13 +136,14 @@ class RunReader:
     def runs(self) -> list[dict[str, Any]]:
         out = []
         for path in discover(self.root):
-            history = _history(path)
+            history, logged = _metrics(path)
             counts = self._with_store(path, Store.status_counts, {})
             out.append({
                 "id": path.relative_to(self.root).as_posix() or ".",
                 "path": str(path),
                 "iterations": len(history),
                 "last_reward": history[-1].get("reward_mean") if history else None,
+                "eval": ([None] + _evals([], logged))[-1],  # the last eval pass metrics.jsonl logged
                 "rollouts": sum(counts.values()),
                 "running": counts.get("running", 0),
                 "failed": counts.get("failed", 0) + counts.get("abandoned", 0),
@@ -153,15 +156,17 @@ class RunReader:
         """The iteration table (metrics.jsonl, else the latest checkpoint's state.json) and the eval scores."""
         path = self.run_dir(run_id)
         state = _state(path)
-        history = _history(path) or state.get("history", [])
-        evals = self._with_store(path, _evals, [])
+        history, logged = _metrics(path)
+        history = history or state.get("history", [])
+        evals = _evals(self._with_store(path, Store.eval_scores, []), logged)
         cfg, config_source = self.config(path)
         settings, _ = self.scoring(path)
         if not any(e["iteration"] == 0 for e in evals) and state.get("baseline_eval") is not None:
             evals.insert(0, {"iteration": 0, "label": "before training", "mean": state["baseline_eval"],
-                             "finished": None, "running": 0})
+                             "stderr": state.get("baseline_eval_stderr"), "tasks": None, "finished": None,
+                             "running": 0, "words": score_words(None)})
         return {
-            "id": run_id, "path": str(path), "evals": evals,
+            "id": run_id, "path": str(path), "evals": evals, "eval_stores": self.eval_stores(path),
             # the checkpoint each iteration's update made: the page lists the rollouts it trained on
             "history": [{**h, "checkpoint": checkpoint_name(h["iteration"]) if isinstance(h.get("iteration"), int)
                          else None} for h in history],
@@ -179,10 +184,13 @@ class RunReader:
     def rollouts(self, run_id: str, *, status: str | None = None, phase: str | None = None,
                  component: str | None = None, min_reward: float | None = None, max_reward: float | None = None,
                  iteration: int | None = None, search: str | None = None, sort: str = "started",
-                 descending: bool = True, offset: int = 0, limit: int = 50) -> dict[str, Any]:
+                 descending: bool = True, offset: int = 0, limit: int = 50,
+                 store: str | None = None) -> dict[str, Any]:
         """One page of rollouts (newest first, or by `sort`), with the filters and the text search applied in SQL (a
-        big store is never loaded whole); each row previews its task and its output."""
+        big store is never loaded whole); each row previews its task and its output. `store`: one of the run's
+        evals/ files by name (see store_file), else the run's own store."""
         path = self.run_dir(run_id)
+        db = self.store_file(path, store)
         limit = max(1, min(int(limit), MAX_PAGE))
         completed = completed_iterations(path)
 
@@ -200,12 +208,13 @@ class RunReader:
                  "task_preview": preview(question(tasks.get(r.task_id))), "output_preview": preview(r.output),
                  "checkpoint": trained_into(r.phase, r.iteration, r.status, completed)} for r in records]}
 
-        return self._with_store(path, query, {"total": 0, "offset": offset, "limit": limit, "rows": []})
+        return self._with_store(path, query, {"total": 0, "offset": offset, "limit": limit, "rows": []}, db=db)
 
-    def rollout(self, run_id: str, rollout_id: str) -> dict[str, Any] | None:
+    def rollout(self, run_id: str, rollout_id: str, store: str | None = None) -> dict[str, Any] | None:
         """One rollout as a timeline: every span in start order, LLM calls with their messages, tokens, latency
-        and the reward the run's credit rule gives them."""
+        and the reward the run's credit rule gives them. `store` as in rollouts()."""
         path = self.run_dir(run_id)
+        db = self.store_file(path, store)
 
         def query(store: Store):
             record = store.rollout(rollout_id)
@@ -213,13 +222,13 @@ class RunReader:
                 return None
             return record, store.spans(rollout_id), store.task(record.task_id)
 
-        found = self._with_store(path, query, None)
+        found = self._with_store(path, query, None, db=db)
         if found is None:
             return None
         record, spans, task = found
         settings, scoring = self.scoring(path)
         credited, note = self._credit(record, spans, scoring)
-        explained = self._with_store(path, lambda store: explain(store, record, scoring), None)
+        explained = self._with_store(path, lambda store: explain(store, record, scoring), None, db=db)
         # Times from the rollout's start, so that what came before the first call shows too.
         t0 = min([int(record.started_at * 1e9), *(s.start_ns for s in spans)])
         return {
@@ -246,9 +255,40 @@ class RunReader:
             return {}, f"not a training rollout: {e}"
         return {t.span_id: t.reward for t in ts}, f"{len(ts)} call(s) credited"
 
+    # ------------------------------------------------------------------------------------------ eval stores
+
     @staticmethod
-    def _with_store(path: Path, fn, empty):
-        db = path / STORE_FILE
+    def eval_files(path: Path) -> list[Path]:
+        """The stores the run's `lightning eval`s kept (evals/<UTC time>-<policy>.sqlite), oldest first."""
+        return sorted(p for p in (path / EVALS_DIR).glob("[!.]*.sqlite") if p.is_file())
+
+    def store_file(self, path: Path, name: str | None) -> Path:
+        """The store a request reads: the run's, or the evals/ file `name` names. `name` comes from the client: it is
+        only ever compared with the folder's listing, never made into a path."""
+        if name is None:
+            return path / STORE_FILE
+        for db in self.eval_files(path):
+            if db.name == name:
+                return db
+        raise RunNotFound(f"no eval store {name!r} in {path / EVALS_DIR}")
+
+    def eval_stores(self, path: Path) -> list[dict[str, Any]]:
+        """Each evals/ store: its name, the iteration it scored, the score with its standard error and tasks, and
+        what the score is in words. Trained on: every task the run has train rollouts of (an upper bound for an
+        earlier checkpoint, so a score is never called held-out when it is not)."""
+        trained = self._with_store(path, lambda s: s.task_ids("train"), set())
+        out = []
+        for db in self.eval_files(path):
+            scores, ids = self._with_store(path, lambda s: (s.eval_scores(), s.task_ids("eval")), ([], set()), db=db)
+            split, seen = split_of(ids, trained)
+            out += [{"name": db.name, "iteration": r["iteration"], "mean": r["mean"], "stderr": r["stderr"],
+                     "tasks": r["finished"], "running": r["running"], "split": split,
+                     "words": score_words(split, seen, len(ids))} for r in scores]
+        return out
+
+    @staticmethod
+    def _with_store(path: Path, fn, empty, db: Path | None = None):
+        db = db or path / STORE_FILE
         if not db.is_file():
             return empty
         try:
@@ -303,20 +343,25 @@ def preview(text: str | None) -> str:
     return flat if len(flat) <= PREVIEW else flat[:PREVIEW - 1] + "…"
 
 
-def _history(path: Path) -> list[dict[str, Any]]:
+def _metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """metrics.jsonl's iteration rows, and its eval rows (one per eval pass, see _evals)."""
     try:
         lines = (path / METRICS_FILE).read_text().splitlines()
     except OSError:
-        return []
-    out = []
+        return [], []
+    history, logged = [], []
     for line in lines:
         try:
             row = json.loads(line)
         except ValueError:  # the line a running run is writing right now
             continue
-        if row.get("phase") != "eval":  # eval scores come from the store's eval rollouts (see _evals)
-            out.append(row)
-    return out
+        if not isinstance(row, dict):
+            continue
+        if row.get("phase") != "eval":
+            history.append(row)
+        elif isinstance(row.get("iteration"), int):
+            logged.append(row)
+    return history, logged
 
 
 def _state(path: Path) -> dict[str, Any]:
@@ -329,10 +374,26 @@ def _state(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _evals(store: Store) -> list[dict[str, Any]]:
-    # The runtime scores eval tasks at iteration 0 before training and at run.iterations after it.
-    return [{**r, "label": "before training" if r["iteration"] == 0 else f"after {r['iteration']} iterations"}
-            for r in store.eval_scores()]
+def _evals(live: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each eval pass of the run: the store's eval rollouts per iteration (`live`, counted as they finish), and
+    once metrics.jsonl has its row (`logged`), the score the run printed, its standard error, its tasks and its
+    split; a pass under way takes the split of the run's other (the same tasks are scored before and after).
+    The runtime scores eval tasks at iteration 0 before training and at run.iterations after it."""
+    rows = {r["iteration"]: r for r in logged}
+    split = next((r["eval_split"] for r in logged if r.get("eval_split")), None)  # None: before eval_split
+    out = []
+    for it in sorted({r["iteration"] for r in live} | set(rows)):
+        e = next((r for r in live if r["iteration"] == it), None) or {"iteration": it, "finished": None, "running": 0}
+        e = {"mean": None, "stderr": None, **e, "tasks": e["finished"]}
+        row = rows.get(it)
+        if row is not None and not e["running"]:
+            e.update(mean=row.get("eval.reward_mean"), stderr=row.get("eval_stderr"),
+                     tasks=row.get("eval_tasks", e["tasks"]))
+        e["split"] = row.get("eval_split") if row is not None else split
+        e["words"] = score_words(e["split"])
+        e["label"] = "before training" if it == 0 else f"after {it} iterations"
+        out.append(e)
+    return out
 
 
 def _kind(span: SpanRecord) -> str:

@@ -3,7 +3,8 @@
 Security, because the page shows what agents and models wrote:
 - a token per start (printed in the URL); `?token=` sets a cookie and is then dropped from the address bar;
   requests with neither are refused (401);
-- GET only: nothing here writes, and the store is opened read-only;
+- GET only: nothing here writes, and every store is opened read-only (`store=` names a file of the run's evals/
+  only by a name in that folder's listing);
 - a strict Content-Security-Policy (scripts and styles from this server only, no inline script, no eval), and
   the page puts agent text into the document with `textContent`, never as markup.
 Every endpoint is a plain `def`, so FastAPI runs it in its thread pool: a slow query on a big store does not
@@ -130,14 +131,16 @@ def create_app(reader: RunReader, token: str, cookie: str) -> FastAPI:
                  min_reward: float | None = None, max_reward: float | None = None,
                  iteration: int | None = Query(None, ge=0), q: str | None = Query(None, max_length=500),
                  sort: Literal[tuple(ROLLOUT_SORTS)] = "started",  # type: ignore[valid-type]
-                 desc: bool = True, offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=MAX_PAGE)) -> Any:
+                 desc: bool = True, offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=MAX_PAGE),
+                 store: str | None = None) -> Any:
         return found(reader.rollouts, run, status=status, phase=phase, component=component or None,
                      min_reward=min_reward, max_reward=max_reward, iteration=iteration, search=q or None, sort=sort,
-                     descending=desc, offset=offset, limit=limit)
+                     descending=desc, offset=offset, limit=limit, store=store or None)
 
+    # store: a file of the run's evals/ by name, checked against that folder's listing (RunReader.store_file)
     @app.get("/api/rollout")
-    def rollout(run: str, id: str) -> Any:  # noqa: A002 - the query parameter's name
-        view = found(reader.rollout, run, id)
+    def rollout(run: str, id: str, store: str | None = None) -> Any:  # noqa: A002 - the query parameter's name
+        view = found(reader.rollout, run, id, store or None)
         if view is None:
             raise HTTPException(404, f"no rollout {id!r} in run {run!r}")
         return view

@@ -56,6 +56,11 @@ const sig = (v) => (v === null || v === undefined ? "" : String(Number(Number(v)
 const ms = (v) => (v === null || v === undefined ? "" : v < 1000 ? `${v.toFixed(1)} ms` : `${(v / 1000).toFixed(2)} s`);
 const iterLabel = (r) => (r.phase === "eval" ? (r.iteration === 0 ? "eval before" : "eval after") : r.iteration);
 const text = (v) => (typeof v === "string" ? v : JSON.stringify(v, null, 2));
+// An eval score: its mean ± its standard error, over its tasks; what it is in words (e.words) is the server's.
+const scoreText = (e) => `${num(e.mean)}${finite(e.stderr) ? ` ± ${num(e.stderr)}` : ""}` +
+  (e.tasks ? ` (${e.tasks} task${e.tasks === 1 ? "" : "s"})` : "");
+// A rollout's address, in the run's store or (`store`) one of its evals/ stores.
+const rolloutHref = (run, id, store) => href("run", run, "rollout", id) + (store ? "?" + new URLSearchParams({ store }) : "");
 
 function table(headers, rows) {
   return el("div", { class: "scroll" }, el("table", {},
@@ -87,7 +92,7 @@ function route() {
   // Each view draws into its own box: a slow answer for a view left behind lands in a detached box.
   const box = el("div");
   fill(document.getElementById("view"), box);
-  if (parts[0] === "run" && parts[2] === "rollout") current = rolloutView(box, parts[1], parts[3]);
+  if (parts[0] === "run" && parts[2] === "rollout") current = rolloutView(box, parts[1], parts[3], query.get("store") || "");
   else if (parts[0] === "run") current = runView(box, parts[1], query);
   else if (parts[0] === "compare") current = compareView(box, parts[1], parts[2]);
   else current = runsView(box);
@@ -144,10 +149,12 @@ function runsView(main) {
       fill(main,
         el("h2", {}, "Runs"),
         data.runs.length === 0 ? el("p", { class: "muted" }, "No run here yet (a run directory holds store.sqlite, metrics.jsonl or checkpoints/).") :
-          table([["run", "l"], ["iterations"], ["last reward"], ["rollouts"], ["running"], ["failed"], ["updated", "l"]],
-            data.runs.map((r) => el("tr", {},
+          table([["run", "l"], ["iterations"], ["last reward"], ["last eval pass", "l"], ["rollouts"], ["running"], ["failed"], ["updated", "l"]],
+            data.runs.map((r) => el("tr", { "data-run": r.id },
               el("td", { class: "l" }, el("a", { href: href("run", r.id) }, r.id)),
-              el("td", {}, r.iterations), el("td", {}, num(r.last_reward)), el("td", {}, r.rollouts),
+              el("td", {}, r.iterations), el("td", {}, num(r.last_reward)),
+              el("td", { class: "l eval-score" }, r.eval ? `${r.eval.words} ${r.eval.label}: ${scoreText(r.eval)}` : ""),
+              el("td", {}, r.rollouts),
               el("td", {}, r.running ? el("span", { class: "badge live" }, `${r.running} live`) : "0"),
               el("td", {}, r.failed),
               el("td", { class: "l" }, r.modified ? new Date(r.modified * 1000).toLocaleString() : "")))),
@@ -200,7 +207,11 @@ function segments(xs, ys) {
 function rewardChart(runs, smoothing = 0) {
   // runs: [{ name, history, evals }]; x counts iterations as the run's table does (1..N), evals at 0 and N.
   // The band is reward_mean ± reward_std of each iteration's training rollouts.
-  const W = 900, H = 260, L = 44, R = 250, T = 14, B = 30;
+  const evalLabel = (r, e) => `${runs.length > 1 ? r.name + " " : ""}${e.words} ${e.iteration === 0 ? "before" : "after"}: ${scoreText(e)}`;
+  const trainLabel = (r) => (runs.length > 1 ? `${r.name}: train reward ± std` : "train rollouts (mean ± std)");
+  // the legend's column is as wide as its longest line (an eval score's name and numbers can be long)
+  const longest = Math.max(...runs.flatMap((r) => [trainLabel(r), ...r.evals.map((e) => evalLabel(r, e))]).map((t) => t.length));
+  const R = Math.max(250, 46 + Math.ceil(6 * longest)), W = 650 + R, H = 260, L = 44, T = 14, B = 30;
   const ys = [0, 1];
   let maxX = 1;
   for (const r of runs) {
@@ -231,13 +242,13 @@ function rewardChart(runs, smoothing = 0) {
     if (pts.length) g.append(svg("polyline", { class: "line", stroke: c, points: r.history.map((h, i) => finite(sm[i]) ? `${x(i + 1)},${y(sm[i])}` : "").filter(Boolean).join(" ") }));
     r.history.forEach((h, i) => { if (finite(h.reward_mean)) g.append(svg("circle", { fill: c, cx: x(i + 1), cy: y(h.reward_mean), r: 3 },
       svg("title", {}, `${r.name} iteration ${i + 1}: reward ${num(h.reward_mean)} ± ${num(h.reward_std)}`))); });
-    legend(c, runs.length > 1 ? `${r.name}: train reward ± std` : "train rollouts (mean ± std)");
+    legend(c, trainLabel(r));
     for (const e of r.evals) {
       if (!finite(e.mean)) continue;
       const dash = e.iteration === 0 ? "6 4" : "2 3";
-      const label = `${runs.length > 1 ? r.name + " " : ""}eval ${e.iteration === 0 ? "before" : "after"}: ${num(e.mean)}`;
+      const label = evalLabel(r, e);
       g.append(svg("line", { class: "eval-line", stroke: c, "stroke-dasharray": dash, "data-run": r.name, "data-when": e.iteration === 0 ? "before" : "after",
-        x1: L, x2: W - R, y1: y(e.mean), y2: y(e.mean) }, svg("title", {}, `${r.name} eval ${e.label}: ${num(e.mean)}`)));
+        x1: L, x2: W - R, y1: y(e.mean), y2: y(e.mean) }, svg("title", {}, `${r.name} ${e.words} ${e.label}: ${scoreText(e)}`)));
       legend(c, label, dash);
     }
   });
@@ -341,9 +352,10 @@ const ITER_COLS = [
 function iterationTable(s, compact, trainedOn) {
   const link = (h) => (h.checkpoint ? el("a", { href: "#", class: "trained-on", title: "the rollouts this checkpoint's update trained on", onclick: (e) => { e.preventDefault(); trainedOn(h.iteration); } }, h.checkpoint) : "");
   const cols = [...ITER_COLS.filter((c) => !compact || c[3]), ...(trainedOn ? [["checkpoint", "l", link]] : [])];
-  const evalRow = (e) => el("tr", { class: "eval" }, cols.map(([name], i) => el("td", { class: i === 1 ? "l" : "" },
-    i === 0 ? "eval" : i === 1 ? e.label : name === "reward" ? num(e.mean) :
-      name === "rollouts" ? (e.running ? `${e.finished} + ${e.running} running` : e.finished ?? "") : "")));
+  const evalRow = (e) => el("tr", { class: "eval", "data-iteration": e.iteration }, cols.map(([name], i) => el("td", { class: i === 1 ? "l words" : "" },
+    i === 0 ? "eval" : i === 1 ? `${e.words}, ${e.label}` :
+      name === "reward" ? [num(e.mean), finite(e.stderr) ? el("span", { class: "stderr", title: "standard error" }, ` ± ${num(e.stderr)}`) : null] :
+        name === "rollouts" ? (e.running ? `${e.finished} + ${e.running} running` : e.tasks ?? "") : "")));
   const rows = [
     ...s.evals.filter((e) => e.iteration === 0).map(evalRow),
     ...s.history.map((h) => el("tr", {}, cols.map(([, cls, cell]) => el("td", { class: cls }, cell(h))))),
@@ -370,7 +382,7 @@ function configCard(s) {
 }
 
 // The list's state as it goes into the address (and back): only what differs from the default.
-const LIST_DEFAULTS = { status: "", phase: "", component: "", min_reward: "", max_reward: "", iteration: "", q: "", sort: "started", desc: "1", offset: "0" };
+const LIST_DEFAULTS = { store: "", status: "", phase: "", component: "", min_reward: "", max_reward: "", iteration: "", q: "", sort: "started", desc: "1", offset: "0" };
 function listState(query) {
   const out = {};
   for (const [k, d] of Object.entries(LIST_DEFAULTS)) out[k] = query.get(k) ?? d;
@@ -378,9 +390,9 @@ function listState(query) {
 }
 
 // [header, class, sort key, cell]: every column sorts (trained into follows the iteration it was collected in)
-function rolloutCols(run) {
+function rolloutCols(run, store) {
   return [
-    ["rollout", "l", "rollout", (r) => el("a", { href: href("run", run, "rollout", r.rollout_id) }, r.rollout_id)],
+    ["rollout", "l", "rollout", (r) => el("a", { href: rolloutHref(run, r.rollout_id, store) }, r.rollout_id)],
     ["task", "l preview", "task", (r) => r.task_preview],
     ["output", "l preview", "output", (r) => r.output_preview],
     ["phase", "l", "phase", (r) => r.phase], ["iter", "", "iteration", iterLabel],
@@ -391,11 +403,25 @@ function rolloutCols(run) {
   ];
 }
 
+// The stores `lightning eval` kept in the run's evals/: each one's score, and its rollouts a click away.
+function evalStores(s, browse) {
+  if (!s.eval_stores.length) return null;
+  return el("div", { class: "eval-stores" }, el("h3", {}, `Evals of this run's checkpoints (lightning eval): ${s.eval_stores.length}`),
+    table([["file", "l"], ["iteration"], ["score", "l"], ["mean"], ["± stderr"], ["tasks"], ["", "l"]],
+      s.eval_stores.map((e) => el("tr", { "data-store": e.name },
+        el("td", { class: "l" }, `evals/${e.name}`), el("td", {}, e.iteration), el("td", { class: "l" }, e.words),
+        el("td", {}, num(e.mean)), el("td", { class: "stderr" }, finite(e.stderr) ? `± ${num(e.stderr)}` : ""),
+        el("td", {}, e.running ? `${e.tasks} + ${e.running} running` : e.tasks),
+        el("td", { class: "l" }, el("a", { href: "#", class: "browse", onclick: (ev) => { ev.preventDefault(); browse(e.name); } }, "its rollouts"))))));
+}
+
 function runView(main, run, query) {
   const filters = listState(query);
   const state = { smoothing: 0 };
   const head = el("div"), chart = el("div", { class: "card" }), charts = el("div"), config = el("div"), iters = el("div"), list = el("div");
+  const evals = el("div");
   const comp = el("select", { name: "component" }, el("option", { value: "" }, "any"));
+  const stores = el("select", { name: "store" }, el("option", { value: "" }, "the run's (store.sqlite)"));
   const controls = {};
   // A change of the list's state is a new history entry: Back returns to the list as it was.
   const push = () => {
@@ -416,17 +442,25 @@ function runView(main, run, query) {
   let typing = null; // search as one types, once a pause says the word is whole
   search.addEventListener("input", () => { clearTimeout(typing); typing = setTimeout(() => { if (filters.q !== search.value) { filters.q = search.value; filters.offset = "0"; push(); } }, 300); });
   const bar = el("div", { class: "filters" },
+    el("label", {}, "rollouts of", field("store", stores)),
     el("label", {}, "search", search),
     el("label", {}, "status", choose("status", ["succeeded", "failed", "abandoned", "running", "untrained"])),
     el("label", {}, "phase", choose("phase", ["train", "eval"])),
     el("label", {}, "component", field("component", comp)),
     el("label", {}, "min reward", box("min_reward", "≥")), el("label", {}, "max reward", box("max_reward", "≤")),
     el("label", {}, "iteration", box("iteration", "from 1")));
-  const showControls = () => { for (const [k, c] of Object.entries(controls)) if (c !== comp || filters[k] === "") c.value = filters[k]; };
+  // the component and store lists come with the summary: a value they do not hold yet is set when they do
+  const has = (select, v) => [...select.options].some((o) => o.value === v);
+  const showControls = () => { for (const [k, c] of Object.entries(controls)) if ((c !== comp && c !== stores) || has(c, filters[k])) c.value = filters[k]; };
   showControls();
   fill(main, el("p", {}, el("a", { href: "#/" }, "← runs")), head, chart, charts, config, el("h3", {}, "Iterations"), iters,
-    el("h3", {}, "Rollouts"), bar, list);
-  let components = "";
+    evals, el("h3", {}, "Rollouts"), bar, list);
+  let components = "", storeNames = "";
+  const browse = (name) => {
+    Object.assign(filters, { ...LIST_DEFAULTS, store: name });
+    showControls();
+    push();
+  };
   const changed = differ();
   let summary = null;
   const drawCharts = () => {
@@ -458,18 +492,24 @@ function runView(main, run, query) {
         drawCharts();
         fill(config, configCard(s));
         fill(iters, iterationTable(s, false, trainedOn));
+        fill(evals, evalStores(s, browse));
       }
       if (components !== JSON.stringify(s.components)) {
         components = JSON.stringify(s.components);
         fill(comp, el("option", { value: "" }, "any"), s.components.map((c) => el("option", { value: c, selected: c === filters.component }, c)));
       }
+      const names = [...new Set(s.eval_stores.map((e) => e.name))];
+      if (storeNames !== JSON.stringify(names)) {
+        storeNames = JSON.stringify(names);
+        fill(stores, el("option", { value: "" }, "the run's (store.sqlite)"), names.map((n) => el("option", { value: n, selected: n === filters.store }, `evals/${n}`)));
+      }
       const go = (d) => { filters.offset = String(Math.max(0, Number(filters.offset) + d)); push(); };
-      const cols = rolloutCols(run);
+      const cols = rolloutCols(run, filters.store);
       const arrow = (key) => (filters.sort === key ? (filters.desc === "1" ? " ▼" : " ▲") : "");
       fill(list,
         el("div", { class: "scroll" }, el("table", { class: "rollouts" },
           el("thead", {}, el("tr", {}, cols.map(([h, cls, key]) => el("th", { class: `${cls} sortable`, "data-sort": key, title: `sort by ${h}`, onclick: () => sortBy(key) }, h + arrow(key))))),
-          el("tbody", {}, page.rows.map((r) => el("tr", { class: "click", "data-rollout": r.rollout_id, onclick: (e) => { if (e.target.tagName !== "A") location.hash = href("run", run, "rollout", r.rollout_id); } },
+          el("tbody", {}, page.rows.map((r) => el("tr", { class: "click", "data-rollout": r.rollout_id, onclick: (e) => { if (e.target.tagName !== "A") location.hash = rolloutHref(run, r.rollout_id, filters.store); } },
             cols.map(([h, cls, , cell]) => el("td", { class: cls, title: h === "error" ? r.error ?? "" : h === "task" ? r.task_preview : h === "output" ? r.output_preview : null }, cell(r)))))))),
         el("div", { class: "pager" },
           el("button", { disabled: Number(filters.offset) === 0, onclick: () => go(-PAGE) }, "← previous"),
@@ -556,11 +596,11 @@ function creditLine(c) {
 }
 
 // The other rollouts of its group (same task, same iteration) with their rewards and outputs, side by side.
-function groupCard(run, d) {
+function groupCard(run, d, store) {
   if (!d.group.length) return null;
   return el("div", {}, el("h3", {}, `Its group: ${d.group.length} rollout(s) of this task`),
     el("div", { class: "group" }, d.group.map((g) => el("div", { class: `card member${g.self ? " self" : ""}`, "data-rollout": g.rollout_id },
-      el("div", { class: "head" }, g.self ? el("b", {}, "this rollout") : el("a", { href: href("run", run, "rollout", g.rollout_id) }, g.rollout_id), " ", badge(g.status)),
+      el("div", { class: "head" }, g.self ? el("b", {}, "this rollout") : el("a", { href: rolloutHref(run, g.rollout_id, store) }, g.rollout_id), " ", badge(g.status)),
       el("div", { class: "kv" }, el("span", { class: "k" }, "reward"), el("span", { "data-field": "reward" }, g.reward === null ? "none" : num(g.reward)),
         el("span", { class: "k" }, "rollout advantage"), el("span", { "data-field": "rollout_advantage", "data-value": g.rollout_advantage }, g.rollout_advantage === null || g.rollout_advantage === undefined ? "none" : sig(g.rollout_advantage))),
       el("pre", { class: "out" }, g.output ?? "")))));
@@ -583,16 +623,18 @@ function timeline(spans) {
   return g;
 }
 
-function rolloutView(main, run, id) {
+// `store`: the name of one of the run's evals/ stores, or "" for the run's own.
+function rolloutView(main, run, id, store) {
   const changed = differ();
   return {
     async refresh() {
-      const d = await api("rollout", { run, id });
+      const d = await api("rollout", { run, id, store });
       if (!changed(d)) return;
       const r = d.rollout;
       fill(main,
-        el("p", {}, el("a", { href: href("run", run) }, `← ${run}`)),
+        el("p", {}, el("a", { href: href("run", run) + (store ? "?" + new URLSearchParams({ store }) : "") }, `← ${run}`)),
         el("h2", {}, `rollout ${r.rollout_id}`),
+        store ? el("p", { class: "muted", id: "store" }, `from evals/${store}, kept by lightning eval`) : null,
         el("div", { class: "card" }, el("div", { class: "kv" },
           el("span", { class: "k" }, "status"), el("span", {}, badge(r.status)),
           el("span", { class: "k" }, "reward"), el("span", { id: "reward" }, r.reward === null ? "none" : num(r.reward)),
@@ -606,7 +648,7 @@ function rolloutView(main, run, id) {
           el("h3", {}, "output"), el("pre", { id: "output" }, text(r.output)),
           r.error ? [el("h3", { class: "errtext" }, "error"), el("pre", { class: "errtext" }, r.error)] : null,
           r.traceback ? el("details", {}, el("summary", {}, "traceback"), el("pre", {}, r.traceback)) : null),
-        groupCard(run, d),
+        groupCard(run, d, store),
         el("h3", {}, `Timeline: ${d.spans.length} span(s)`),
         d.spans.length ? el("div", { class: "card scroll" }, timeline(d.spans)) : el("p", { class: "muted" }, "No span recorded."),
         el("div", { id: "spans" }, d.spans.map(spanCard)));
