@@ -22,7 +22,11 @@ def lightning(*args, cwd, timeout=400):
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    d = tmp_path_factory.mktemp("project")
+    return arith_project(tmp_path_factory.mktemp("project"))
+
+
+def arith_project(d: Path) -> Path:
+    """A small copy of the default job in `d`: the arith agent, 12 training and 5 eval tasks, 2 iterations."""
     shutil.copy(ROOT / "cookbook/arith/agent.py", d / "agent.py")
     rows = (ROOT / "cookbook/arith/data/train.jsonl").read_text().splitlines()
     (d / "train.jsonl").write_text("\n".join(rows[::9]) + "\n")  # 12 tasks

@@ -4,7 +4,6 @@ bounded and weighted, faults (a trainer error, kill -9, Ctrl-C) lose nothing and
 import io
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from lightning_sdk.errors import SetupError
 from lightning_sdk.pipeline import UpdateThread, split_stale
 from lightning_sdk.runtime import Runtime
 from lightning_sdk.transitions import Transition
-from tests.test_e2e import _kill9, _query, _start, _wait_for, lightning
+from tests.test_e2e import _kill9, _query, _start, _wait_for, arith_project, lightning
 from tests.test_runtime_faults import make_project, metrics, task
 
 
@@ -139,34 +138,11 @@ def test_a_trainer_error_stops_a_pipelined_run_with_the_trainers_message(tmp_pat
 
 @pytest.fixture()
 def project(tmp_path):
-    from tests.test_e2e import ROOT
-
-    shutil.copy(ROOT / "cookbook/arith/agent.py", tmp_path / "agent.py")
-    rows = (ROOT / "cookbook/arith/data/train.jsonl").read_text().splitlines()
-    (tmp_path / "train.jsonl").write_text("\n".join(rows[::9]) + "\n")
-    (tmp_path / "lightning.toml").write_text("""
-[run]
-name = "e2e"
-dir = "run"
-iterations = 3
-[agent]
-module = "agent.py"
-[data]
-train = "train.jsonl"
-tasks_per_iteration = 4
-group_size = 4
-[model]
-name = "builtin:tiny-arith"
-dtype = "float32"
-[rollout]
-concurrency = 8
-[train]
-lr = 2e-3
-lora_r = 8
-micro_batch_size = 4
-epochs = 4
-max_staleness = 1
-""")
+    """The e2e project, 3 iterations without eval, updates long enough to be caught running, pipelined."""
+    arith_project(tmp_path)
+    toml = (tmp_path / "lightning.toml").read_text().replace('eval = "eval.jsonl"\n', "")
+    (tmp_path / "lightning.toml").write_text(toml.replace("iterations = 2", "iterations = 3").replace(
+        "micro_batch_size = 8", "micro_batch_size = 4\nepochs = 4\nmax_staleness = 1"))
     return tmp_path
 
 
