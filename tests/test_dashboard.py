@@ -9,6 +9,7 @@ checks they are shown as text and never run. Screenshots go to $DASHBOARD_SCREEN
 
 import hashlib
 import json
+from decimal import ROUND_HALF_UP, Decimal
 import os
 import shutil
 import subprocess
@@ -71,6 +72,12 @@ async def solve(task: dict, llm: ls.LLM) -> str:
 def score(task: dict, output: str) -> float:
     return float(output.strip() == task["answer"]) + len(output) / 100  # outputs of other lengths: group signal
 '''
+
+
+def js_fixed(x: float, digits: int = 3) -> str:
+    """`x.toFixed(digits)` as the page's JavaScript writes it: the double's exact value rounded half up (Python's
+    format rounds half to even: 0.5625 gives 0.562 there, 0.563 on the page)."""
+    return str(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
 
 
 def _shots(tmp: Path) -> Path:
@@ -182,7 +189,7 @@ def test_dashboard_in_a_browser(live, project, browser, tmp_path):
     assert iter_rows.count() == 4  # eval before, iterations 1 and 2, eval after
     metrics = [r for r in map(json.loads, (live["dir"] / "metrics.jsonl").read_text().splitlines())
                if r.get("phase") != "eval"]  # the iteration rows
-    assert iter_rows.nth(2).locator("td").nth(2).text_content() == f"{metrics[1]['reward_mean']:.3f}"
+    assert iter_rows.nth(2).locator("td").nth(2).text_content() == js_fixed(metrics[1]["reward_mean"])
     assert page.locator("svg[aria-label='reward per iteration'] circle").count() == 2
     page.wait_for_selector("td:text-is('eval after')")
     page.screenshot(path=str(shots / "run.png"), full_page=True)
@@ -208,7 +215,7 @@ def test_dashboard_in_a_browser(live, project, browser, tmp_path):
            f"{len(call.attributes['lightning.llm.completion_token_ids'])} tokens" in llm.text_content()
     # last_call credits the episode reward to the (only) call, plus its intermediate rewards: +0.5 emitted,
     # -1 (rollout.error_reward) for the failed tool span.
-    assert f"credited reward {probe_rollout.reward + 0.5 - 1.0:.3f}" in llm.text_content()
+    assert f"credited reward {js_fixed(probe_rollout.reward + 0.5 - 1.0)}" in llm.text_content()
     assert page.locator(".span.tool").count() == 2 and page.locator(".span.reward").count() == 1
     flaky = page.locator(".span.error")
     assert flaky.count() == 1 and f"flaky tool failed on What is 2 + 3? {PROBE}" in flaky.text_content()
@@ -476,7 +483,7 @@ def test_a_rollout_page_explains_its_advantage_with_the_trainers_numbers(live, p
     for r in members:
         card = page.locator(f".group .member[data-rollout='{r.rollout_id}']")
         assert card.locator("pre.out").text_content() == (r.output or "")
-        assert card.locator("[data-field=reward]").text_content() == f"{r.reward:.3f}"
+        assert card.locator("[data-field=reward]").text_content() == js_fixed(r.reward)
     assert page.locator("#expected").text_content() == task["answer"]
     call = next(s for s in spans[mine.rollout_id] if s.span_id == mine.span_id)
     cells = page.locator(f"#span-{mine.span_id} .logprobs .tok")

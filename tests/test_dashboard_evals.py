@@ -16,6 +16,7 @@ import pytest
 from lightning_sdk.evals import EvalScore
 from lightning_sdk.metrics import eval_row
 from lightning_sdk.store import Store, seal
+from tests.test_dashboard import js_fixed
 
 CHROMIUM = "/usr/bin/chromium"
 PROBE = '<img src=x onerror="window.__xss = 1">'
@@ -116,19 +117,20 @@ def test_an_eval_on_the_training_tasks_is_named_so_with_its_standard_error(dashb
     for row in (untrained, trained):
         tr = page.locator(f"tr.eval[data-iteration='{row['iteration']}']")
         assert tr.locator("td.words").text_content().startswith("score on the training tasks, ")
-        assert tr.locator(".stderr").text_content() == f" ± {row['eval_stderr']:.3f}"
-        assert tr.locator("td").nth(2).text_content() == f"{row['eval.reward_mean']:.3f} ± {row['eval_stderr']:.3f}"
+        assert tr.locator(".stderr").text_content() == f" ± {js_fixed(row['eval_stderr'])}"
+        mean, err = js_fixed(row["eval.reward_mean"]), js_fixed(row["eval_stderr"])
+        assert tr.locator("td").nth(2).text_content() == f"{mean} ± {err}"
     legend = page.locator("svg[aria-label='reward per iteration'] text.legend").all_text_contents()
-    assert (f"score on the training tasks after: {trained['eval.reward_mean']:.3f} ± {trained['eval_stderr']:.3f}"
-            f" (3 tasks)") in legend
+    mean, err = js_fixed(trained["eval.reward_mean"]), js_fixed(trained["eval_stderr"])
+    assert f"score on the training tasks after: {mean} ± {err} (3 tasks)" in legend
     assert not any(t.startswith(("eval ", "held-out")) for t in legend)
     page.screenshot(path=str(_shots(tmp_path) / "evals-run.png"), full_page=True)
 
     page.goto(dashboard["base"] + "/#/")
     page.wait_for_selector("tr[data-run=ontrain] td.eval-score")
     assert page.locator("tr[data-run=ontrain] td.eval-score").text_content() == (
-        f"score on the training tasks after 2 iterations: {trained['eval.reward_mean']:.3f} ± "
-        f"{trained['eval_stderr']:.3f} (3 tasks)")
+        f"score on the training tasks after 2 iterations: {js_fixed(trained['eval.reward_mean'])} ± "
+        f"{js_fixed(trained['eval_stderr'])} (3 tasks)")
     # a run from before eval_split: "eval", as it always said, and no standard error it never logged
     assert page.locator("tr[data-run=older] td.eval-score").text_content() == "eval before training: 0.250"
     page.goto(dashboard["base"] + "/#/run/older")
@@ -143,7 +145,7 @@ def test_the_stores_lightning_eval_kept_are_listed_and_browsable_read_only(dashb
     page.wait_for_selector(f".eval-stores tr[data-store='{EVAL_FILE}']")
     cells = page.locator(f".eval-stores tr[data-store='{EVAL_FILE}'] td").all_text_contents()
     score = EvalScore.of([1.0, 0.5], "mixed", 1)
-    assert cells[:6] == [f"evals/{EVAL_FILE}", "2", score.words, f"{score.mean:.3f}", f"± {score.stderr:.3f}", "2"]
+    assert cells[:6] == [f"evals/{EVAL_FILE}", "2", score.words, js_fixed(score.mean), f"± {js_fixed(score.stderr)}", "2"]
     assert score.words == "score on tasks partly seen in training (1 of 2)"
 
     page.click(f".eval-stores tr[data-store='{EVAL_FILE}'] a.browse")
