@@ -127,7 +127,11 @@ def test_killed_worker_rollouts_are_retried_and_nothing_is_lost(ray_local, tmp_p
         # every LLM call an agent made (logged after its span reached the store) is a span in the store
         calls = Path(os.environ["LS_TEST_CALLS"]).read_text().split()
         spans = store.call_counts(list(by_id))
-        assert sum(spans.values()) == len(calls) and all(spans.get(c) == calls.count(c) for c in set(calls))
+        assert all(spans.get(c, 0) >= calls.count(c) for c in set(calls))
+        # The gateway records a call when it answers it: a worker killed before its agent logged a call it got the
+        # reply of leaves that call's record, on a rollout that was abandoned; every other count is exact.
+        extra = {r: n - calls.count(r) for r, n in spans.items() if n != calls.count(r)}
+        assert all(by_id[r].status == "abandoned" for r in extra), extra
     rows = [json.loads(x) for x in (cfg.run.dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["failed"] == 0 and r["rollouts"] == 16 for r in rows)
 
