@@ -26,9 +26,11 @@ BASE = "builtin:tiny-arith"
 
 
 def write_run(d: Path, runtime: str, extra: str = "") -> None:
-    """A two-policy run of 2 iterations x 3 tasks x 4 rollouts, each rollout a writer, rewriter and judge call."""
+    """A two-policy run of 2 iterations x 3 tasks x 4 rollouts, each rollout a writer, rewriter and judge call, then
+    an eval of 2 tasks under the trained adapters."""
     rows = (ROOT / "cookbook/arith/data/train.jsonl").read_text().splitlines()
     (d / "train.jsonl").write_text("\n".join(rows[::9][:3]) + "\n")
+    (d / "eval.jsonl").write_text("\n".join(rows[1::9][:2]) + "\n")
     (d / "lightning.toml").write_text(f'''
 [run]
 name = "duo"
@@ -39,6 +41,7 @@ runtime = "{runtime}"
 module = "{HERE / 'policies_agent.py'}"
 [data]
 train = "train.jsonl"
+eval = "eval.jsonl"
 tasks_per_iteration = 3
 group_size = 4
 [model]
@@ -57,11 +60,11 @@ lora_r = 4
 {extra}''')
 
 
-def served_by(run: Path) -> dict[tuple[int, str], set[str]]:
-    """(iteration, component) -> the adapters the gateway recorded serving those calls."""
+def served_by(run: Path, phase: str) -> dict[tuple[int, str], set[str]]:
+    """(iteration, component) -> the adapters the gateway recorded serving those calls in `phase`."""
     served: dict[tuple[int, str], set[str]] = {}
     with Store(run / "store.sqlite") as store:
-        for r in store.rollouts(phase="train"):
+        for r in store.rollouts(phase=phase):
             for s in store.spans(r.rollout_id):
                 if tracing.is_llm_call(s) and s.source == "gateway":
                     served.setdefault((r.iteration, s.attributes[COMPONENT]), set()).add(s.attributes[POLICY])
@@ -69,10 +72,15 @@ def served_by(run: Path) -> dict[tuple[int, str], set[str]]:
 
 
 def assert_two_policies_trained(run: Path) -> None:
-    assert served_by(run) == {(1, "writer"): {BASE}, (1, "rewriter"): {BASE}, (1, "judge"): {BASE},
+    assert served_by(run, "train") == {(1, "writer"): {BASE}, (1, "rewriter"): {BASE}, (1, "judge"): {BASE},
                               (2, "writer"): {"duo-writer-iter1"}, (2, "rewriter"): {"duo-rewriter-iter1"},
                               (2, "judge"): {BASE}}
+    # the held-out eval: before training all by the base, after it by the adapters of the last update
+    assert served_by(run, "eval") == {(0, c): {BASE} for c in ("writer", "rewriter", "judge")} | {
+        (2, "writer"): {"duo-writer-iter2"}, (2, "rewriter"): {"duo-rewriter-iter2"}, (2, "judge"): {BASE}}
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval"] for r in rows if r.get("phase") == "eval"] == ["untrained", "trained"]
+    rows = [r for r in rows if r.get("phase") != "eval"]
     assert [r["iteration"] for r in rows] == [1, 2]
     for r in rows:  # 12 rollouts, each one call per role: each policy trained on its own 12, the judge's counted
         assert r["failed"] == 0 and r["transitions.writer"] == r["transitions.rewriter"] == 12
