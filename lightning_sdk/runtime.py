@@ -442,11 +442,12 @@ class Runtime:
             t1 = time.perf_counter()
             train_metrics = trainer.step(batch.transitions, batch.scored)
             update_s = time.perf_counter() - t1
+            # Known before the gateway routes a call to them, so no served call is ever of an unknown version.
+            versions.update({served: batch.n for served in self._trained_names(batch.n).values()})
             # Requests routed to the adapter now replaced may still be queued at the server: the one it replaced
             # goes instead, an update later.
             new = self._finish(batch, train_metrics, update_s, {}, state, trainer, metrics, retire=serving[1],
                                route=True)
-            versions.update({served: batch.n for served in new.values()})
             serving[:] = [new, serving[0]]
 
         updates = UpdateThread(state.completed)
@@ -509,8 +510,7 @@ class Runtime:
             **{f"train.{k}": v for k, v in train_metrics.items()}, **batch.extra,
         }
         # trained by iteration n, sampled by iteration n + 1
-        new_policy = {name: f"{cfg.run.name}-{name}-iter{n}" if self.multi else f"{cfg.run.name}-iter{n}"
-                      for name in self._names()}
+        new_policy = self._trained_names(n)
         if self.multi:
             # the calls each policy trained on, and those of components in no policy (served by the base)
             row.update({f"transitions.{p.name}": sum(t.component in p.components for t in transitions)
@@ -577,8 +577,10 @@ class Runtime:
         """The served adapters as one line: the adapter's name, or `policy=adapter` for each of several."""
         return ", ".join(f"{k}={v}" for k, v in policy.items()) if self.multi else policy[self.cfg.run.name]
 
-    def _names(self) -> list[str]:
-        return [p.name for p in self.policies]
+    def _trained_names(self, n: int) -> dict[str, str]:
+        """Each policy's adapter as update n saves and serves it."""
+        run = self.cfg.run.name
+        return {p.name: f"{run}-{p.name}-iter{n}" if self.multi else f"{run}-iter{n}" for p in self.policies}
 
     def _route(self, policy: dict[str, str]) -> None:
         """Serve every call by `policy` (each policy's adapter) from now on: with [policies] each call by its
