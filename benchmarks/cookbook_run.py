@@ -1,6 +1,6 @@
 """One `lightning run` of a cookbook example with some keys changed, measured: eval before/after, wall time, peak memory.
 
-Used by benchmarks/loss_norm.py and benchmarks/policies_sql.py. The changed config is written next to the example's
+Used by benchmarks/loss_norm.py, benchmarks/policies_sql.py and benchmarks/pipeline.py. The changed config is written next to the example's
 own lightning.toml (relative paths in it resolve against the file's folder) and removed afterwards.
 """
 
@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -97,15 +98,19 @@ def tree_rss_kib(pid: int) -> int:
     return total
 
 
-def evals(metrics: Path) -> tuple[float, float]:
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+def metrics_rows(metrics: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def evals(rows: list[dict]) -> tuple[float, float]:
     by = {r["eval"]: r["eval.reward_mean"] for r in rows if r.get("phase") == "eval"}
     return by.get("untrained", float("nan")), by.get("trained", float("nan"))
 
 
 def run_example(example: str, label: str, seed: int, changes: dict, *, config: str = "lightning.toml",
-                log_dir: Path | None = None) -> RunResult:
-    """`lightning run` in cookbook/<example> (or the repo root for 'arith') with `changes` merged into its config."""
+                log_dir: Path | None = None, inspect: Callable[[list[dict]], None] | None = None) -> RunResult:
+    """`lightning run` in cookbook/<example> (or the repo root for 'arith') with `changes` merged into its config.
+    `inspect` gets the run's metrics.jsonl rows (a run that succeeded) before its directory is removed."""
     folder = ROOT if example == "arith" else ROOT / "cookbook" / example
     base = tomllib.loads((folder / config).read_text())
     cfg = merged(base, {**changes, "run": {**changes.get("run", {}), "seed": seed}})
@@ -131,7 +136,10 @@ def run_example(example: str, label: str, seed: int, changes: dict, *, config: s
         wall = time.perf_counter() - t0
     finally:
         os.unlink(cfg_path)
-    before, after = evals(run_dir / "run" / "metrics.jsonl") if rc == 0 else (float("nan"), float("nan"))
+    rows = metrics_rows(run_dir / "run" / "metrics.jsonl") if rc == 0 else []
+    before, after = evals(rows) if rc == 0 else (float("nan"), float("nan"))
+    if inspect is not None and rc == 0:
+        inspect(rows)
     shutil.rmtree(run_dir, ignore_errors=True)  # store.sqlite and checkpoints: tens of MB a run
     return RunResult(example, label, seed, before, after, wall, peak[0] / 1024, load0, load_avg(), rc)
 

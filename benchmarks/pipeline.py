@@ -4,7 +4,7 @@
     python benchmarks/pipeline.py --seeds 0 1 2 --examples calc     # the learning comparison
 
 Each run is a real `lightning run` of the example (its own lightning.toml, with run.seed and train.max_staleness
-set) in a temporary copy of its folder; the two modes alternate per seed. From each run's metrics.jsonl: the
+set; benchmarks/cookbook_run.py); the two modes alternate per seed. From each run's metrics.jsonl: the
 iteration time (the loop's wall time over its iterations, the last row's elapsed_s), each side's busy fraction
 (collection: the sum of collect_s; update: update_s + hotload_s, over the loop's wall time) and the eval score
 before and after. The figure: `ratio=` pipelined iteration time / max(mean collect, mean update + hot-load) of
@@ -16,61 +16,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from cookbook_run import run_example
 
 
-def configured(toml: str, seed: int, staleness: int, iterations: int | None) -> str:
-    """The example's lightning.toml with run.seed, run.iterations and train.max_staleness set."""
-    out, section = [], None
-    for line in toml.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("[") and stripped.endswith("]"):
-            section = stripped.strip("[]")
-        key = stripped.split("=", 1)[0].strip() if "=" in stripped and not stripped.startswith("#") else None
-        if (section, key) in (("run", "seed"), ("train", "max_staleness")) or \
-                (iterations is not None and (section, key) == ("run", "iterations")):
-            continue
-        out.append(line)
-        if stripped == "[run]":
-            out.append(f"seed = {seed}")
-            if iterations is not None:
-                out.append(f"iterations = {iterations}")
-        if stripped == "[train]":
-            out.append(f"max_staleness = {staleness}")
-    return "\n".join(out) + "\n"
-
-
-def one_run(example: str, seed: int, staleness: int, iterations: int | None, work: Path) -> dict:
-    src = ROOT / "cookbook" / example
-    d = work / f"{example}-s{seed}-k{staleness}"
-    shutil.copytree(src, d, ignore=shutil.ignore_patterns("runs", "__pycache__"))
-    (d / "lightning.toml").write_text(configured((src / "lightning.toml").read_text(), seed, staleness, iterations))
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "run", "--run-dir", str(d / "run")], cwd=d,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    total = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.exit(f"{example} seed {seed} k={staleness} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (d / "run/metrics.jsonl").read_text().splitlines()]
-    its = [r for r in rows if r.get("phase") != "eval"]
-    evals = {r["eval"]: r["eval.reward_mean"] for r in rows if r.get("phase") == "eval"}
+def one_run(example: str, seed: int, staleness: int, iterations: int | None, logs: Path) -> dict:
+    changes: dict = {"train": {"max_staleness": staleness}}
+    if iterations is not None:
+        changes["run"] = {"iterations": iterations}
+    its: list[dict] = []
+    r = run_example(example, f"k{staleness}", seed, changes, log_dir=logs,
+                    inspect=lambda rows: its.extend(row for row in rows if row.get("phase") != "eval"))
+    if r.rc != 0:
+        sys.exit(f"{example} seed {seed} k={staleness} failed (exit {r.rc}); its log is in {logs}")
     wall = its[-1]["elapsed_s"]
-    collect = sum(r["collect_s"] for r in its)
-    update = sum(r["update_s"] + r["hotload_s"] for r in its)
-    shutil.rmtree(d)
-    return {"example": example, "seed": seed, "k": staleness, "iterations": len(its), "total_s": total,
+    collect = sum(row["collect_s"] for row in its)
+    update = sum(row["update_s"] + row["hotload_s"] for row in its)
+    return {"example": example, "seed": seed, "k": staleness, "iterations": len(its), "total_s": r.wall_s,
             "iteration_s": wall / len(its), "collect_s": collect / len(its), "update_s": update / len(its),
             "collect_busy": collect / wall, "update_busy": update / wall,
-            "staleness_mean": statistics.mean(r.get("train.staleness_mean", 0.0) for r in its),
-            "before": evals.get("untrained"), "after": evals.get("trained")}
+            "staleness_mean": statistics.mean(row.get("train.staleness_mean", 0.0) for row in its),
+            "before": r.eval_before, "after": r.eval_after}
 
 
 def main() -> None:
@@ -81,14 +51,15 @@ def main() -> None:
     args = ap.parse_args()
     print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
     results = []
-    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
-        for example in args.examples:
-            for i, seed in enumerate(args.seeds):
-                for k in ((0, 1) if i % 2 == 0 else (1, 0)):  # alternate which mode goes first
-                    r = one_run(example, seed, k, args.iterations, Path(tmp))
-                    r["load"] = os.getloadavg()[0]
-                    results.append(r)
-                    print(json.dumps(r), flush=True)
+    logs = Path(tempfile.mkdtemp(prefix="bench-pipeline-logs-"))  # each run's output, kept
+    print(f"run logs: {logs}", flush=True)
+    for example in args.examples:
+        for i, seed in enumerate(args.seeds):
+            for k in ((0, 1) if i % 2 == 0 else (1, 0)):  # alternate which mode goes first
+                r = one_run(example, seed, k, args.iterations, logs)
+                r["load"] = os.getloadavg()[0]
+                results.append(r)
+                print(json.dumps(r), flush=True)
     print("\n| example | seed | k | iteration s | collect s | update + hot-load s | collect busy | update busy "
           "| staleness | eval before | eval after | load |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
