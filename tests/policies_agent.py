@@ -25,4 +25,6 @@ async def solve(task: dict) -> list:
 
 @ls.reward
 def score(task: dict, answers: list) -> float:
-    return sum(a.strip() == task["answer"] for a in answers) / 2
+    # Plus a little for length, so a group's rewards differ (a tiny model rarely answers right): with all equal,
+    # the group carries no advantage and the adapters the tests look at would not move.
+    return sum(a.strip() == task["answer"] for a in answers) / 2 + sum(len(a) for a in answers) / 1000
