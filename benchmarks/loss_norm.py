@@ -7,7 +7,8 @@ Each run is a full `lightning run` of the example's own lightning.toml with only
 ('constant' also sets train.max_completion_length to the agent's max_tokens, Dr.GRPO's L). One run at a time; each
 finished run is appended to benchmarks/results/loss_norm.jsonl (a run already there is not repeated), then the
 markdown table: per example and norm, the held-out eval before and after training over seeds (mean ± sample std),
-the mean gain, the mean wall time of the whole run (both evals included) and the load averages seen.
+the mean gain, the mean wall time of the whole run (both evals included) and the load averages seen; then each
+norm against rollout, paired by example and seed.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def table(results: list[RunResult]) -> str:
              "(start..end) |", "|---|---|---|---|---|---|---|---|"]
     for example in MAX_TOKENS:
         for norm in NORMS:
-            rs = [r for r in results if r.example == example and r.label == norm and r.rc == 0]
+            rs = sorted((r for r in results if r.example == example and r.label == norm and r.rc == 0),
+                        key=lambda r: r.seed)
             if not rs:
                 continue
             loads = [float(r.load_before.split()[0]) for r in rs] + [float(r.load_after.split()[0]) for r in rs]
@@ -53,6 +55,20 @@ def table(results: list[RunResult]) -> str:
     failed = [r for r in results if r.rc != 0]
     if failed:
         lines.append("\nfailed: " + ", ".join(f"{r.example}/{r.label}/seed {r.seed} (exit {r.rc})" for r in failed))
+    return "\n".join(lines)
+
+
+def paired(results: list[RunResult]) -> str:
+    """Each norm's eval after training minus rollout's at the same example and seed (the same untrained model, the
+    same seeded eval), as mean ± standard error over the pairs: the comparison the seeds allow."""
+    after = {(r.example, r.label, r.seed): r.eval_after for r in results if r.rc == 0}
+    lines = []
+    for norm in NORMS[1:]:
+        d = [v - after[(ex, "rollout", seed)] for (ex, label, seed), v in after.items()
+             if label == norm and (ex, "rollout", seed) in after]
+        if len(d) > 1:
+            lines.append(f"{norm} - rollout, eval after, paired by example and seed: {statistics.mean(d):+.3f} ± "
+                         f"{statistics.stdev(d) / len(d) ** 0.5:.3f} (mean ± standard error over {len(d)} pairs)")
     return "\n".join(lines)
 
 
@@ -76,6 +92,7 @@ def main() -> None:
                     print(f"{example} {norm} seed {seed}: eval {r.eval_before:.3f} -> {r.eval_after:.3f}, "
                           f"{r.wall_s:.0f} s, load {r.load_before} .. {r.load_after}, exit {r.rc}", flush=True)
     print(table(read(RESULTS)))
+    print(paired(read(RESULTS)))
 
 
 if __name__ == "__main__":
