@@ -12,7 +12,9 @@
 2. The gateway. The real gateway in front of the real built-in server; the same calls inside rollouts, in phases
    that alternate recording on (records written to a SQLite store by the gateway's writer thread) and off.
    Printed: wall time per call both ways, `gateway_ratio=<wall per call, recording off / on>`, and the writer's
-   CPU per record (`Call.record` and the store write, timed on the recorded calls afterwards: `record_us`).
+   CPU per record (`Call.record` and the store write, timed on the recorded calls afterwards: `record_us`). A third
+   phase calls the server directly, one call at a time as a sequential agent does: `hop_ms=<median wall per call
+   through the gateway (recording on) - straight to the server>` is the hop's latency.
 """
 
 import argparse
@@ -121,13 +123,15 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
     client = openai.OpenAI(base_url=gateway.base_url, api_key="bench", max_retries=0)
     ask = in_rollout(lambda: client.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES, max_tokens=4),
                      gateway)
+    straight = openai.OpenAI(base_url=server.base_url, api_key=server.api_key or "none", max_retries=0)
+    ask_server = lambda: straight.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4)  # noqa
     per_phase = max(1, args.calls // args.phases)
-    rounds(args.warmup, ask, ask)
-    gw: dict[str, list[float]] = {"on": [], "off": []}
-    for phase in range(args.phases * 2):
-        mode = "on" if phase % 2 == 0 else "off"
+    rounds(args.warmup, ask, ask_server)
+    gw: dict[str, list[float]] = {"on": [], "off": [], "direct": []}
+    for phase in range(args.phases * 3):
+        mode = ("on", "off", "direct")[phase % 3]
         gateway.capture.record_to(store if mode == "on" else None)
-        gw[mode] += [timed(ask)[1] for _ in range(per_phase)]
+        gw[mode] += [timed(ask_server if mode == "direct" else ask)[1] for _ in range(per_phase)]
     gateway.capture.record_to(store)
     assert gateway.capture.flush()
     # a reply as the backend sends it to the gateway, for the writer's part below
@@ -156,6 +160,10 @@ store.close()
 on, off = statistics.mean(gw["on"]) * 1e6, statistics.mean(gw["off"]) * 1e6
 print(f"gateway, recording on : {on:8.1f} us wall per call (median {statistics.median(gw['on']) * 1e6:.1f})")
 print(f"gateway, recording off: {off:8.1f} us wall per call (median {statistics.median(gw['off']) * 1e6:.1f})")
+print(f"server, direct         : {statistics.mean(gw['direct']) * 1e6:8.1f} us wall per call (median "
+      f"{statistics.median(gw['direct']) * 1e6:.1f})")
+print(f"hop_ms={(statistics.median(gw['on']) - statistics.median(gw['direct'])) * 1e3:.2f}  (median wall per call, "
+      f"through the gateway recording - straight to the server)")
 print(f"record_us={record_us:.1f}  (the gateway writer's CPU per record: Call.record + the batched store write)")
 print(f"gateway_ratio={off / on:.3f}  (wall per call through the gateway, recording off / on)")
 print(f"agent_us={cpu['traced'] - cpu['untraced']:.1f}  (calling-thread CPU per call, in a rollout - outside one)")

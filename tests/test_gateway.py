@@ -5,6 +5,7 @@ trained, every response carries token ids, the least-loaded backend takes each r
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -87,6 +88,39 @@ def test_the_gateway_records_each_call_and_the_agent_gets_only_what_it_asked_for
         t["token"] for t in asked["choices"][0]["logprobs"]["content"]]
     gateway.capture.record_to(None)
     store.close()
+
+
+def accepted_socket_of(client_address: tuple) -> socket.socket:
+    """This process's server-side end of the connection whose client end is at `client_address` (the gateway runs
+    in this process): found among the open descriptors, duplicated so closing it leaves the gateway's alone."""
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.getpeername() == client_address:
+                return s
+        except OSError:
+            pass
+        s.close()
+    raise AssertionError(f"no server-side socket for {client_address}")
+
+
+def test_replies_on_a_kept_alive_connection_are_not_held_back_by_nagle(gateway):
+    """Without TCP_NODELAY on the gateway's side, its reply (headers and body: two writes) waited for the client's
+    delayed ACK on every request after a connection's first: ~40 ms a call."""
+    host, port = gateway.url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as ours:
+        for _ in range(2):  # the second request on the same connection
+            ours.sendall(request)
+            reply = b""
+            while not reply.endswith(b"}"):  # {"status":"ok"}
+                reply += ours.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 200")
+        with accepted_socket_of(ours.getsockname()) as theirs:
+            assert theirs.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 
 def test_model_names_restricts_what_is_served(server):

@@ -19,7 +19,9 @@ from lightning_sdk.gateway.guard import connection_cap, guarded_protocol
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket on host:port (0: any free port), bound now; OSError if it cannot be."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto named: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP (accepted ones inherit it);
+    # without it a keep-alive connection's reply waits for the client's delayed ACK (~40 ms a request).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
