@@ -108,9 +108,11 @@ def evals(rows: list[dict]) -> tuple[float, float]:
 
 
 def run_example(example: str, label: str, seed: int, changes: dict, *, config: str = "lightning.toml",
-                log_dir: Path | None = None, inspect: Callable[[list[dict]], None] | None = None) -> RunResult:
-    """`lightning run` in cookbook/<example> (or the repo root for 'arith') with `changes` merged into its config.
-    `inspect` gets the run's metrics.jsonl rows (a run that succeeded) before its directory is removed."""
+                log_dir: Path | None = None, inspect: Callable[[list[dict]], None] | None = None,
+                env: dict[str, str] | None = None) -> RunResult:
+    """`lightning run` in cookbook/<example> (or the repo root for 'arith') with `changes` merged into its config
+    and `env` into its environment. `inspect` gets the run's metrics.jsonl rows (a run that succeeded) before its
+    directory is removed."""
     folder = ROOT if example == "arith" else ROOT / "cookbook" / example
     base = tomllib.loads((folder / config).read_text())
     cfg = merged(base, {**changes, "run": {**changes.get("run", {}), "seed": seed}})
@@ -122,7 +124,8 @@ def run_example(example: str, label: str, seed: int, changes: dict, *, config: s
     load0, t0 = load_avg(), time.perf_counter()
     try:
         proc = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "run", "-c", cfg_path, "--run-dir",
-                                 str(run_dir / "run")], cwd=folder, stdout=log, stderr=subprocess.STDOUT)
+                                 str(run_dir / "run")], cwd=folder, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
         peak = [0]
 
         def sample() -> None:  # twice a second: the server child lives only while the run does

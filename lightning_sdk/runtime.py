@@ -39,7 +39,7 @@ from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.servers import ServerError, SleepableServer
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.process import new_api_key
-from lightning_sdk.servers.select import pipelined_cpu_threads, resolved_backend
+from lightning_sdk.servers.select import cpu_threads, resolved_backend
 from lightning_sdk.store import Store, eval_score, seal
 from lightning_sdk.summary import iteration_table
 from lightning_sdk.train.checkpoint import (CHECKPOINTS, TRAINER, RunState, adapter_dir, latest_checkpoint,
@@ -164,8 +164,8 @@ class Runtime:
                            f"{cfg.run.dir}; starting the model server and the agent", highlight=False, soft_wrap=True,
                            markup=False)
         from lightning_sdk.train.trainer import GRPOTrainer
-        split = pipelined_cpu_threads(cfg)
-        if split is not None:  # the trainer's share of the cores; the server takes the rest
+        split = cpu_threads(cfg)
+        if split is not None and split[1] is not None:  # the trainer's share of the cores; the server has the rest
             import torch
 
             stack.callback(torch.set_num_threads, torch.get_num_threads())

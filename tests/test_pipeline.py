@@ -17,6 +17,7 @@ from lightning_sdk import config
 from lightning_sdk.errors import SetupError
 from lightning_sdk.pipeline import UpdateThread, split_stale
 from lightning_sdk.runtime import Runtime
+from lightning_sdk.servers.select import cpu_threads, make_server
 from lightning_sdk.transitions import Transition
 from tests.test_e2e import _kill9, _query, _start, _wait_for, arith_project, lightning
 from tests.test_runtime_faults import make_project, metrics, task
@@ -76,6 +77,25 @@ def test_staleness_needs_the_importance_weight_and_vllm_awake(tmp_path):
                                          r"set serve.sleep_level = 0"):
         Runtime(cfg, console=Console(file=io.StringIO())).run()
     assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_the_cpu_is_shared_out_between_the_server_and_the_trainer(tmp_path, monkeypatch):
+    """Alternating: the built-in server leaves a core to the agents and the gateway, the trainer (alone while it
+    runs) keeps torch's default; pipelined: the cores split; OMP_NUM_THREADS, when set, decides for both."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    rows = [task(1, 2)] * 4
+    for d in "apv":
+        (tmp_path / d).mkdir()
+    alternating = make_project(tmp_path / "a", rows)
+    pipelined = make_project(tmp_path / "p", rows, train="max_staleness = 1")
+    assert cpu_threads(alternating) == (max(1, cores - 1), None)
+    assert cpu_threads(pipelined) == (cores - cores // 2, max(1, cores // 2))
+    assert make_server(alternating, "builtin:tiny-arith", tmp_path / "s.log").threads == max(1, cores - 1)
+    assert cpu_threads(make_project(tmp_path / "v", rows, serve='backend = "vllm"')) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cpu_threads(alternating) is None and cpu_threads(pipelined) is None
+    assert make_server(alternating, "builtin:tiny-arith", tmp_path / "s.log").threads is None
 
 
 def _calls(db, iteration: int) -> list[str]:

@@ -49,16 +49,21 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
         api_key=api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
         dtype=cfg.model.dtype, quantization=cfg.model.quantization, startup_timeout=cfg.serve.startup_timeout,
         log_path=log_path, seed=server_seed(cfg), device=cfg.serve.device,
-        threads=split[0] if (split := pipelined_cpu_threads(cfg)) else None,
+        threads=split[0] if (split := cpu_threads(cfg)) else None,
     )
 
 
-def pipelined_cpu_threads(cfg: Config) -> tuple[int, int] | None:
-    """(server, trainer) torch threads when a pipelined run (train.max_staleness >= 1) serves and trains on this
-    machine's CPU at once: the cores are split between them, since two pools each spinning on every core slow
-    both down several times over. None otherwise (each takes torch's default)."""
-    if not cfg.train.max_staleness or cfg.serve.device != "cpu" or resolved_backend(cfg) != "cpu" \
-            or cfg.train.device not in ("cpu", "auto") or cfg.run.runtime == "ray":
+def cpu_threads(cfg: Config) -> tuple[int, int | None] | None:
+    """(server, trainer) torch threads when the built-in server and the trainer share this machine's CPU; None
+    when they do not, or when OMP_NUM_THREADS says how many (torch follows it in both processes).
+
+    Two pools on the same cores slow each other down several times over (each op waits at a barrier for threads
+    the other pool keeps off a core), so they never get the same cores at the same time. Alternating
+    (train.max_staleness = 0): the trainer runs alone and keeps torch's default (every core); the server leaves
+    one core to the agents and the gateway, which run beside it. Pipelined: serving and training run at once, and
+    the cores are split between them."""
+    if cfg.serve.device != "cpu" or resolved_backend(cfg) != "cpu" or cfg.train.device not in ("cpu", "auto") \
+            or cfg.run.runtime == "ray" or os.environ.get("OMP_NUM_THREADS"):
         return None
     if cfg.train.device == "auto":
         import torch
@@ -66,6 +71,8 @@ def pipelined_cpu_threads(cfg: Config) -> tuple[int, int] | None:
         if torch.cuda.is_available() or torch.backends.mps.is_available():
             return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not cfg.train.max_staleness:
+        return max(1, cores - 1), None
     return max(1, cores - cores // 2), max(1, cores // 2)
 
 
