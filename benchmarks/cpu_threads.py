@@ -17,12 +17,12 @@ run's wall time, and `ratio=<iteration time, default / every core>`.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
 
 from cookbook_run import run_example
+from lightning_sdk.servers.select import usable_cores
 
 SPIN = "while True: pass"
 
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--busy", type=int, nargs="+", default=[0, 3], help="busy processes beside the run")
     args = ap.parse_args()
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     settings = {"every core": {"OMP_NUM_THREADS": str(cores)}, "default": {}, "one": {"OMP_NUM_THREADS": "1"}}
     print(f"{args.example}, {args.iterations} iterations, {cores} cores")
     for busy in args.busy:

@@ -17,7 +17,7 @@ from lightning_sdk import config
 from lightning_sdk.errors import SetupError
 from lightning_sdk.pipeline import UpdateThread, split_stale
 from lightning_sdk.runtime import Runtime
-from lightning_sdk.servers.select import cpu_threads, make_server
+from lightning_sdk.servers.select import cpu_threads, make_server, usable_cores
 from lightning_sdk.transitions import Transition
 from tests.test_e2e import _kill9, _query, _start, _wait_for, arith_project, lightning
 from tests.test_runtime_faults import make_project, metrics, task
@@ -83,7 +83,7 @@ def test_the_cpu_is_shared_out_between_the_server_and_the_trainer(tmp_path, monk
     """Alternating: the built-in server leaves a core to the agents and the gateway, the trainer (alone while it
     runs) keeps torch's default; pipelined: the cores split; OMP_NUM_THREADS, when set, decides for both."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     rows = [task(1, 2)] * 4
     for d in "apv":
         (tmp_path / d).mkdir()

@@ -70,10 +70,15 @@ def cpu_threads(cfg: Config) -> tuple[int, int | None] | None:
 
         if torch.cuda.is_available() or torch.backends.mps.is_available():
             return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     if not cfg.train.max_staleness:
         return max(1, cores - 1), None
     return max(1, cores - cores // 2), max(1, cores // 2)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the OS says; else every core)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def resolved_backend(cfg: Config) -> str:
