@@ -140,7 +140,7 @@ def run_example(example: str, label: str, seed: int, changes: dict, *, config: s
     finally:
         os.unlink(cfg_path)
     rows = metrics_rows(run_dir / "run" / "metrics.jsonl") if rc == 0 else []
-    before, after = evals(rows) if rc == 0 else (float("nan"), float("nan"))
+    before, after = evals(rows)  # nan, nan for a failed run: it has no rows
     if inspect is not None and rc == 0:
         inspect(rows)
     shutil.rmtree(run_dir, ignore_errors=True)  # store.sqlite and checkpoints: tens of MB a run
