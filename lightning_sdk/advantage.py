@@ -74,6 +74,55 @@ def group_outcomes(outcomes: Sequence[float], group_ids: Sequence[str], rollout_
     return {g: (rids, [per[r] for r in rids]) for g, rids in members.items()}
 
 
+def zero_variance_groups(outcomes: Sequence[float], group_ids: Sequence[str], rollout_ids: Sequence[str],
+                         scored: GroupOutcomes | None = None) -> set[str]:
+    """Groups of two or more rollouts whose episode rewards are all equal: they carry no GRPO signal."""
+    return {g for g, (rids, x) in group_outcomes([float(v) for v in outcomes], group_ids, rollout_ids, scored).items()
+            if len(rids) > 1 and max(x) == min(x)}
+
+
+def single_rollout_groups(group_ids: Sequence[str], rollout_ids: Sequence[str],
+                          scored: GroupOutcomes | None = None) -> set[str]:
+    """Groups with one scored rollout (with `scored`; else one rollout among the transitions): no baseline."""
+    seen: dict[str, set[str]] = defaultdict(set)
+    for g, rid in zip(group_ids, rollout_ids):
+        seen[g].add(rid)
+    return {g for g, rids in seen.items() if len(scored[g] if scored is not None and g in scored else rids) < 2}
+
+
+@dataclass(frozen=True)
+class BatchAdvantages:
+    """What an update trains: which transitions of the batch, and each one's advantage."""
+
+    kept: list[int]  # indices into the batch: groups with a baseline (and a signal, when dropping all-equal ones)
+    advantages: list[Advantage]  # one per kept transition
+    zero_variance_frac: float  # of the groups with a baseline, those whose outcomes are all equal
+    dropped: set[str]  # the groups left out: one scored rollout, or all-equal under drop_zero_variance
+
+
+def batch_advantages(outcomes: Sequence[float], group_ids: Sequence[str], rollout_ids: Sequence[str],
+                     scale: str = "group", *, credit: Sequence[float] | None = None,
+                     shaping: Sequence[float] | None = None, scored: GroupOutcomes | None = None,
+                     drop_zero_variance: bool = False) -> BatchAdvantages:
+    """The trainer's advantages for one batch (GRPOTrainer and the dashboard both call this): groups with one
+    rollout are left out, then, with `drop_zero_variance` (train.drop_zero_variance_groups), the groups whose
+    outcomes are all equal, before the advantages (and with scale "batch" the batch's std) are computed."""
+    n = len(group_ids)
+    single = single_rollout_groups(group_ids, rollout_ids, scored)
+    kept = [i for i in range(n) if group_ids[i] not in single]
+
+    def pick(v: Sequence[float] | None) -> list[float] | None:
+        return None if v is None else [float(v[i]) for i in kept]
+
+    zero = zero_variance_groups(pick(outcomes), [group_ids[i] for i in kept], [rollout_ids[i] for i in kept], scored)
+    frac = len(zero) / len({group_ids[i] for i in kept}) if kept else 0.0
+    dropped = single | (zero if drop_zero_variance else set())
+    kept = [i for i in kept if group_ids[i] not in dropped]
+    explained = explain_advantages(pick(outcomes), [group_ids[i] for i in kept], [rollout_ids[i] for i in kept],
+                                   scale, credit=pick(credit), shaping=pick(shaping), scored=scored) if kept else []
+    return BatchAdvantages(kept, explained, frac, dropped)
+
+
 def explain_advantages(
     outcomes: Sequence[float],
     group_ids: Sequence[str],
@@ -157,5 +206,5 @@ def group_advantages(outcomes: Sequence[float], group_ids: Sequence[str], rollou
                                                 shaping=shaping, scored=scored)]
 
 
-__all__ = ["Advantage", "GroupOutcomes", "SCALES", "STD_EPS", "explain_advantages", "group_advantages",
-           "group_outcomes"]
+__all__ = ["Advantage", "BatchAdvantages", "GroupOutcomes", "SCALES", "STD_EPS", "batch_advantages",
+           "explain_advantages", "group_advantages", "group_outcomes", "single_rollout_groups", "zero_variance_groups"]

@@ -321,7 +321,8 @@ def dashboard(run_dir: Path | None, config_path: Path | None, host: str, port: i
         r = cfg.rollout
         trained = [c for p in config_mod.policies(cfg) for c in p.components]  # every policy's, as the runtime's
         settings = CreditSettings(rule=r.credit, components=tuple(trained), error_reward=r.error_reward,
-                                  scale=cfg.train.scale_rewards, failed_reward=r.failed_reward, source=str(config_path))
+                                  scale=cfg.train.scale_rewards, failed_reward=r.failed_reward,
+                                  drop_zero_variance=cfg.train.drop_zero_variance_groups, source=str(config_path))
         run_dir = run_dir or Path(cfg.run.dir).parent
     run_dir = run_dir or Path("runs")
     if not run_dir.is_dir():

@@ -56,7 +56,7 @@ class Receiver:
                     for ss in rs.scope_spans:
                         for s in ss.spans:
                             receiver.spans.append({"name": s.name, "span_id": s.span_id.hex(),
-                                                   "trace_id": s.trace_id.hex(),
+                                                   "trace_id": s.trace_id.hex(), "parent_id": s.parent_span_id.hex(),
                                                    "attributes": {a.key: _value(a.value) for a in s.attributes}})
                 out = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
@@ -87,8 +87,8 @@ def receiver():
 
 
 def test_rollout_spans_go_to_an_otlp_receiver_with_their_rollout_ids(gateway_server, tmp_path, receiver):
-    """The gateway's record of each call, the OpenAI client's own span of it, and the reward: all in the rollout's
-    trace, at the collector as in the store."""
+    """The rollout's own span (the root), the gateway's record of each call (once: the OpenAI client's own span
+    would repeat it) and the reward: one tree per rollout at the collector, the same spans as in the store."""
     store = Store(tmp_path / "store.sqlite")
     gw = gateway_server
     tracing.install(store, gateway_url=gw.base_url, otlp_endpoint=receiver.url)
@@ -133,16 +133,18 @@ def test_rollout_spans_go_to_an_otlp_receiver_with_their_rollout_ids(gateway_ser
     assert set(got) == {j.rollout_id for j in jobs}  # nothing outside a rollout, every rollout there
     for j in jobs:
         stored = {s.span_id for s in store.spans(j.rollout_id)}
-        assert {s["span_id"] for s in got[j.rollout_id]} == stored and len(stored) == 3
+        (root,) = [s for s in got[j.rollout_id] if not s["parent_id"]]  # the rollout's own span, never stored
+        assert {s["span_id"] for s in got[j.rollout_id]} == stored | {root["span_id"]} and len(stored) == 2
         (record,) = [s for s in got[j.rollout_id] if "lightning.llm.policy" in s["attributes"]]
-        (client,) = [s for s in got[j.rollout_id] if s["name"] != REWARD_SPAN and s is not record]
         (reward,) = [s for s in got[j.rollout_id] if s["name"] == REWARD_SPAN]
         a = record["attributes"]
-        # gen_ai semantic conventions: span "chat <model>", gen_ai.* attributes; the client's own span named alike
-        assert record["name"] == client["name"] == f"chat {SERVED}" and a["gen_ai.operation.name"] == "chat"
+        # gen_ai semantic conventions: span "chat <model>", gen_ai.* attributes; the call is there once
+        assert record["name"] == f"chat {SERVED}" and a["gen_ai.operation.name"] == "chat"
         assert a["gen_ai.request.model"] == SERVED and a["gen_ai.usage.output_tokens"] == len(a[COMPLETION_IDS])
         assert a["lightning.rollout.attempt"] == 2 and a["lightning.component"] == "solver"
-        assert record["trace_id"] == j.trace_id == reward["trace_id"]  # one trace per rollout
+        assert record["trace_id"] == j.trace_id == reward["trace_id"] == root["trace_id"]  # one trace per rollout
+        assert record["parent_id"] == reward["parent_id"] == root["span_id"]
+        assert root["attributes"]["lightning.reward.value"] == 1.0 and root["attributes"]["lightning.task.id"] == j.task_id
         (kept,) = [s for s in store.spans(j.rollout_id) if s.span_id == record["span_id"]]
         assert a[COMPLETION_IDS] == kept.attributes[COMPLETION_IDS] and len(a[COMPLETION_IDS]) >= 1
         assert kept.source == "gateway" and reward["attributes"][REWARD_VALUE] == 0.25
@@ -213,13 +215,17 @@ concurrency = 4
     assert len(rollouts) == 4 + 2 + 2  # train, eval before, eval after
     stored = {r.rollout_id: {s.span_id for s in store.spans(r.rollout_id)} for r in rollouts}
     assert all(stored.values())
-    # The application's own provider received every span the run stored (before this, it received none)...
+    # The OTLP collector received every span the run stored and each rollout's own span, the root of its trace
+    # (the exporter's last batch is sent when the process exits)...
+    roots = {k: {s["span_id"] for s in v if not s["parent_id"]} for k, v in receiver.by_rollout().items()}
+    assert set(roots) == set(stored) and all(len(r) == 1 for r in roots.values())
+    exported = {k: ids | roots[k] for k, ids in stored.items()}
+    assert {k: {s["span_id"] for s in v} for k, v in receiver.by_rollout().items()} == exported
+    # ...and so did the application's own provider (before this, it received none).
     app: dict[str, set[str]] = {}
     for s in out["app_spans"]:
         app.setdefault(s["rollout"], set()).add(s["span_id"])
-    assert app == stored
-    # ...and so did the OTLP collector (the exporter's last batch is sent when the process exits).
-    assert {k: {s["span_id"] for s in v} for k, v in receiver.by_rollout().items()} == stored
+    assert app == exported
 
     # The eval scores, before and after, in every sink.
     baseline, final = out["baseline"], out["final"]

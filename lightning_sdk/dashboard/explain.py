@@ -1,5 +1,5 @@
 """How a training rollout's calls got their advantages, for the dashboard: the trainer's own steps
-(transitions.to_transitions, then advantage.explain_advantages over the rollout's group) replayed over the store.
+(transitions.to_transitions, then advantage.batch_advantages, the trainer's computation) replayed over the store.
 
 The trainer computes advantages over a whole iteration; with train.scale_rewards "group" or "none" a call's
 advantage depends on its group alone, so only the group is read; with "batch" the whole iteration is.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_sdk.advantage import Advantage, explain_advantages
+from lightning_sdk.advantage import Advantage, batch_advantages
 from lightning_sdk.credit import CreditRule
 from lightning_sdk.errors import CaptureError
 from lightning_sdk.store import RolloutRecord, Store
@@ -30,6 +30,7 @@ class Scoring:
     error_reward: float
     scale: str
     failed_reward: float | None = None  # rollout.failed_reward
+    drop_zero_variance: bool = False  # train.drop_zero_variance_groups
 
 
 @dataclass
@@ -69,9 +70,14 @@ def explain(store: Store, record: RolloutRecord, s: Scoring) -> Explained:
         scored.setdefault(r.group_id, {})[r.rollout_id] = float(r.reward)
     if not any(t.rollout_id == record.rollout_id for t in ts):
         return Explained({}, group, {}, "no trainable LLM call (greedy, failed or of a component not trained)")
-    explained = explain_advantages([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts],
-                                   s.scale, credit=[t.credit for t in ts], shaping=[t.shaping for t in ts],
-                                   scored=scored)
+    b = batch_advantages([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts], s.scale,
+                         credit=[t.credit for t in ts], shaping=[t.shaping for t in ts], scored=scored,
+                         drop_zero_variance=s.drop_zero_variance)
+    if record.group_id in b.dropped:
+        why = ("its group has one scored rollout: no baseline" if len(scored.get(record.group_id, {})) < 2 else
+               "its group's rewards are all equal and train.drop_zero_variance_groups leaves such groups out")
+        return Explained({}, group, {}, f"not trained on: {why}")
+    ts, explained = [ts[i] for i in b.kept], b.advantages
     per_rollout = {t.rollout_id: a.rollout_advantage for t, a in zip(ts, explained)}
     mine = {t.span_id: a for t, a in zip(ts, explained) if t.rollout_id == record.rollout_id}
     note = f"{len(mine)} LLM call{'' if len(mine) == 1 else 's'} trained"

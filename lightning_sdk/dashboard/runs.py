@@ -52,6 +52,7 @@ class CreditSettings:
     error_reward: float = -1.0
     scale: str = "group"  # train.scale_rewards
     failed_reward: float | None = None  # rollout.failed_reward
+    drop_zero_variance: bool = False  # train.drop_zero_variance_groups
     source: str = "the defaults (no config.json in the run, no lightning.toml beside it, no --config)"
 
 
@@ -122,10 +123,12 @@ class RunReader:
                 settings = CreditSettings(rule=name, components=tuple(components),
                                           error_reward=float(r.get("error_reward", -1.0)),
                                           scale=str(train.get("scale_rewards", "group")),
-                                          failed_reward=None if failed is None else float(failed), source=str(source))
+                                          failed_reward=None if failed is None else float(failed),
+                                          drop_zero_variance=bool(train.get("drop_zero_variance_groups", False)),
+                                          source=str(source))
                 rule = credit_mod.resolve(name) if name in credit_mod.BUILTIN else self._rule
         return settings, Scoring(rule, settings.rule, settings.components, settings.error_reward, settings.scale,
-                                 settings.failed_reward)
+                                 settings.failed_reward, settings.drop_zero_variance)
 
     def run_dir(self, run_id: str) -> Path:
         path = (self.root / run_id).resolve()

@@ -13,13 +13,17 @@ import asyncio
 import contextvars
 import copy
 import inspect
+import json
 import threading
+import time
 import traceback
 from typing import Any, Callable, Protocol
 
 from lightning_sdk.agent import LLM, RewardError, reward_value, rollout_args
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
-from lightning_sdk.tracing.context import rollout_context
+from lightning_sdk.tracing.context import RolloutContext, rollout_context
+from lightning_sdk.tracing.instrument import export_rollout
+from lightning_sdk.tracing.records import GROUP_ID, ITERATION, PHASE, REWARD_VALUE, ROLLOUT_STATUS, TASK_ID
 
 
 class RolloutSink(Protocol):
@@ -106,9 +110,9 @@ async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Calla
     it; the rollout's row goes to `store`."""
     store.start_rollout(job.rollout_id, task_id=job.task_id, group_id=job.group_id, iteration=job.iteration,
                         phase=job.phase, attempt=job.attempt, model=llm.model)
-    output, stage = None, "rollout"
+    output, stage, ctx, start_ns = None, "rollout", None, time.time_ns()
     try:
-        with rollout_context(job.rollout_id, job.attempt, trace_id=job.trace_id, claim=claim):
+        with rollout_context(job.rollout_id, job.attempt, trace_id=job.trace_id, claim=claim) as ctx:
             # its own copy of the task: an agent that edits it must not change it for the rest of its group
             args = rollout_args(rollout_fn, copy.deepcopy(job.task), llm)
             try:
@@ -128,6 +132,25 @@ async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Calla
             error = f"@reward raised {error} for rollout {job.rollout_id}"
         store.finish_rollout(job.rollout_id, status="failed", output=output, error=error,
                              traceback=traceback.format_exc())
-        return RolloutResult(job, "failed", None, output, error, failed_in=stage)
+        return _exported(RolloutResult(job, "failed", None, output, error, failed_in=stage), ctx, rollout_fn, start_ns)
     store.finish_rollout(job.rollout_id, status="succeeded", output=output, reward=value)
-    return RolloutResult(job, "succeeded", value, output)
+    return _exported(RolloutResult(job, "succeeded", value, output), ctx, rollout_fn, start_ns)
+
+
+def _exported(result: RolloutResult, ctx: RolloutContext | None, rollout_fn: Callable, start_ns: int) -> RolloutResult:
+    """The rollout's own span, the root of its trace, to the user's tools (when a collector is set): the agent
+    invoked on the task, with the reward and status it ended with (gen_ai's `invoke_agent` operation)."""
+    if ctx is None:
+        return result
+    job, agent = result.job, getattr(rollout_fn, "__name__", "rollout")
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": agent, TASK_ID: job.task_id,
+        GROUP_ID: job.group_id, ITERATION: job.iteration, PHASE: job.phase, ROLLOUT_STATUS: result.status,
+        "input.value": json.dumps(job.task, default=str), "input.mime_type": "application/json",
+        "output.value": result.output if isinstance(result.output, str) else json.dumps(result.output, default=str),
+    }
+    if result.reward is not None:
+        attributes[REWARD_VALUE] = result.reward
+    export_rollout(ctx, name=f"invoke_agent {agent}", attributes=attributes, start_ns=start_ns,
+                   end_ns=time.time_ns(), error=result.error)
+    return result

@@ -41,6 +41,7 @@ class RolloutContext:
     trace_id: str | None = None  # 32 hex digits, given by the runtime; None: one of our own
     claim: str | None = None  # a remote worker's claim secret, stamped on its spans
     last_call: str | None = None  # the latest LLM call (the gateway's record id) whose reply the agent saw
+    span_id: str = ""  # 16 hex digits: the rollout's own span, the root of its trace (instrument.export_rollout)
 
     def saw_call(self, call_id: str) -> None:
         self.last_call = call_id
@@ -56,8 +57,11 @@ def rollout_context(rollout_id: str, attempt: int = 1, *, trace_id: str | None =
                     claim: str | None = None) -> Iterator[RolloutContext]:
     """Everything inside belongs to this rollout (the runtime wraps each episode in one): spans, and LLM calls
     toward the gateway, which know it by `trace_id`."""
-    ctx = RolloutContext(rollout_id, attempt, trace_id or secrets.token_hex(16), claim)
-    span = NonRecordingSpan(SpanContext(int(ctx.trace_id, 16), secrets.randbits(64) or 1, is_remote=False,
+    ctx = RolloutContext(rollout_id, attempt, trace_id or secrets.token_hex(16), claim,
+                         span_id=format(secrets.randbits(64) or 1, "016x"))
+    # The rollout's span is current while the agent runs, so its calls and spans name it as their parent; it is
+    # exported (with the reward) once the rollout is scored.
+    span = NonRecordingSpan(SpanContext(int(ctx.trace_id, 16), int(ctx.span_id, 16), is_remote=False,
                                         trace_flags=TraceFlags(TraceFlags.SAMPLED)))
     # The baggage entry keeps the rollout known to the gateway under a framework's span that starts a new trace.
     otel_token = otel_context.attach(baggage.set_baggage(ROLLOUT_KEY, ctx.trace_id,

@@ -1,12 +1,14 @@
 """Where a run's spans go besides the store: an OTLP/HTTP collector, and the application's own TracerProvider.
 
-Both are fed from the span writer thread with finished spans, so neither costs the agent's thread anything; the OTLP exporter sits behind OpenTelemetry's BatchSpanProcessor
-(its own thread, batching, retries). Exported LLM-call spans are named by the gen_ai semantic conventions
-(`chat <model>`) and carry the rollout id, attempt, component and (reward spans) reward as attributes.
+Both are fed from the span writer thread with finished spans, so neither costs the agent's thread anything; the
+OTLP exporter sits behind OpenTelemetry's BatchSpanProcessor (its own thread, batching, retries). A rollout is one
+trace: its root is the rollout's own span (`invoke_agent <agent>`, with task, reward and status), beneath it each
+LLM call once, as the gateway recorded it (`chat <model>`, gen_ai input and output messages), and the agent's spans.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any, Sequence
@@ -15,6 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from lightning_sdk.compat import span_processors
+from lightning_sdk.tracing.records import messages
 
 # What OTLPSpanExporter itself reads when no endpoint is given.
 ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -37,17 +40,27 @@ def otlp_processor(endpoint: str | None) -> BatchSpanProcessor | None:
     return BatchSpanProcessor(exporter)
 
 
+def _text(message: dict[str, Any]) -> str:
+    return "".join(str(p.get("content", "")) for p in message.get("parts") or () if p.get("type") == "text")
+
+
 def gen_ai_view(span: ReadableSpan) -> ExportedSpan:
-    """The span as exported: an LLM call is named `{gen_ai.operation.name} {gen_ai.request.model}` (the gen_ai
-    semantic conventions; the instrumentor names it `openai.chat`)."""
-    attrs = span.attributes or {}
-    name = span.name
-    operation, model = attrs.get("gen_ai.operation.name"), attrs.get("gen_ai.request.model")
-    if operation and name.startswith("openai."):
-        name = f"{operation} {model}" if model else str(operation)
+    """The span as exported. An LLM call (the gateway's record) keeps its gen_ai attributes, input and output
+    messages included, and also says them as plain text in `input.value` / `output.value`: the attributes that
+    Phoenix and Langfuse put in their input and output columns (Phoenix fills `output.value` from the response id
+    and model otherwise)."""
+    attrs = dict(span.attributes or {})
+    if "gen_ai.input.messages" in attrs and "input.value" not in attrs:
+        inputs = messages(attrs, "input")
+        attrs["input.value"] = _text(inputs[-1]) if inputs else ""
+        attrs["input.mime_type"] = "text/plain"
+        outputs = messages(attrs, "output")
+        if outputs:
+            attrs["output.value"] = _text(outputs[0]) or json.dumps(outputs[0].get("parts", []))
+            attrs["output.mime_type"] = "text/plain"
     return ExportedSpan(
-        name=name, context=span.get_span_context(), parent=span.parent, resource=span.resource,
-        attributes=dict(attrs), events=span.events, links=span.links, kind=span.kind, status=span.status,
+        name=span.name, context=span.get_span_context(), parent=span.parent, resource=span.resource,
+        attributes=attrs, events=span.events, links=span.links, kind=span.kind, status=span.status,
         start_time=span.start_time, end_time=span.end_time, instrumentation_scope=span.instrumentation_scope)
 
 

@@ -2,20 +2,20 @@
 
 What the gateway needs to make each call's training record is only the rollout's context on the request
 (`propagation`). Spans are for the rest: tools, framework steps and rewards, which agent frameworks record through
-the global provider (`_adopt_global`), go to the store. When the run's spans also go to the user's own tools (an
-OTLP collector, the application's provider), the OpenAI client is instrumented too, through the instrumentor's
-public `instrument()`, so the user sees the client's gen_ai spans beside the gateway's records.
+the global provider (`_adopt_global`), go to the store. The user's own tools (an OTLP collector, the application's
+provider) get one trace per rollout: its root (`export_rollout`, made when the rollout is scored), the gateway's
+record of each LLM call and the agent's spans beneath it. The OpenAI client is not instrumented: its spans would
+repeat each call the gateway records.
 """
 
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import random
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
@@ -24,10 +24,9 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from lightning_sdk.tracing import context, export, propagation
-from lightning_sdk.tracing.records import SpanRecord, SpanSink, to_span
+from lightning_sdk.tracing.context import RolloutContext
+from lightning_sdk.tracing.records import ATTEMPT, ROLLOUT_ID, TRACER_NAME, SpanRecord, SpanSink, to_span
 from lightning_sdk.tracing.writer import StoreSpanProcessor
-
-log = logging.getLogger("lightning_sdk")
 
 
 def install(sink: SpanSink, *, gateway_url: str | None = None, otlp_endpoint: str | None = None,
@@ -58,10 +57,6 @@ def install(sink: SpanSink, *, gateway_url: str | None = None, otlp_endpoint: st
                                                                          otlp_endpoint, outlets))
         _state.forward.target = processor
         _state.processor = processor
-        # The OpenAI client's own spans are for the user's tools: kept only while spans go to them.
-        _state.openai_gate.open = bool(processor.exporters.processors)
-        if _state.openai_gate.open and not _state.instrumented:
-            _instrument_openai(_state.provider)
         if gateway_url is not None:
             propagation.enable(gateway_url)
         return processor
@@ -105,23 +100,6 @@ def _adopt_global(provider: TracerProvider) -> TracerProvider | None:
     return None
 
 
-def _instrument_openai(provider: TracerProvider) -> None:
-    """The OpenAI client's own gen_ai spans, for the user's observability (its public `instrument()`); a run
-    trains on the gateway's records, never on these. They go through a provider of their own, behind a gate that
-    `install` opens while spans are exported (the instrumentor's `uninstrument()` does not unwrap openai 3.x)."""
-    try:
-        from opentelemetry.instrumentation.openai import OpenAIInstrumentor
-    except ImportError:
-        log.info("opentelemetry-instrumentation-openai is not installed: the OpenAI client's own spans are not "
-                 "exported (the gateway's records of the calls are)")
-        return
-    own = TracerProvider(sampler=ALWAYS_ON, id_generator=PrivateRandomIds(), resource=provider.resource)
-    own.add_span_processor(_state.openai_gate)
-    # Its own propagation would add a traceparent to calls toward any host: ours adds one toward the gateway only.
-    OpenAIInstrumentor(enable_trace_context_propagation=False).instrument(tracer_provider=own)
-    _state.instrumented = True
-
-
 def flush(timeout_s: float = 30.0, *, exporters: bool = False) -> None:
     """Wait until every ended span is in the store; with `exporters`, also until the exporters sent them."""
     if _state.processor is None:
@@ -146,6 +124,22 @@ def export_received(records: Sequence[SpanRecord], scope_name: str = "lightning_
     scope = InstrumentationScope(scope_name)
     processor.exporters.export([to_span(r, resource=_state.provider.resource, scope=scope) for r in records],
                                outlets=False)
+
+
+def export_rollout(ctx: RolloutContext, *, name: str, attributes: dict[str, Any], start_ns: int, end_ns: int,
+                   error: str | None) -> None:
+    """The rollout's own span, the root of its trace (`ctx.span_id`, the parent its calls and spans name), to this
+    run's collector and the application's provider once the rollout is scored. The store keeps the rollout as its
+    row, not as a span; a remote worker's root stays with the worker's own collector, if it has one."""
+    processor = _state.processor
+    if processor is None or not processor.exporters.processors:
+        return
+    record = SpanRecord(span_id=ctx.span_id, trace_id=ctx.trace_id or "0" * 32, parent_id=None,
+                        rollout_id=ctx.rollout_id, attempt=ctx.attempt, component=None, name=name,
+                        start_ns=start_ns, end_ns=end_ns, status="ERROR" if error else "OK", status_message=error,
+                        attributes={ROLLOUT_ID: ctx.rollout_id, ATTEMPT: ctx.attempt, **attributes})
+    span = to_span(record, resource=_state.provider.resource, scope=InstrumentationScope(TRACER_NAME))
+    processor.exporters.export([span], outlets=False)
 
 
 def writer_errors() -> list[str]:
@@ -173,31 +167,13 @@ class _Forward(SpanProcessor):
         return self.target.force_flush(timeout_millis) if self.target is not None else True
 
 
-class _Gate(SpanProcessor):
-    """Passes spans on to `target` while open."""
-
-    def __init__(self, target: SpanProcessor) -> None:
-        self.target, self.open = target, False
-
-    def on_start(self, span, parent_context=None):
-        if self.open:
-            self.target.on_start(span, parent_context)
-
-    def on_end(self, span):
-        if self.open:
-            self.target.on_end(span)
-
-
 @dataclass
 class _State:
     provider: TracerProvider | None = None
     forward: _Forward = field(default_factory=_Forward)
-    openai_gate: "_Gate | None" = None
     processor: StoreSpanProcessor | None = None
     app_provider: TracerProvider | None = None
-    instrumented: bool = False
 
 
 _state = _State()
-_state.openai_gate = _Gate(_state.forward)
 _install_lock = threading.Lock()

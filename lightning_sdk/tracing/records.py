@@ -30,6 +30,12 @@ CLAIM = "lightning.claim"  # on a remote worker's spans: its claim's secret (che
 REWARD_VALUE = "lightning.reward.value"
 REWARD_NAME = "lightning.reward.name"
 REWARD_SPAN = "lightning.reward"
+# on a rollout's own span (the root of its trace)
+TASK_ID = "lightning.task.id"
+GROUP_ID = "lightning.group.id"
+ITERATION = "lightning.iteration"
+PHASE = "lightning.phase"
+ROLLOUT_STATUS = "lightning.rollout.status"
 TRACER_NAME = "lightning_sdk"
 GATEWAY, AGENT = "gateway", "agent"  # SpanRecord.source
 

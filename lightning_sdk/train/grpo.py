@@ -14,29 +14,14 @@ import torch
 
 from lightning_sdk import advantage
 # STD_EPS and GroupOutcomes stay importable from here: the trainer and the tests name them with the GRPO math
-from lightning_sdk.advantage import STD_EPS, GroupOutcomes, group_outcomes  # noqa: F401
+from lightning_sdk.advantage import (STD_EPS, GroupOutcomes, group_outcomes, single_rollout_groups,  # noqa: F401
+                                     zero_variance_groups)
 
 KL_LOG_RATIO_CLAMP, KL_CLAMP = 20.0, 10.0  # verl's low_var_kl bounds on the k3 term
 
 
 def _floats(v: Sequence[float] | torch.Tensor) -> list[float]:
     return v.tolist() if isinstance(v, torch.Tensor) else [float(x) for x in v]
-
-
-def zero_variance_groups(outcomes: Sequence[float] | torch.Tensor, group_ids: Sequence[str],
-                         rollout_ids: Sequence[str], scored: GroupOutcomes | None = None) -> set[str]:
-    """Groups of two or more rollouts whose episode rewards are all equal: they carry no GRPO signal."""
-    return {g for g, (rids, x) in group_outcomes(_floats(outcomes), group_ids, rollout_ids, scored).items()
-            if len(rids) > 1 and max(x) == min(x)}
-
-
-def single_rollout_groups(group_ids: Sequence[str], rollout_ids: Sequence[str],
-                          scored: GroupOutcomes | None = None) -> set[str]:
-    """Groups with one scored rollout (with `scored`; else one rollout among the transitions): no baseline."""
-    seen: dict[str, set[str]] = defaultdict(set)
-    for g, rid in zip(group_ids, rollout_ids):
-        seen[g].add(rid)
-    return {g for g, rids in seen.items() if len(scored[g] if scored is not None and g in scored else rids) < 2}
 
 
 def group_advantages(

@@ -34,8 +34,8 @@ from lightning_sdk.files import atomic_dir
 from lightning_sdk.models.adapter import first_nonfinite
 from lightning_sdk.train.microbatch import Batch, collate
 from lightning_sdk.train.checkpoint import ADAPTER, ADAPTERS
-from lightning_sdk.train.grpo import (GroupOutcomes, entropy, group_advantages, grpo_loss, sampler_is_weight,
-                                     single_rollout_groups, token_weights, top_p_keep, zero_variance_groups)
+from lightning_sdk.advantage import batch_advantages
+from lightning_sdk.train.grpo import GroupOutcomes, entropy, grpo_loss, sampler_is_weight, token_weights, top_p_keep
 from lightning_sdk.transitions import Transition
 
 log = logging.getLogger("lightning_sdk")
@@ -297,20 +297,17 @@ class GRPOTrainer:
         cfg = self.config
         if not transitions:
             raise ValueError("GRPOTrainer.step: empty batch, no transitions to train on")
-        single = single_rollout_groups([t.group_id for t in transitions], [t.rollout_id for t in transitions], scored)
-        ts = [t for t in transitions if t.group_id not in single]
+        b = batch_advantages([t.outcome for t in transitions], [t.group_id for t in transitions],
+                             [t.rollout_id for t in transitions], cfg.scale_rewards,
+                             credit=[t.credit for t in transitions], shaping=[t.shaping for t in transitions],
+                             scored=scored, drop_zero_variance=cfg.drop_zero_variance_groups)
+        ts, frac = [transitions[i] for i in b.kept], b.zero_variance_frac
         args = ([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts])
-        zero = zero_variance_groups(*args, scored)
-        frac = len(zero) / len({t.group_id for t in ts}) if ts else 0.0
-        if cfg.drop_zero_variance_groups:
-            ts = [t for t in ts if t.group_id not in zero]
-            args = ([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts])
         masked = [cfg.mask_truncated and t.finish_reason == "length" for t in ts]
         n = [0 if m else len(t.completion_ids) for t, m in zip(ts, masked)]
         if not any(n):
             return _Plan(ts, torch.zeros(len(ts)), frac, sum(masked), [], [])
-        adv = group_advantages(*args, cfg.scale_rewards, credit=[t.credit for t in ts],
-                               shaping=[t.shaping for t in ts], scored=scored)
+        adv = torch.tensor([a.value for a in b.advantages], dtype=torch.float64).float()
         if components:
             keep = [i for i, t in enumerate(ts) if t.component in components]
             ts, adv, masked, n = [ts[i] for i in keep], adv[keep], [masked[i] for i in keep], [n[i] for i in keep]
