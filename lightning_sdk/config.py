@@ -25,6 +25,7 @@ VLLM_MANAGED_FLAGS = ("--host", "--port", "--served-model-name", "--api-key", "-
 # In a run directory: the effective config the run started with, defaults included (`lightning run` writes it,
 # the dashboard shows it and credits the run's rollouts with its rollout.* settings).
 RUN_CONFIG_FILE = "config.json"
+OUTCOME_FILE = "outcome.json"  # the run's status and, when it stopped, why (metrics.MetricsLog.write_outcome)
 
 
 class ConfigError(ValueError):

@@ -14,11 +14,12 @@ import importlib.util
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from lightning_sdk.agent import MAX_ABS_REWARD
-from lightning_sdk.config import RUN_CONFIG_FILE
+from lightning_sdk.config import OUTCOME_FILE, RUN_CONFIG_FILE
 from lightning_sdk.errors import SetupError
 from lightning_sdk.evals import EvalScore
 from lightning_sdk.files import atomic_write_text
@@ -138,6 +139,12 @@ class MetricsLog:
         """The run's effective config as config.json, whole or not at all (the dashboard reads it while a run goes).
         Called once the run directory is this run's (fresh, resumed or overwritten), so it never replaces another's."""
         atomic_write_text(self.run_dir / RUN_CONFIG_FILE, json.dumps(config, indent=1, sort_keys=True) + "\n")
+
+    def write_outcome(self, status: str, reason: str | None = None) -> None:
+        """outcome.json: whether the run is running (this process), finished, stopped or interrupted, and why; the
+        dashboard reads it (a run killed outright stays "running" with a process id that no longer exists)."""
+        row = {"status": status, "reason": reason, "pid": os.getpid(), "time": time.time()}
+        atomic_write_text(self.run_dir / OUTCOME_FILE, json.dumps(row) + "\n")
 
     def rewrite(self, history: list[dict[str, Any]], *, baseline_eval: EvalScore | None = None) -> None:
         """Make metrics.jsonl hold exactly the checkpointed iterations (after a resume nothing is doubled)."""

@@ -189,6 +189,7 @@ class Runtime:
         metrics.rewrite(state.history, baseline_eval=baseline)
         feed = TaskFeed(train_tasks, cfg.data.tasks_per_iteration, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
 
+        metrics.write_outcome("running")
         try:
             with self._session(agent, gateway, model_path, store, self.run_dir) as collector:
                 trainer = GRPOTrainer(model_path, cfg.train, quantization=cfg.model.quantization,
@@ -223,6 +224,12 @@ class Runtime:
                 final = self._evaluate(eval_tasks, policy, "trained", eval_split) if eval_tasks else None
                 if final is not None:
                     metrics.log_eval("trained", final, cfg.run.iterations, policy=self._label(policy))
+        except BaseException as e:  # the dashboard says why a run stopped, not only the console
+            metrics.write_outcome("interrupted" if isinstance(e, KeyboardInterrupt) else "stopped",
+                                  "Ctrl-C" if isinstance(e, KeyboardInterrupt) else str(e) or type(e).__name__)
+            raise
+        else:
+            metrics.write_outcome("finished")
         finally:
             metrics.close()
         scored = final or baseline

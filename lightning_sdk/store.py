@@ -337,6 +337,12 @@ class Store:
     def status_counts(self) -> dict[str, int]:
         return {r["status"]: r["n"] for r in self._read("SELECT status, COUNT(*) AS n FROM rollouts GROUP BY status")}
 
+    def reward_range(self, phase: str = "train") -> list[float] | None:
+        """[lowest, highest] reward of the scored rollouts of `phase`; None before any."""
+        (row,) = self._read("SELECT MIN(reward) AS lo, MAX(reward) AS hi FROM rollouts WHERE phase = ? AND "
+                            "status = 'succeeded' AND reward IS NOT NULL", (phase,))
+        return None if row["lo"] is None else [float(row["lo"]), float(row["hi"])]
+
     def components(self) -> list[str]:
         """Every component a span or call of the run names."""
         return [r["component"] for r in self._read(

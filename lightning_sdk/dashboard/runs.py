@@ -10,6 +10,7 @@ every committed write), a half-written last line of metrics.jsonl is skipped, an
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -152,6 +153,7 @@ class RunReader:
                 "failed": counts.get("failed", 0) + counts.get("abandoned", 0),
                 "modified": max((p.stat().st_mtime for p in (path / STORE_FILE, path / METRICS_FILE) if p.exists()),
                                 default=None),
+                "outcome": outcome(path),
             })
         return out
 
@@ -174,6 +176,9 @@ class RunReader:
             "history": [{**h, "checkpoint": checkpoint_name(h["iteration"]) if isinstance(h.get("iteration"), int)
                          else None} for h in history],
             "counts": self._with_store(path, Store.status_counts, {}),
+            "outcome": outcome(path),
+            # the training rewards' range: the std band cannot leave it (0/1 rewards keep it within 0 and 1)
+            "reward_range": self._with_store(path, Store.reward_range, None),
             "components": self._with_store(path, Store.components, []),
             "credit": asdict(settings),
             "config": flatten(cfg) if cfg is not None else None, "config_source": config_source,
@@ -365,6 +370,33 @@ def _metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         elif isinstance(row.get("iteration"), int):
             logged.append(row)
     return history, logged
+
+
+def outcome(path: Path) -> dict[str, Any]:
+    """The run's status and why it stopped (outcome.json, which `lightning run` keeps); "unknown" for a run that
+    has none (an older one), "killed" for one whose process ended without writing how."""
+    try:
+        row = json.loads((path / config_mod.OUTCOME_FILE).read_text())
+    except (OSError, ValueError):
+        return {"status": "unknown", "reason": "no outcome.json: the run predates it"}
+    if not isinstance(row, dict):
+        return {"status": "unknown", "reason": "outcome.json is not an object"}
+    status, reason = str(row.get("status", "unknown")), row.get("reason")
+    if status == "running" and not _alive(row.get("pid")):
+        status, reason = "killed", "its process ended without saying how (killed, or the machine stopped)"
+    return {"status": status, "reason": None if reason is None else str(reason)}
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _state(path: Path) -> dict[str, Any]:

@@ -149,13 +149,14 @@ function runsView(main) {
       fill(main,
         el("h2", {}, "Runs"),
         data.runs.length === 0 ? el("p", { class: "muted" }, "No run here yet (a run directory holds store.sqlite, metrics.jsonl or checkpoints/).") :
-          table([["run", "l"], ["iterations"], ["last reward"], ["last eval pass", "l"], ["rollouts"], ["running"], ["failed"], ["updated", "l"]],
+          table([["run", "l"], ["status", "l"], ["iterations"], ["last reward"], ["last eval pass", "l"], ["rollouts"], ["running"], ["failed"], ["updated", "l"]],
             data.runs.map((r) => el("tr", { "data-run": r.id },
               el("td", { class: "l" }, el("a", { href: href("run", r.id) }, r.id)),
+              el("td", { class: "l status" }, outcomeBadge(r.outcome), r.outcome && r.outcome.status !== "finished" && r.outcome.reason ? el("span", { class: "reason" }, ` ${r.outcome.reason}`) : null),
               el("td", {}, r.iterations), el("td", {}, num(r.last_reward)),
               el("td", { class: "l eval-score" }, r.eval ? `${r.eval.words} ${r.eval.label}: ${scoreText(r.eval)}` : ""),
               el("td", {}, r.rollouts),
-              el("td", {}, r.running ? el("span", { class: "badge live" }, `${r.running} live`) : "0"),
+              el("td", {}, r.running),
               el("td", {}, r.failed),
               el("td", { class: "l" }, r.modified ? new Date(r.modified * 1000).toLocaleString() : "")))),
         ids.length > 1 ? el("div", { class: "filters" }, el("label", {}, "run A", a), el("label", {}, "run B", b),
@@ -179,10 +180,28 @@ function ema(values, weight) {
 
 const finite = (v) => typeof v === "number" && Number.isFinite(v);
 
-function axes(g, { W, H, L, R, T, B, lo, hi, x0, x1, x, y, xlabel }) {
-  for (let k = 0; k <= 4; k++) {
-    const v = lo + ((hi - lo) * k) / 4;
-    g.append(svg("line", { class: "grid", x1: L, x2: W - R, y1: y(v), y2: y(v) }), svg("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end" }, sig(v)));
+// An axis from lo to hi in steps of 1, 2 or 5 x 10^k, widened to whole steps; each tick labelled with the decimals
+// its step needs (tiny or huge values in exponent form), so that every label is short and none repeats.
+function niceScale(lo, hi, count = 4) {
+  if (!(hi > lo)) { const pad = Math.abs(lo) * 0.1 || 0.5; lo -= pad; hi += pad; }
+  const raw = (hi - lo) / count, mag = 10 ** Math.floor(Math.log10(raw)), f = raw / mag;
+  const step = (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * mag;
+  const a = Math.floor(lo / step + 1e-9) * step, b = Math.ceil(hi / step - 1e-9) * step;
+  const ticks = [];
+  for (let k = 0; a + k * step <= b + step / 2; k++) ticks.push(Math.abs(a + k * step) < step / 1e6 ? 0 : a + k * step);
+  const exp = step < 1e-3 || Math.max(Math.abs(a), Math.abs(b)) >= 1e6;
+  const decimals = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+  const label = (v) => (v === 0 ? "0" : exp
+    ? v.toExponential(Math.max(0, Math.floor(Math.log10(Math.abs(v)) + 1e-9) - Math.floor(Math.log10(step) + 1e-9))).replace("e+", "e").replace(/(\.\d*?)0+e/, "$1e").replace(".e", "e")
+    : v.toFixed(decimals));
+  // the left margin fits the longest label (about 6.5 px a character at the axis' font size)
+  const width = 12 + 6.5 * Math.max(...ticks.map((v) => label(v).length));
+  return { lo: a, hi: b, ticks, label, width };
+}
+
+function axes(g, { W, H, L, R, T, B, scale, x0, x1, x, y, xlabel }) {
+  for (const v of scale.ticks) {
+    g.append(svg("line", { class: "grid", x1: L, x2: W - R, y1: y(v), y2: y(v) }), svg("text", { class: "tick", x: L - 6, y: y(v) + 4, "text-anchor": "end" }, scale.label(v)));
   }
   const step = Math.max(1, Math.ceil((x1 - x0) / 8));
   for (let i = x0; i <= x1; i += step) g.append(svg("text", { x: x(i), y: H - B + 14, "text-anchor": "middle" }, i));
@@ -211,19 +230,24 @@ function rewardChart(runs, smoothing = 0) {
   const trainLabel = (r) => (runs.length > 1 ? `${r.name}: train reward ± std` : "train rollouts (mean ± std)");
   // the legend's column is as wide as its longest line (an eval score's name and numbers can be long)
   const longest = Math.max(...runs.flatMap((r) => [trainLabel(r), ...r.evals.map((e) => evalLabel(r, e))]).map((t) => t.length));
-  const R = Math.max(250, 46 + Math.ceil(6 * longest)), W = 650 + R, H = 260, L = 44, T = 14, B = 30;
+  // mean ± std, kept within the rewards the run's rollouts got (0/1 rewards: a band within 0 and 1)
+  const band = (r, h) => {
+    const [a, b] = r.range || [-Infinity, Infinity], sd = h.reward_std || 0;
+    return [Math.max(a, h.reward_mean - sd), Math.min(b, h.reward_mean + sd)];
+  };
   const ys = [0, 1];
   let maxX = 1;
   for (const r of runs) {
-    r.history.forEach((h) => { if (finite(h.reward_mean)) ys.push(h.reward_mean - (h.reward_std || 0), h.reward_mean + (h.reward_std || 0)); });
+    r.history.forEach((h) => { if (finite(h.reward_mean)) ys.push(...band(r, h)); });
     r.evals.forEach((e) => { if (finite(e.mean)) ys.push(e.mean); });
     maxX = Math.max(maxX, r.history.length, ...r.evals.map((e) => e.iteration));
   }
-  const lo = Math.min(...ys), hi = Math.max(...ys);
+  const scale = niceScale(Math.min(...ys), Math.max(...ys), 5), lo = scale.lo, hi = scale.hi;
+  const R = Math.max(250, 46 + Math.ceil(6 * longest)), W = 650 + R, H = 260, L = scale.width, T = 14, B = 30;
   const x = (i) => L + (i / maxX) * (W - L - R);
   const y = (v) => T + (1 - (v - lo) / (hi - lo || 1)) * (H - T - B);
   const g = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "reward per iteration" });
-  axes(g, { W, H, L, R, T, B, lo, hi, x0: 0, x1: maxX, x, y, xlabel: "iteration" });
+  axes(g, { W, H, L, R, T, B, scale, x0: 0, x1: maxX, x, y, xlabel: "iteration" });
   let ly = T + 6;
   const legend = (stroke, label, dash) => {
     g.append(svg("line", { stroke, "stroke-width": 2, "stroke-dasharray": dash || "none", x1: W - R + 12, x2: W - R + 34, y1: ly, y2: ly }),
@@ -232,9 +256,9 @@ function rewardChart(runs, smoothing = 0) {
   };
   runs.forEach((r, n) => {
     const c = color(n);
-    const pts = r.history.map((h, i) => [i + 1, h.reward_mean, h.reward_std || 0]).filter((p) => finite(p[1]));
+    const pts = r.history.map((h, i) => [i + 1, h.reward_mean, ...(finite(h.reward_mean) ? band(r, h) : [])]).filter((p) => finite(p[1]));
     if (pts.length) {
-      const upper = pts.map(([i, m, sd]) => [x(i), y(m + sd)]), lower = pts.map(([i, m, sd]) => [x(i), y(m - sd)]).reverse();
+      const upper = pts.map(([i, , , top]) => [x(i), y(top)]), lower = pts.map(([i, , bottom]) => [x(i), y(bottom)]).reverse();
       g.append(svg("path", { class: "band", "data-run": r.name, fill: c, d: pathOf([...upper, ...lower]) + "Z" },
         svg("title", {}, `${r.name}: reward mean ± std`)));
     }
@@ -262,7 +286,17 @@ const METRIC_NAMES = {
   "train.logprob_gap": "logprob gap (trainer − sampler)", "train.lr": "learning rate", "tokens_per_completion": "tokens per completion",
   "completion_tokens": "completion tokens (all calls)", "collect_s": "collect seconds", "update_s": "update seconds",
   "hotload_s": "hot-load seconds", "transitions": "transitions (trained calls)", "rollouts": "rollouts", "failed": "failed rollouts",
+  "failed_trained": "failed rollouts trained on (rollout.failed_reward)", "elapsed_s": "elapsed seconds",
+  "train.ratio": "importance ratio (mean)", "train.adv_mean": "advantage mean", "train.adv_std": "advantage std",
+  "train.num_transitions": "calls trained", "train.num_tokens": "completion tokens trained",
+  "train.num_input_tokens": "tokens the update reads (prompt + completion)", "train.episode_reward_mean": "episode reward of the trained calls",
+  "train.shaping_mean": "intermediate rewards (mean)", "train.num_skipped": "calls left out (no baseline or no signal)",
+  "train.skipped_steps": "optimizer steps skipped (non-finite gradient)", "train.num_masked_truncated": "calls masked as truncated",
+  "train.dual_clip_frac": "dual-clip fraction", "train.is_weight": "importance-sampling weight (sampler)", "train.step": "optimizer steps",
+  "train.seconds": "trainer seconds", "train.max_memory_allocated": "peak GPU memory (bytes)",
 };
+// A key not named above, in words all the same: "train.foo_bar" -> "foo bar".
+const readable = (k) => METRIC_NAMES[k] || k.replace(/^train\./, "").replace(/[._]/g, " ");
 const FIRST = ["train.loss", "train.kl", "train.grad_norm", "train.entropy", "train.clip_frac", "train.zero_variance_frac",
   "train.logprob_gap", "tokens_per_completion", "collect_s", "update_s", "hotload_s"];
 const SECTIONS = [["update", "The update"], ["collect", "Collection"], ["time", "Time"], ["policy", "Per policy"]];
@@ -283,8 +317,8 @@ function chartSpecs(runs) {
       const t = k.match(/^transitions\.(.+)$/), p = k.match(/^train\.([^.]+)\.(.+)$/);
       let s, label = runs.length > 1 ? r.name : k;
       if (t && policies.has(t[1])) { s = spec("transitions.*", "transitions per policy", "policy"); label = `${runs.length > 1 ? r.name + " " : ""}${t[1]}`; }
-      else if (p && policies.has(p[1])) { s = spec(`train.*.${p[2]}`, `${METRIC_NAMES["train." + p[2]] || "train." + p[2]} per policy`, "policy"); label = `${runs.length > 1 ? r.name + " " : ""}${p[1]}`; }
-      else s = spec(k, METRIC_NAMES[k] || k, k.endsWith("_s") || k === "train.seconds" ? "time" : k.startsWith("train.") ? "update" : "collect");
+      else if (p && policies.has(p[1])) { s = spec(`train.*.${p[2]}`, `${readable("train." + p[2])} per policy`, "policy"); label = `${runs.length > 1 ? r.name + " " : ""}${p[1]}`; }
+      else s = spec(k, readable(k), k.endsWith("_s") || k === "train.seconds" ? "time" : k.startsWith("train.") ? "update" : "collect");
       s.series.push({ label, run: n, value, xs: r.history.map((h) => h.iteration) });
     }
   });
@@ -293,21 +327,19 @@ function chartSpecs(runs) {
 }
 
 function smallChart(spec, runs, smoothing) {
-  const W = 420, H = 170, L = 52, R = 10, T = 10, B = 22;
   const lines = spec.series.map((s, n) => {
     const raw = runs[s.run].history.map((h) => { const v = s.value(h); return finite(v) ? v : null; });
     return { ...s, raw, smooth: ema(raw, smoothing), c: color(spec.series.length > runs.length ? n : s.run) };
   });
   const all = lines.flatMap((l) => l.raw.filter(finite));
   const xs = lines.flatMap((l) => l.xs.filter(finite));
-  let lo = Math.min(...all), hi = Math.max(...all);
-  if (!all.length) { lo = 0; hi = 1; }
-  if (lo === hi) { lo -= Math.abs(lo) * 0.1 || 0.5; hi += Math.abs(hi) * 0.1 || 0.5; }
+  const scale = all.length ? niceScale(Math.min(...all), Math.max(...all)) : niceScale(0, 1), lo = scale.lo, hi = scale.hi;
+  const W = 420, H = 170, L = scale.width, R = 10, T = 10, B = 22;
   const x0 = xs.length ? Math.min(...xs) : 0, x1 = xs.length ? Math.max(...xs, x0 + 1) : 1;
   const x = (i) => L + ((i - x0) / (x1 - x0)) * (W - L - R);
   const y = (v) => T + (1 - (v - lo) / (hi - lo)) * (H - T - B);
   const g = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": spec.title });
-  axes(g, { W, H, L, R, T, B, lo, hi, x0, x1, x, y });
+  axes(g, { W, H, L, R, T, B, scale, x0, x1, x, y });
   for (const l of lines) {
     if (smoothing > 0) for (const seg of segments(l.xs, l.raw)) g.append(svg("path", { class: "raw", stroke: l.c, d: pathOf(seg.map(([i, v]) => [x(i), y(v)])) }));
     for (const seg of segments(l.xs, l.smooth)) g.append(svg("path", { class: "line", stroke: l.c, d: pathOf(seg.map(([i, v]) => [x(i), y(v)])) }));
@@ -322,9 +354,16 @@ function svgSwatch(c) {
 }
 
 // The grid of metric charts, by section, with the smoothing control; `state.smoothing` survives redraws.
+// A chart for each metric that moved; one that never changed is said in a line (its value), one never measured
+// (no finite value) is left out.
 function metricCharts(runs, state, redraw) {
-  const specs = chartSpecs(runs);
-  if (!specs.length) return null;
+  const all = chartSpecs(runs), constants = [];
+  const specs = all.filter((s) => {
+    const values = s.series.flatMap((l) => runs[l.run].history.map(l.value).filter(finite));
+    if (values.length && values.every((v) => v === values[0])) constants.push([s, values[0]]);
+    return new Set(values).size > 1;
+  });
+  if (!specs.length && !constants.length) return null;
   const slider = el("input", { type: "range", name: "smoothing", min: 0, max: 0.95, step: 0.05, value: state.smoothing });
   const shown = el("span", { class: "muted" }, state.smoothing.toFixed(2));
   slider.addEventListener("input", () => { state.smoothing = Number(slider.value); shown.textContent = state.smoothing.toFixed(2); redraw(); });
@@ -333,7 +372,9 @@ function metricCharts(runs, state, redraw) {
     SECTIONS.map(([id, title]) => {
       const mine = specs.filter((s) => s.section === id);
       return mine.length ? [el("h4", {}, title), el("div", { class: "charts" }, mine.map((s) => smallChart(s, runs, state.smoothing)))] : null;
-    }));
+    }),
+    constants.length ? el("p", { class: "constants" }, el("b", {}, "The same every iteration: "),
+      constants.map(([s, v], i) => [i ? " · " : "", el("span", { class: "constant", "data-key": s.id, title: s.id }, `${s.title} ${sig(v)}`)])) : null);
 }
 
 // [header, class, cell of a history row]; a compact table (two runs side by side) keeps the marked ones
@@ -365,10 +406,16 @@ function iterationTable(s, compact, trainedOn) {
     s.history.length ? null : el("p", { class: "muted" }, "No iteration finished yet."));
 }
 
+function outcomeBadge(o) {
+  return o ? el("span", { class: `badge outcome ${o.status}`, title: o.reason || "" }, o.status) : null;
+}
+
 function countsLine(s) {
-  const c = s.counts;
-  return el("p", {}, Object.entries(c).map(([k, v]) => [badge(k), ` ${v}  `]),
-    c.running ? el("span", { class: "badge live" }, "live") : null);
+  const c = s.counts, o = s.outcome;
+  return el("div", { class: "counts" },
+    el("p", {}, el("span", { class: "k" }, "run "), outcomeBadge(o),
+      o && o.reason && o.status !== "finished" ? el("span", { class: "reason" }, ` ${o.reason}`) : null),
+    el("p", {}, el("span", { class: "k" }, "rollouts: "), Object.entries(c).map(([k, v], i) => [i ? ", " : "", badge(k), ` ${v}`])));
 }
 
 // The run's effective configuration, as a table of dotted keys; `filterBox` narrows it by key or value.
@@ -464,7 +511,7 @@ function runView(main, run, query) {
   const changed = differ();
   let summary = null;
   const drawCharts = () => {
-    fill(chart, el("b", {}, "Reward per iteration"), el("br"), rewardChart([{ name: run, history: summary.history, evals: summary.evals }], state.smoothing));
+    fill(chart, el("b", {}, "Reward per iteration"), el("br"), rewardChart([{ name: run, history: summary.history, evals: summary.evals, range: summary.reward_range }], state.smoothing));
     fill(charts, metricCharts([{ name: run, history: summary.history, policies: summary.policies }], state, drawCharts));
   };
   // What checkpoint iter-N trained on: iteration N's succeeded train rollouts (train/checkpoint.trained_into).
@@ -669,10 +716,14 @@ function configDiff(a, b, sa, sb) {
   const own = (k) => k === "run.name" || k === "run.dir";
   const differ = keys.filter((k) => JSON.stringify(ca[k]) !== JSON.stringify(cb[k]));
   const chosen = differ.filter((k) => !own(k)), same = keys.filter((k) => !differ.includes(k));
+  const settings = (n) => `${n} setting${n === 1 ? "" : "s"}`;
+  const named = differ.filter(own);
   return el("div", { class: "card" },
-    el("b", {}, chosen.length ? `${chosen.length} setting(s) differ` : "The same settings (besides name and directory)"),
-    el("div", { class: "config-diff" }, table([["key", "l"], [a, "l"], [b, "l"]], [...chosen, ...differ.filter(own)].map(row))),
-    el("details", {}, el("summary", { class: "muted" }, `${same.length} setting(s) the same`), table([["key", "l"], [a, "l"], [b, "l"]], same.map(row))));
+    el("b", { class: "diff-count" }, chosen.length ? `${settings(chosen.length)} ${chosen.length === 1 ? "differs" : "differ"}` : "The same settings"),
+    chosen.length ? el("div", { class: "config-diff" }, table([["key", "l"], [a, "l"], [b, "l"]], chosen.map(row))) : null,
+    named.length ? el("p", { class: "muted own" }, `Besides ${named.join(" and ")}, which differ between any two runs: `,
+      named.map((k, i) => [i ? "; " : "", `${k} ${show(ca, k)} / ${show(cb, k)}`])) : null,
+    el("details", {}, el("summary", { class: "muted" }, `${settings(same.length)} the same`), table([["key", "l"], [a, "l"], [b, "l"]], same.map(row))));
 }
 
 function compareView(main, a, b) {
@@ -690,7 +741,7 @@ function compareView(main, a, b) {
       const [sa, sb] = await Promise.all([api("summary", { run: a }), api("summary", { run: b })]);
       if (!changed([sa, sb])) return;
       fill(diff, configDiff(a, b, sa, sb));
-      runs = [{ name: a, history: sa.history, evals: sa.evals, policies: sa.policies }, { name: b, history: sb.history, evals: sb.evals, policies: sb.policies }];
+      runs = [[a, sa], [b, sb]].map(([name, s]) => ({ name, history: s.history, evals: s.evals, policies: s.policies, range: s.reward_range }));
       drawCharts();
       fill(cols, [[a, sa], [b, sb]].map(([name, s]) => el("div", { class: "side" },
         el("h3", {}, el("a", { href: href("run", name) }, name)), countsLine(s), iterationTable(s, true))));
