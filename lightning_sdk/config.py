@@ -546,3 +546,15 @@ def _set_fields(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _set_fields(v) for k, v in value.items()}
     return value
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}; lists and empty tables stay values. The dotted keys name a
+    setting the same way in the dashboard, the trackers' parameters and `lightning.toml`."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

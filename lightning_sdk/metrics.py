@@ -3,9 +3,10 @@
 metrics.jsonl always gets every row: one per iteration, plus one per eval pass (`"phase": "eval"`, `"eval":
 "untrained" | "trained"`, its mean `eval.reward_mean`, standard error `eval_stderr`, `eval_tasks`, and
 `eval_split`: "train" when the eval tasks are the training tasks, "held-out" when none is, "mixed"; see
-evals.py). Each tracker (TensorBoard by default; MLflow, W&B, Trackio with the `[track]` extra) gets the same
-numbers as scalars: `reward_mean`, `train/loss`, ... at the iteration's step, and the eval score as
-`eval/reward_mean` (and `eval/reward_stderr`) at step 0 (untrained) and step `run.iterations` (trained).
+evals.py). Each tracker (TensorBoard by default; MLflow, W&B, Trackio with the `[track]` extra; accelerate's
+tracker classes) gets the same numbers under the same names: `reward_mean`, `train.loss`, ... at the iteration's
+step, and the eval score as `eval.reward_mean` (and `eval_stderr`) at step 0 (untrained) and step `run.iterations`
+(trained); and the run's settings as its hyperparameters, one per dotted key (`train.lr`).
 """
 
 from __future__ import annotations
@@ -19,96 +20,83 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from lightning_sdk.agent import MAX_ABS_REWARD
-from lightning_sdk.config import OUTCOME_FILE, RUN_CONFIG_FILE
+from lightning_sdk.config import OUTCOME_FILE, RUN_CONFIG_FILE, flatten
 from lightning_sdk.errors import SetupError
 from lightning_sdk.evals import EvalScore
 from lightning_sdk.files import atomic_write_text
 
 
 class Tracker(Protocol):
-    """An experiment tracker: scalars by step."""
+    """An experiment tracker: scalars by step (accelerate's trackers are ones)."""
 
     def log(self, values: dict[str, float], step: int) -> None: ...
 
-    def close(self) -> None: ...
+    def finish(self) -> None: ...
 
 
-class TensorBoardTracker:
-    def __init__(self, run_dir: Path, name: str, config: dict[str, Any]):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        for key, value in values.items():
-            self._writer.add_scalar(key, value, step)
-        self._writer.flush()
-
-    def close(self) -> None:
-        self._writer.close()
+def params(config: dict[str, Any]) -> dict[str, Any]:
+    """The run's settings as trackers take hyperparameters: one per dotted key (`train.lr`, as in lightning.toml
+    and the dashboard), so runs can be filtered and compared by each; lists and unset values as text."""
+    return {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v) for k, v in flatten(config).items()}
 
 
-class MLflowTracker:
-    """An MLflow run; with no MLFLOW_TRACKING_URI set, in a file store under the run directory (mlruns/).
+def tensorboard(run_dir: Path, name: str, config: dict[str, Any]) -> Tracker:
+    """TensorBoard in <run.dir>/tensorboard/, the settings as its hparams."""
+    from accelerate.tracking import TensorBoardTracker
 
-    The file store needs no database or server (mlflow-skinny has no SQLAlchemy); MLflow 3 keeps it in maintenance
-    mode and refuses it unless MLFLOW_ALLOW_FILE_STORE is set, so it is set for this default only.
-    """
-
-    def __init__(self, run_dir: Path, name: str, config: dict[str, Any]):
-        import mlflow
-
-        self._mlflow = mlflow
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
-        mlflow.set_experiment(name)
-        self._run = mlflow.start_run(run_name=name)
-        mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        self._mlflow.log_metrics(values, step=step, run_id=self._run.info.run_id)
-
-    def close(self) -> None:
-        self._mlflow.end_run()
+    tracker = TensorBoardTracker("tensorboard", run_dir)
+    tracker.start()
+    tracker.store_init_configuration(params(config))
+    return tracker
 
 
-class WandbTracker:
-    """A W&B run (WANDB_MODE=offline keeps it on disk, under the run directory's wandb/)."""
+def mlflow(run_dir: Path, name: str, config: dict[str, Any]) -> Tracker:
+    """An MLflow run (experiment = run.name) at MLFLOW_TRACKING_URI, else in a SQLite store in the run directory
+    (`sqlite:///<run.dir>/mlflow.db`, MLflow's supported local store; it refuses its file store by default)."""
+    import logging
 
-    def __init__(self, run_dir: Path, name: str, config: dict[str, Any]):
-        import wandb
+    import mlflow as mlflow_lib
+    from accelerate.tracking import MLflowTracker
 
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "lightning-sdk"), name=name,
-                               dir=str(run_dir), config=config, reinit="create_new")
+    # MLflow logs each database migration and experiment creation at INFO: not the run's output.
+    for logger in ("mlflow", "alembic"):
+        logging.getLogger(logger).setLevel(logging.WARNING)
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        mlflow_lib.set_tracking_uri(f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    tracker = MLflowTracker(experiment_name=name, run_name=name,
+                            logging_dir=(run_dir / "mlflow-artifacts").resolve().as_uri())  # a new experiment's
+    tracker.start()
+    tracker.store_init_configuration(params(config))
+    return tracker
 
-    def log(self, values: dict[str, float], step: int) -> None:
-        self._run.log(values, step=step)
 
-    def close(self) -> None:
-        self._run.finish()
+def wandb(run_dir: Path, name: str, config: dict[str, Any]) -> Tracker:
+    """A W&B run in WANDB_PROJECT (default lightning-sdk); WANDB_MODE=offline keeps it in <run.dir>/wandb/."""
+    from accelerate.tracking import WandBTracker
+
+    tracker = WandBTracker(os.environ.get("WANDB_PROJECT", "lightning-sdk"), name=name, dir=str(run_dir),
+                           reinit="create_new")
+    tracker.start()
+    tracker.store_init_configuration(params(config))
+    return tracker
 
 
-class TrackioTracker:
-    def __init__(self, run_dir: Path, name: str, config: dict[str, Any]):
-        import trackio
+def trackio(run_dir: Path, name: str, config: dict[str, Any]) -> Tracker:
+    """A Trackio run in TRACKIO_PROJECT (default lightning-sdk)."""
+    from accelerate.tracking import TrackioTracker
 
-        self._run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "lightning-sdk"), name=name,
-                                 config=config)
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        self._run.log(values, step=step)
-
-    def close(self) -> None:
-        self._run.finish()
+    tracker = TrackioTracker(os.environ.get("TRACKIO_PROJECT", "lightning-sdk"), name=name)
+    tracker.start()
+    tracker.store_init_configuration(params(config))
+    return tracker
 
 
 # run.report_to names -> (tracker, the module it needs, the pip requirement that brings it)
 TRACKERS: dict[str, tuple[Callable[[Path, str, dict[str, Any]], Tracker], str, str]] = {
-    "tensorboard": (TensorBoardTracker, "tensorboard", "tensorboard"),
-    "mlflow": (MLflowTracker, "mlflow", "lightning-agent-rl[track]"),
-    "wandb": (WandbTracker, "wandb", "lightning-agent-rl[track]"),
-    "trackio": (TrackioTracker, "trackio", "lightning-agent-rl[track]"),
+    "tensorboard": (tensorboard, "tensorboard", "tensorboard"),
+    "mlflow": (mlflow, "mlflow", "lightning-agent-rl[track]"),
+    "wandb": (wandb, "wandb", "lightning-agent-rl[track]"),
+    "trackio": (trackio, "trackio", "lightning-agent-rl[track]"),
 }
 
 
@@ -122,7 +110,8 @@ def check_trackers(names: list[str]) -> None:
 
 
 def _scalars(row: dict[str, Any]) -> dict[str, float]:
-    return {k.replace(".", "/"): float(v) for k, v in row.items()
+    """A row's numbers, named as metrics.jsonl names them (one name everywhere: `train.loss` in every tracker)."""
+    return {k: float(v) for k, v in row.items()
             if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
@@ -159,14 +148,12 @@ class MetricsLog:
             tracker.log(values, int(row["iteration"]))
 
     def log_eval(self, label: str, score: EvalScore, step: int, *, policy: str | None = None) -> None:
-        """An eval pass's score: a metrics.jsonl row, and `eval/reward_mean` (and its standard error) at `step` in
-        every tracker."""
+        """An eval pass's score: a metrics.jsonl row, and its numbers (`eval.reward_mean`, `eval_stderr`,
+        `eval_tasks`) at `step` in every tracker."""
         row = eval_row(label, score, step, policy=policy)
         with self.jsonl.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        values = {"eval/reward_mean": score.mean}
-        if score.stderr is not None:
-            values["eval/reward_stderr"] = score.stderr
+        values = _scalars(row)
         for tracker in self.trackers():
             tracker.log(values, step)
 
@@ -177,7 +164,7 @@ class MetricsLog:
 
     def close(self) -> None:
         for tracker in self._trackers or []:
-            tracker.close()
+            tracker.finish()
 
     def plot(self, history: list[dict[str, Any]], *, baseline: float | None, final: float | None,
              eval_words: str = "eval") -> Path:

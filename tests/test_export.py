@@ -236,26 +236,44 @@ concurrency = 4
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    # One name everywhere: each tracker names a number as metrics.jsonl does (train.loss, eval.reward_mean)
     tb = EventAccumulator(str(run / "tensorboard"))
     tb.Reload()
-    assert [(e.step, e.value) for e in tb.Scalars("eval/reward_mean")] == [(0, pytest.approx(baseline)),
+    assert [(e.step, e.value) for e in tb.Scalars("eval.reward_mean")] == [(0, pytest.approx(baseline)),
                                                                           (1, pytest.approx(final))]
-    assert [e.step for e in tb.Scalars("reward_mean")] == [1]
+    assert [e.step for e in tb.Scalars("reward_mean")] == [1] and [e.step for e in tb.Scalars("train.loss")] == [1]
+    # the settings as TensorBoard's hparams (a run of their own beside the scalars), one per dotted key
+    (hp_dir,) = [d for d in (run / "tensorboard").iterdir() if d.is_dir() and any(d.glob("events.out.*"))]
+    hp = EventAccumulator(str(hp_dir))
+    hp.Reload()
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = hp.PluginTagToContent("hparams")
+    session = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    hparams = {k: v.number_value or v.string_value for k, v in session.session_start_info.hparams.items()}
+    assert hparams["train.lr"] == pytest.approx(2e-3) and hparams["run.name"] == "obs"
 
     import mlflow
 
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # reading the file store the run wrote
-    client = mlflow.MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+    # MLflow's default: a SQLite store in the run directory (not the file store MLflow refuses), its INFO lines
+    # kept out of the run's output
+    assert (run / "mlflow.db").exists() and not (run / "mlruns").exists()
+    assert "INFO mlflow" not in p.stdout + p.stderr
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
     (mlrun,) = client.search_runs([client.get_experiment_by_name("obs").experiment_id])
-    history = client.get_metric_history(mlrun.info.run_id, "eval/reward_mean")
+    history = client.get_metric_history(mlrun.info.run_id, "eval.reward_mean")
     assert sorted((m.step, m.value) for m in history) == [(0, pytest.approx(baseline)), (1, pytest.approx(final))]
-    assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss")] == [1]
+    assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "train.loss")] == [1]
+    # params flattened: filterable by each setting
+    assert mlrun.data.params["train.lr"] == "0.002" and mlrun.data.params["data.group_size"] == "2"
+    assert not any(v.startswith("{") for v in mlrun.data.params.values())
+    assert client.search_runs([mlrun.info.experiment_id], "params.`train.lr` = '0.002'")
 
     (offline,) = (run / "wandb").glob("offline-run-*/*.wandb")
     history = wandb_history(offline)
-    assert [(step, row["eval/reward_mean"]) for step, row in history if "eval/reward_mean" in row] == \
+    assert [(step, row["eval.reward_mean"]) for step, row in history if "eval.reward_mean" in row] == \
         [(0, pytest.approx(baseline)), (1, pytest.approx(final))]
-    assert [step for step, row in history if "train/loss" in row] == [1]
+    assert [step for step, row in history if "train.loss" in row] == [1]
 
 
 def wandb_history(path: Path) -> list[tuple[int, dict]]:

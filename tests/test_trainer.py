@@ -528,3 +528,10 @@ def test_mask_truncated_leaves_length_cut_completions_out_of_the_loss(model_path
     masked = GRPOTrainer(model_path, cfg(mask_truncated=True)).step(batch)
     assert masked["num_masked_truncated"] == 1 and masked["num_transitions"] == plain["num_transitions"] - 1
     assert masked["num_tokens"] == plain["num_tokens"] - len(batch[2].completion_ids)
+
+
+def test_kl_is_reported_only_when_measured(model_path, tok):
+    """With beta 0 there is no reference pass and no KL: the step reports none (not a 0.0 that was never measured),
+    so no tracker or chart shows a flat KL line."""
+    m = GRPOTrainer(model_path, cfg(beta=0.0)).step(mixed_batch(tok))
+    assert "kl" not in m and isinstance(m["loss"], float)

@@ -181,7 +181,7 @@ class RunReader:
             "reward_range": self._with_store(path, Store.reward_range, None),
             "components": self._with_store(path, Store.components, []),
             "credit": asdict(settings),
-            "config": flatten(cfg) if cfg is not None else None, "config_source": config_source,
+            "config": config_mod.flatten(cfg) if cfg is not None else None, "config_source": config_source,
             # with [policies], their names: each one's curves (transitions.<name>, train.<name>.<key>) go together
             "policies": sorted((cfg or {}).get("policies") or {}) or sorted(
                 {k.split(".", 1)[1] for h in history for k in h if k.startswith("transitions.")}),
@@ -314,17 +314,6 @@ class RunReader:
 
 
 # ------------------------------------------------------------------------------------------------- helpers
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}; lists and empty tables stay values."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
 
 def expected(task: dict | None) -> dict[str, Any] | None:
     """The task's expected answer and the field it is in, when it has one."""
@@ -475,5 +464,5 @@ def _span_view(s: SpanRecord, t0: int, credited: float | None) -> dict[str, Any]
     return view
 
 
-__all__ = ["CreditSettings", "RunNotFound", "RunReader", "discover", "expected", "flatten", "is_run", "messages",
+__all__ = ["CreditSettings", "RunNotFound", "RunReader", "discover", "expected", "is_run", "messages",
            "preview", "question"]

@@ -40,8 +40,9 @@ from lightning_sdk.transitions import Transition
 
 log = logging.getLogger("lightning_sdk")
 
-# What step() reports when a batch leaves nothing to train on (e.g. every group has a single rollout).
-_EMPTY_METRICS = {"loss": 0.0, "grad_norm": 0.0, "skipped_steps": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 1.0, "adv_mean": 0.0,
+# What step() reports when a batch leaves nothing to train on (e.g. every group has a single rollout). No "kl":
+# it is reported only when measured (train.beta > 0 and a batch to measure it on), never as a 0 that was not.
+_EMPTY_METRICS = {"loss": 0.0, "grad_norm": 0.0, "skipped_steps": 0.0, "clip_frac": 0.0, "ratio": 1.0, "adv_mean": 0.0,
                   "adv_std": 0.0, "num_transitions": 0.0, "num_tokens": 0.0, "logprob_gap": math.nan,
                   "entropy": math.nan}
 

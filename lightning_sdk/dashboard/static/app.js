@@ -407,7 +407,8 @@ function iterationTable(s, compact, trainedOn) {
 }
 
 function outcomeBadge(o) {
-  return o ? el("span", { class: `badge outcome ${o.status}`, title: o.reason || "" }, o.status) : null;
+  // a running run's badge is the live one (it is polled)
+  return o ? el("span", { class: `badge outcome ${o.status}${o.status === "running" ? " live" : ""}`, title: o.reason || "" }, o.status) : null;
 }
 
 function countsLine(s) {
