@@ -74,10 +74,10 @@ def wandb(run_dir: Path, name: str, config: dict[str, Any]) -> Tracker:
     """A W&B run in WANDB_PROJECT (default lightning-sdk); WANDB_MODE=offline keeps it in <run.dir>/wandb/."""
     from accelerate.tracking import WandBTracker
 
+    # The settings go with init: a run of its own (reinit) is not the global one its store_init_configuration sets.
     tracker = WandBTracker(os.environ.get("WANDB_PROJECT", "lightning-sdk"), name=name, dir=str(run_dir),
-                           reinit="create_new")
+                           reinit="create_new", config=params(config))
     tracker.start()
-    tracker.store_init_configuration(params(config))
     return tracker
 
 
@@ -85,9 +85,8 @@ def trackio(run_dir: Path, name: str, config: dict[str, Any]) -> Tracker:
     """A Trackio run in TRACKIO_PROJECT (default lightning-sdk)."""
     from accelerate.tracking import TrackioTracker
 
-    tracker = TrackioTracker(os.environ.get("TRACKIO_PROJECT", "lightning-sdk"), name=name)
+    tracker = TrackioTracker(os.environ.get("TRACKIO_PROJECT", "lightning-sdk"), name=name, config=params(config))
     tracker.start()
-    tracker.store_init_configuration(params(config))
     return tracker
 
 

@@ -87,3 +87,34 @@ def recorded_calls(gateway, store, rollout_id: str) -> list:
     assert gateway.capture.flush()
     tracing.flush()
     return sorted((s for s in store.spans(rollout_id) if tracing.is_llm_call(s)), key=lambda s: s.start_ns)
+
+
+def rollouts_to_collector(gateway, store, endpoint: str, jobs: list, agent, score) -> list:
+    """Run `jobs` as a runtime would, with the run's spans exported to the OTLP collector at `endpoint` (and the
+    gateway's records too, as the runtime wires them); every span sent before it returns. The results, in order."""
+    import asyncio
+
+    from lightning_sdk.agent import LLM
+    from lightning_sdk.rollouts.episode import run_rollout
+
+    tracing.install(store, gateway_url=gateway.base_url, otlp_endpoint=endpoint)
+    gateway.capture.record_to(store)
+    gateway.capture.exported = tracing.export_received
+    llm = LLM(base_url=gateway.base_url, api_key=gateway.api_key, model=SERVED)
+    for j in jobs:
+        gateway.rollouts.open(j.trace_id, j.rollout_id, j.attempt)
+
+    async def phase():
+        return await asyncio.gather(*(run_rollout(j, rollout_fn=agent, reward_fn=score, llm=llm, store=store,
+                                                  timeout=120) for j in jobs))
+
+    try:
+        results = asyncio.run(phase())
+        assert gateway.capture.flush()
+        tracing.flush(exporters=True)
+    finally:
+        gateway.capture.record_to(None)
+        gateway.capture.exported = None
+        tracing.install(store)  # no collector for later tests
+    assert tracing.export_errors() == [] and tracing.writer_errors() == []
+    return results

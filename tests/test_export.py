@@ -4,7 +4,6 @@ MLflow's file store, W&B offline), which get the eval scores as metrics.jsonl do
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -20,13 +19,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTrac
                                                                       ExportTraceServiceResponse)
 
 import lightning_sdk as ls
-from lightning_sdk import tracing
-from lightning_sdk.rollouts.episode import run_rollout
 from lightning_sdk.rollouts.job import RolloutJob
 from lightning_sdk.store import Store
 from lightning_sdk.tracing import COMPLETION_IDS, REWARD_SPAN, REWARD_VALUE, ROLLOUT_ID
 
-from .conftest import SERVED
+from .conftest import SERVED, rollouts_to_collector
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,9 +88,6 @@ def test_rollout_spans_go_to_an_otlp_receiver_with_their_rollout_ids(gateway_ser
     would repeat it) and the reward: one tree per rollout at the collector, the same spans as in the store."""
     store = Store(tmp_path / "store.sqlite")
     gw = gateway_server
-    tracing.install(store, gateway_url=gw.base_url, otlp_endpoint=receiver.url)
-    gw.capture.record_to(store)
-    gw.capture.exported = tracing.export_received  # as the runtime wires it
 
     @ls.rollout
     async def agent(task, llm):
@@ -108,25 +102,10 @@ def test_rollout_spans_go_to_an_otlp_receiver_with_their_rollout_ids(gateway_ser
     def score(task, output):
         return 1.0
 
-    llm = ls.LLM(base_url=gw.base_url, api_key=gw.api_key, model=SERVED)
     jobs = [RolloutJob(rollout_id=f"otlp-{k}", task_id=f"t{k}", group_id="0:0", task={"q": f"What is {k} + 1?"},
                        iteration=0, attempt=2) for k in range(4)]
-    for j in jobs:
-        gw.rollouts.open(j.trace_id, j.rollout_id, j.attempt)
-
-    async def phase():
-        return await asyncio.gather(*(run_rollout(j, rollout_fn=agent, reward_fn=score, llm=llm, store=store,
-                                                  timeout=120) for j in jobs))
-
-    try:
-        assert [r.status for r in asyncio.run(phase())] == ["succeeded"] * 4
-        assert gw.capture.flush()
-        tracing.flush(exporters=True)
-    finally:
-        gw.capture.record_to(None)
-        gw.capture.exported = None
-        tracing.install(store)  # no collector for later tests
-    assert tracing.export_errors() == [] and tracing.writer_errors() == []
+    results = rollouts_to_collector(gw, store, receiver.url, jobs, agent, score)
+    assert [r.status for r in results] == ["succeeded"] * 4
 
     got = receiver.by_rollout()
     assert receiver.paths and set(receiver.paths) == {"/v1/traces"}
@@ -266,7 +245,7 @@ concurrency = 4
     assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "train.loss")] == [1]
     # params flattened: filterable by each setting
     assert mlrun.data.params["train.lr"] == "0.002" and mlrun.data.params["data.group_size"] == "2"
-    assert not any(v.startswith("{") for v in mlrun.data.params.values())
+    assert not any(v.startswith("{") and v != "{}" for v in mlrun.data.params.values())  # no table as text
     assert client.search_runs([mlrun.info.experiment_id], "params.`train.lr` = '0.002'")
 
     (offline,) = (run / "wandb").glob("offline-run-*/*.wandb")
@@ -274,6 +253,8 @@ concurrency = 4
     assert [(step, row["eval.reward_mean"]) for step, row in history if "eval.reward_mean" in row] == \
         [(0, pytest.approx(baseline)), (1, pytest.approx(final))]
     assert [step for step, row in history if "train.loss" in row] == [1]
+    (config,) = (run / "wandb").glob("offline-run-*/files/config.yaml")
+    assert "train.lr:" in config.read_text()  # the settings, one per dotted key
 
 
 def wandb_history(path: Path) -> list[tuple[int, dict]]:

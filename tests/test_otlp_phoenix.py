@@ -9,7 +9,6 @@ LIGHTNING_TEST_PHOENIX. Without it this test is skipped here, and fails under CI
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
@@ -22,12 +21,10 @@ import openai
 import pytest
 
 import lightning_sdk as ls
-from lightning_sdk import tracing
-from lightning_sdk.rollouts.episode import run_rollout
 from lightning_sdk.rollouts.job import RolloutJob
 from lightning_sdk.store import Store
 
-from .conftest import SERVED
+from .conftest import SERVED, rollouts_to_collector
 
 PHOENIX = os.environ.get("LIGHTNING_TEST_PHOENIX")
 
@@ -102,9 +99,6 @@ def _messages(attrs: dict, which: str) -> list[tuple[str, str]]:
 def test_each_rollout_is_one_tree_in_phoenix(gateway_server, tmp_path, phoenix):
     store = Store(tmp_path / "store.sqlite")
     gw = gateway_server
-    tracing.install(store, gateway_url=gw.base_url, otlp_endpoint=phoenix)
-    gw.capture.record_to(store)
-    gw.capture.exported = tracing.export_received  # as the runtime wires it
 
     @ls.rollout
     async def agent(task, llm):
@@ -123,25 +117,10 @@ def test_each_rollout_is_one_tree_in_phoenix(gateway_server, tmp_path, phoenix):
     def score(task, output):
         return 1.0
 
-    llm = ls.LLM(base_url=gw.base_url, api_key=gw.api_key, model=SERVED)
     jobs = [RolloutJob(rollout_id=f"phx-{k}", task_id=f"t{k}", group_id="0:0", iteration=0,
                        task={"q": f"What is {k} + 1?", "fail": k == 2}) for k in range(3)]
-    for j in jobs:
-        gw.rollouts.open(j.trace_id, j.rollout_id, j.attempt)
-
-    async def phase():
-        return await asyncio.gather(*(run_rollout(j, rollout_fn=agent, reward_fn=score, llm=llm, store=store,
-                                                  timeout=120) for j in jobs))
-
-    try:
-        assert [r.status for r in asyncio.run(phase())] == ["succeeded", "succeeded", "failed"]
-        assert gw.capture.flush()
-        tracing.flush(exporters=True)
-    finally:
-        gw.capture.record_to(None)
-        gw.capture.exported = None
-        tracing.install(store)  # no collector for later tests
-    assert tracing.export_errors() == [] and tracing.writer_errors() == []
+    results = rollouts_to_collector(gw, store, phoenix, jobs, agent, score)
+    assert [r.status for r in results] == ["succeeded", "succeeded", "failed"]
 
     expected = 3 * (1 + 2 + 1)  # per rollout: its root, two LLM calls, one reward span
     deadline = time.monotonic() + 60  # Phoenix inserts what it received in batches

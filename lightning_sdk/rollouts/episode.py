@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 from lightning_sdk.agent import LLM, RewardError, reward_value, rollout_args
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.tracing.context import RolloutContext, rollout_context
-from lightning_sdk.tracing.instrument import export_rollout
+from lightning_sdk.tracing.instrument import export_rollout, exporting
 from lightning_sdk.tracing.records import GROUP_ID, ITERATION, PHASE, REWARD_VALUE, ROLLOUT_STATUS, TASK_ID
 
 
@@ -140,7 +140,7 @@ async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Calla
 def _exported(result: RolloutResult, ctx: RolloutContext | None, rollout_fn: Callable, start_ns: int) -> RolloutResult:
     """The rollout's own span, the root of its trace, to the user's tools (when a collector is set): the agent
     invoked on the task, with the reward and status it ended with (gen_ai's `invoke_agent` operation)."""
-    if ctx is None:
+    if ctx is None or not exporting():
         return result
     job, agent = result.job, getattr(rollout_fn, "__name__", "rollout")
     attributes: dict[str, Any] = {

@@ -126,6 +126,11 @@ def export_received(records: Sequence[SpanRecord], scope_name: str = "lightning_
                                outlets=False)
 
 
+def exporting() -> bool:
+    """Whether spans go anywhere besides the store (a collector, the application's provider)."""
+    return _state.processor is not None and bool(_state.processor.exporters.processors)
+
+
 def export_rollout(ctx: RolloutContext, *, name: str, attributes: dict[str, Any], start_ns: int, end_ns: int,
                    error: str | None) -> None:
     """The rollout's own span, the root of its trace (`ctx.span_id`, the parent its calls and spans name), to this

@@ -7,7 +7,7 @@ credit rule and names each option's TRL / verl equivalent.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
