@@ -253,17 +253,16 @@ concurrency = 4
     assert [(step, row["eval.reward_mean"]) for step, row in history if "eval.reward_mean" in row] == \
         [(0, pytest.approx(baseline)), (1, pytest.approx(final))]
     assert [step for step, row in history if "train.loss" in row] == [1]
-    (config,) = (run / "wandb").glob("offline-run-*/files/config.yaml")
-    assert "train.lr:" in config.read_text()  # the settings, one per dotted key
+    assert wandb_config(offline)["train.lr"] == 2e-3  # the settings, one per dotted key
 
 
-def wandb_history(path: Path) -> list[tuple[int, dict]]:
-    """The history rows of an offline W&B run file (what `wandb sync` uploads), read back: LevelDB-log framing
-    (32 KiB blocks; records of crc32, length, type), each record a wandb `Record` protobuf. The wandb package
-    ships no reader for it."""
+def wandb_records(path: Path):
+    """The records of an offline W&B run file (what `wandb sync` uploads), read back: LevelDB-log framing (32 KiB
+    blocks; records of crc32, length, type), each record a wandb `Record` protobuf. The wandb package ships no
+    reader for it."""
     from wandb.proto.wandb_internal_pb2 import Record
 
-    data, block, pos, parts, out = path.read_bytes(), 32768, 7, b"", []
+    data, block, pos, parts = path.read_bytes(), 32768, 7, b""
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # block trailer: padding
             pos += block - pos % block
@@ -275,7 +274,16 @@ def wandb_history(path: Path) -> list[tuple[int, dict]]:
             record = Record()
             record.ParseFromString(parts)
             parts = b""
-            if record.WhichOneof("record_type") == "history":
-                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-                out.append((int(record.history.step.num), row))
-    return out
+            yield record
+
+
+def wandb_history(path: Path) -> list[tuple[int, dict]]:
+    return [(int(r.history.step.num), {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                       for item in r.history.item})
+            for r in wandb_records(path) if r.WhichOneof("record_type") == "history"]
+
+
+def wandb_config(path: Path) -> dict:
+    return {item.key: json.loads(item.value_json) for r in wandb_records(path)
+            if r.WhichOneof("record_type") in ("config", "run") for item in
+            (r.config.update if r.WhichOneof("record_type") == "config" else r.run.config.update)}

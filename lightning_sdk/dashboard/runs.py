@@ -367,7 +367,7 @@ def outcome(path: Path) -> dict[str, Any]:
     try:
         row = json.loads((path / config_mod.OUTCOME_FILE).read_text())
     except (OSError, ValueError):
-        return {"status": "unknown", "reason": "no outcome.json: the run predates it"}
+        return {"status": "unknown", "reason": "an older run (no outcome.json)"}
     if not isinstance(row, dict):
         return {"status": "unknown", "reason": "outcome.json is not an object"}
     status, reason = str(row.get("status", "unknown")), row.get("reason")

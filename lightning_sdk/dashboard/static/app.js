@@ -152,7 +152,7 @@ function runsView(main) {
           table([["run", "l"], ["status", "l"], ["iterations"], ["last reward"], ["last eval pass", "l"], ["rollouts"], ["running"], ["failed"], ["updated", "l"]],
             data.runs.map((r) => el("tr", { "data-run": r.id },
               el("td", { class: "l" }, el("a", { href: href("run", r.id) }, r.id)),
-              el("td", { class: "l status" }, outcomeBadge(r.outcome), r.outcome && r.outcome.status !== "finished" && r.outcome.reason ? el("span", { class: "reason" }, ` ${r.outcome.reason}`) : null),
+              el("td", { class: "l status" }, outcomeBadge(r.outcome), r.outcome && r.outcome.status !== "finished" && r.outcome.reason ? el("span", { class: `reason ${r.outcome.status}` }, ` ${r.outcome.reason}`) : null),
               el("td", {}, r.iterations), el("td", {}, num(r.last_reward)),
               el("td", { class: "l eval-score" }, r.eval ? `${r.eval.words} ${r.eval.label}: ${scoreText(r.eval)}` : ""),
               el("td", {}, r.rollouts),
@@ -415,7 +415,7 @@ function countsLine(s) {
   const c = s.counts, o = s.outcome;
   return el("div", { class: "counts" },
     el("p", {}, el("span", { class: "k" }, "run "), outcomeBadge(o),
-      o && o.reason && o.status !== "finished" ? el("span", { class: "reason" }, ` ${o.reason}`) : null),
+      o && o.reason && o.status !== "finished" ? el("span", { class: `reason ${o.status}` }, ` ${o.reason}`) : null),
     el("p", {}, el("span", { class: "k" }, "rollouts: "), Object.entries(c).map(([k, v], i) => [i ? ", " : "", badge(k), ` ${v}`])));
 }
 
