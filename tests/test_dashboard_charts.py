@@ -48,12 +48,14 @@ def write_store(path: Path, rewards: dict[str, list[float]], iteration: int = 0)
     return store
 
 
-def write_run(run: Path, config: dict, outcome: dict | None) -> None:
+def write_run(run: Path, config: dict, outcome: dict | None, *, kl: bool = True) -> None:
     run.mkdir(parents=True)
     rows = [{"iteration": n + 1, "policy": "p", "reward_mean": 0.5, "reward_std": 0.6, "rollouts": 8, "failed": 0,
              "transitions": 8, "completion_tokens": 40 + n, "collect_s": 1.0 + n, "update_s": 0.5,
              "train.loss": LOSS[n], "train.kl": 0.0, "train.never": None, "train.adv_std": 0.9 + 0.01 * n}
             for n in range(4)]
+    if not kl:  # train.beta = 0: the trainer logs no KL
+        rows = [{k: v for k, v in r.items() if k != "train.kl"} for r in rows]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "config.json").write_text(json.dumps(config))
     if outcome is not None:
@@ -69,7 +71,7 @@ def dashboard(tmp_path_factory):
     base = {"run": {"name": "a", "dir": str(root / "a")}, "train": {"lr": 2e-3, "beta": 0.0, "epochs": 2}}
     write_run(root / "a", base, {"status": "stopped", "reason": "iteration 4: 5 of 8 rollouts failed", "pid": 1})
     write_run(root / "b", {"run": {"name": "b", "dir": str(root / "b")}, "train": {"lr": 1e-3, "beta": 0.0,
-                                                                                 "epochs": 1}}, None)
+                                                                                 "epochs": 1}}, None, kl=False)
     proc = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "dashboard", "--run-dir", str(root),
                              "--port", "0"], env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -133,6 +135,7 @@ def test_axes_bands_and_which_charts(dashboard):
     box = reward.locator("path.band").evaluate("p => { const b = p.getBBox(); return [b.y, b.y + b.height]; }")
     assert y["1.0"] - 0.5 <= box[0] and box[1] <= y["0"] + 0.5, (y, box)
     assert box[0] <= y["1.0"] + 0.5 and box[1] >= y["0"] - 0.5  # and reaches both (0.5 ± 0.6 is clipped, not cut)
+    assert "KL" in page.locator("table th").all_text_contents()  # measured (as 0): a column
     # the counts are labelled, and a stopped run says so and why
     counts = page.locator(".counts").inner_text()
     assert "rollouts: succeeded 8" in counts.replace("\n", " ").replace("  ", " ")
@@ -147,6 +150,11 @@ def test_runs_list_says_each_runs_status_and_compare_counts_its_rows(dashboard):
     assert "stopped" in page.locator("tr[data-run='a'] td.status").inner_text()
     assert "iteration 4: 5 of 8 rollouts failed" in page.locator("tr[data-run='a'] td.status").inner_text()
     assert "unknown" in page.locator("tr[data-run='b'] td.status").inner_text()
+    # a column no iteration has a value for is left out of the iteration table (run b logged no KL)
+    page.goto(dashboard["url"] + "#/run/b")
+    page.wait_for_selector("th:text-is('loss')")
+    headers = page.locator("table th").all_text_contents()
+    assert "loss" in headers and "KL" not in headers, headers
     page.goto(dashboard["url"] + "#/compare/a/b")
     page.wait_for_selector(".config-diff tbody tr")
     rows = page.locator(".config-diff tbody tr").evaluate_all("rs => rs.map(r => r.dataset.key)")

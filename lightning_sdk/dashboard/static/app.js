@@ -392,7 +392,9 @@ const ITER_COLS = [
 // trainedOn(iteration): show the rollouts that iteration's update (its checkpoint) trained on; absent when compact
 function iterationTable(s, compact, trainedOn) {
   const link = (h) => (h.checkpoint ? el("a", { href: "#", class: "trained-on", title: "the rollouts this checkpoint's update trained on", onclick: (e) => { e.preventDefault(); trainedOn(h.iteration); } }, h.checkpoint) : "");
-  const cols = [...ITER_COLS.filter((c) => !compact || c[3]), ...(trainedOn ? [["checkpoint", "l", link]] : [])];
+  // a column no iteration has a value for (KL with train.beta = 0: never measured) is left out
+  const any = (cell) => s.history.some((h) => { const v = cell(h); return v !== "" && v !== null && v !== undefined; });
+  const cols = [...ITER_COLS.filter((c) => (!compact || c[3]) && (!s.history.length || c[0] === "reward" || any(c[2]))), ...(trainedOn ? [["checkpoint", "l", link]] : [])];
   const evalRow = (e) => el("tr", { class: "eval", "data-iteration": e.iteration }, cols.map(([name], i) => el("td", { class: i === 1 ? "l words" : "" },
     i === 0 ? "eval" : i === 1 ? `${e.words}, ${e.label}` :
       name === "reward" ? [num(e.mean), finite(e.stderr) ? el("span", { class: "stderr", title: "standard error" }, ` ± ${num(e.stderr)}`) : null] :
