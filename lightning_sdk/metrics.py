@@ -34,6 +34,32 @@ class Tracker(Protocol):
     def finish(self) -> None: ...
 
 
+def section(key: str) -> str:
+    """Which group a logged number belongs to: TensorBoard's tag groups and the dashboard's chart sections."""
+    if key.startswith("eval"):
+        return "eval"
+    if key.startswith("reward"):
+        return "reward"
+    if key.endswith("_s") or key == "train.seconds":
+        return "time"
+    return "update" if key.startswith("train.") else "collection"
+
+
+class Grouped:
+    """A tracker whose tags are grouped as TensorBoard groups them, by what comes before a "/": each number as
+    `<section>/<its metrics.jsonl name>` (`update/train.loss`, `collection/rollouts`), so no number stands alone
+    at the top level and its name stays the one metrics.jsonl and the dashboard use."""
+
+    def __init__(self, tracker: Tracker):
+        self.tracker = tracker
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.tracker.log({f"{section(k)}/{k}": v for k, v in values.items()}, step)
+
+    def finish(self) -> None:
+        self.tracker.finish()
+
+
 def params(config: dict[str, Any]) -> dict[str, Any]:
     """The run's settings as trackers take hyperparameters: one per dotted key (`train.lr`, as in lightning.toml
     and the dashboard), so runs can be filtered and compared by each; lists and unset values as text."""
@@ -41,13 +67,13 @@ def params(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def tensorboard(run_dir: Path, name: str, config: dict[str, Any]) -> Tracker:
-    """TensorBoard in <run.dir>/tensorboard/, the settings as its hparams."""
+    """TensorBoard in <run.dir>/tensorboard/, the settings as its hparams, the tags grouped (`Grouped`)."""
     from accelerate.tracking import TensorBoardTracker
 
     tracker = TensorBoardTracker("tensorboard", run_dir)
     tracker.start()
     tracker.store_init_configuration(params(config))
-    return tracker
+    return Grouped(tracker)
 
 
 def mlflow(run_dir: Path, name: str, config: dict[str, Any]) -> Tracker:

@@ -215,12 +215,15 @@ concurrency = 4
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    # One name everywhere: each tracker names a number as metrics.jsonl does (train.loss, eval.reward_mean)
+    # One name everywhere: each tracker names a number as metrics.jsonl does (train.loss, eval.reward_mean);
+    # TensorBoard's tags put it in a group (what comes before the "/"), so none stands alone at the top level
     tb = EventAccumulator(str(run / "tensorboard"))
     tb.Reload()
-    assert [(e.step, e.value) for e in tb.Scalars("eval.reward_mean")] == [(0, pytest.approx(baseline)),
-                                                                          (1, pytest.approx(final))]
-    assert [e.step for e in tb.Scalars("reward_mean")] == [1] and [e.step for e in tb.Scalars("train.loss")] == [1]
+    assert [(e.step, e.value) for e in tb.Scalars("eval/eval.reward_mean")] == [(0, pytest.approx(baseline)),
+                                                                               (1, pytest.approx(final))]
+    assert [e.step for e in tb.Scalars("reward/reward_mean")] == [1]
+    assert [e.step for e in tb.Scalars("update/train.loss")] == [1] and tb.Scalars("time/collect_s")
+    assert {t.split("/")[0] for t in tb.Tags()["scalars"]} == {"eval", "reward", "update", "collection", "time"}
     # the settings as TensorBoard's hparams (a run of their own beside the scalars), one per dotted key
     (hp_dir,) = [d for d in (run / "tensorboard").iterdir() if d.is_dir() and any(d.glob("events.out.*"))]
     hp = EventAccumulator(str(hp_dir))

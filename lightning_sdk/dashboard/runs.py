@@ -21,6 +21,7 @@ from lightning_sdk import credit as credit_mod
 from lightning_sdk.dashboard.explain import Scoring, explain, view
 from lightning_sdk.errors import CaptureError
 from lightning_sdk.evals import EVALS_DIR, score_words, split_of
+from lightning_sdk.metrics import section
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.records import messages
 from lightning_sdk.tracing.records import (COMPLETION_IDS, COMPLETION_LOGPROBS, COMPLETION_TOKENS, PROMPT_IDS,
@@ -176,6 +177,8 @@ class RunReader:
             "history": [{**h, "checkpoint": checkpoint_name(h["iteration"]) if isinstance(h.get("iteration"), int)
                          else None} for h in history],
             "counts": self._with_store(path, Store.status_counts, {}),
+            # each logged key's chart section (the groups TensorBoard shows it in)
+            "sections": {k: section(k) for h in history for k in h},
             "outcome": outcome(path),
             # the training rewards' range: the std band cannot leave it (0/1 rewards keep it within 0 and 1)
             "reward_range": self._with_store(path, Store.reward_range, None),

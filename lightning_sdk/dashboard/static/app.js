@@ -299,7 +299,8 @@ const METRIC_NAMES = {
 const readable = (k) => METRIC_NAMES[k] || k.replace(/^train\./, "").replace(/[._]/g, " ");
 const FIRST = ["train.loss", "train.kl", "train.grad_norm", "train.entropy", "train.clip_frac", "train.zero_variance_frac",
   "train.logprob_gap", "tokens_per_completion", "collect_s", "update_s", "hotload_s"];
-const SECTIONS = [["update", "The update"], ["collect", "Collection"], ["time", "Time"], ["policy", "Per policy"]];
+// metrics.section names each key's section (the summary's `sections`)
+const SECTIONS = [["update", "The update"], ["collection", "Collection"], ["time", "Time"], ["reward", "Reward"], ["eval", "Eval"], ["policy", "Per policy"]];
 
 // One chart per numeric key of the metrics rows (reward_mean and reward_std are the reward chart above), plus
 // tokens per completion; with [policies], a policy's keys (transitions.<p>, train.<p>.<key>) share one chart.
@@ -318,7 +319,7 @@ function chartSpecs(runs) {
       let s, label = runs.length > 1 ? r.name : k;
       if (t && policies.has(t[1])) { s = spec("transitions.*", "transitions per policy", "policy"); label = `${runs.length > 1 ? r.name + " " : ""}${t[1]}`; }
       else if (p && policies.has(p[1])) { s = spec(`train.*.${p[2]}`, `${readable("train." + p[2])} per policy`, "policy"); label = `${runs.length > 1 ? r.name + " " : ""}${p[1]}`; }
-      else s = spec(k, readable(k), k.endsWith("_s") || k === "train.seconds" ? "time" : k.startsWith("train.") ? "update" : "collect");
+      else s = spec(k, readable(k), (r.sections || {})[k] || "collection");
       s.series.push({ label, run: n, value, xs: r.history.map((h) => h.iteration) });
     }
   });
@@ -392,9 +393,10 @@ const ITER_COLS = [
 // trainedOn(iteration): show the rollouts that iteration's update (its checkpoint) trained on; absent when compact
 function iterationTable(s, compact, trainedOn) {
   const link = (h) => (h.checkpoint ? el("a", { href: "#", class: "trained-on", title: "the rollouts this checkpoint's update trained on", onclick: (e) => { e.preventDefault(); trainedOn(h.iteration); } }, h.checkpoint) : "");
-  // a column no iteration has a value for (KL with train.beta = 0: never measured) is left out
+  // a column no iteration has a value for (KL with train.beta = 0: never measured) is left out; the first two
+  // stay (an eval row writes its label there)
   const any = (cell) => s.history.some((h) => { const v = cell(h); return v !== "" && v !== null && v !== undefined; });
-  const cols = [...ITER_COLS.filter((c) => (!compact || c[3]) && (!s.history.length || c[0] === "reward" || any(c[2]))), ...(trainedOn ? [["checkpoint", "l", link]] : [])];
+  const cols = [...ITER_COLS.filter((c) => (!compact || c[3]) && (!s.history.length || ["iter", "policy", "reward"].includes(c[0]) || any(c[2]))), ...(trainedOn ? [["checkpoint", "l", link]] : [])];
   const evalRow = (e) => el("tr", { class: "eval", "data-iteration": e.iteration }, cols.map(([name], i) => el("td", { class: i === 1 ? "l words" : "" },
     i === 0 ? "eval" : i === 1 ? `${e.words}, ${e.label}` :
       name === "reward" ? [num(e.mean), finite(e.stderr) ? el("span", { class: "stderr", title: "standard error" }, ` ± ${num(e.stderr)}`) : null] :
@@ -515,7 +517,7 @@ function runView(main, run, query) {
   let summary = null;
   const drawCharts = () => {
     fill(chart, el("b", {}, "Reward per iteration"), el("br"), rewardChart([{ name: run, history: summary.history, evals: summary.evals, range: summary.reward_range }], state.smoothing));
-    fill(charts, metricCharts([{ name: run, history: summary.history, policies: summary.policies }], state, drawCharts));
+    fill(charts, metricCharts([{ name: run, history: summary.history, policies: summary.policies, sections: summary.sections }], state, drawCharts));
   };
   // What checkpoint iter-N trained on: iteration N's succeeded train rollouts (train/checkpoint.trained_into).
   const trainedOn = (n) => {
@@ -744,7 +746,7 @@ function compareView(main, a, b) {
       const [sa, sb] = await Promise.all([api("summary", { run: a }), api("summary", { run: b })]);
       if (!changed([sa, sb])) return;
       fill(diff, configDiff(a, b, sa, sb));
-      runs = [[a, sa], [b, sb]].map(([name, s]) => ({ name, history: s.history, evals: s.evals, policies: s.policies, range: s.reward_range }));
+      runs = [[a, sa], [b, sb]].map(([name, s]) => ({ name, history: s.history, evals: s.evals, policies: s.policies, range: s.reward_range, sections: s.sections }));
       drawCharts();
       fill(cols, [[a, sa], [b, sb]].map(([name, s]) => el("div", { class: "side" },
         el("h3", {}, el("a", { href: href("run", name) }, name)), countsLine(s), iterationTable(s, true))));
