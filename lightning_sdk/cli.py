@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from lightning_sdk import config as config_mod
-from lightning_sdk.console import configure_output, make_console
+from lightning_sdk.console import configure_output, make_console, printable_lines
 from lightning_sdk.distribution import DISTRIBUTION, VERSION, missing_train_extra
 from lightning_sdk.evals import EVALS_DIR
 
@@ -239,7 +239,8 @@ def _show_rollout(console: Console, store: Any, record: Any) -> None:
 
     reward = "no reward" if record.reward is None else f"reward {record.reward:.3f}"
     took = "" if record.seconds is None else f", {record.seconds:.2f} s"
-    say = lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True)  # noqa: E731 agent text
+    # Agent and worker text: an escape sequence in it must not drive the terminal.
+    say = lambda line: console.print(printable_lines(line), highlight=False, markup=False, soft_wrap=True)  # noqa: E731
     say(f"rollout {record.rollout_id} ({record.phase}, iteration {record.iteration}, attempt {record.attempt}): "
         f"{record.status}, {reward}, policy {record.model or 'unknown'}{took}")
     if record.error:

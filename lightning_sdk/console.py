@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+from typing import Any
+
 from rich.console import Console
 
 LOG_WIDTH = 200  # columns when the output is not a terminal: the iteration table's 11 columns fit uncut
@@ -60,3 +62,16 @@ def make_console(quiet: bool = False) -> Console:
     if not console.is_terminal and not console.is_jupyter and "COLUMNS" not in os.environ:
         console = Console(width=LOG_WIDTH, emoji=False, quiet=quiet)
     return console
+
+
+def printable(value: Any, limit: int | None = 200) -> str:
+    """`value` as one line of plain text for a log or a console: at most `limit` characters, and every control
+    character (newline, ESC of an ANSI or OSC sequence, BEL...) escaped, so that text a client sent can neither
+    forge a line nor drive the terminal."""
+    text = str(value) if limit is None else str(value)[:limit]
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def printable_lines(text: str) -> str:
+    """`text` for a console with its line breaks and tabs kept, every other control character escaped (`printable`)."""
+    return "\n".join(printable(line.replace("\t", " " * 4), None) for line in text.split("\n"))

@@ -29,6 +29,8 @@ from rich.console import Console
 from lightning_sdk import credit, data, models, tracing
 from lightning_sdk.agent import load_agent, run_environment
 from lightning_sdk.config import Config, effective, policies
+from lightning_sdk.rollouts.remote.protocol import previous_port
+from lightning_sdk.console import printable
 from lightning_sdk.errors import CaptureError, RunError, SetupError
 from lightning_sdk.evals import EvalScore, eval_seed, split_of
 from lightning_sdk.files import DirBusyError, clean_atomic_leftovers, locked_dir, new_file
@@ -301,9 +303,16 @@ class Runtime:
         agent process's environment pointing at it (agent.redirect_openai) until `stack` closes: set before the
         agent module is imported, so OpenAI clients it builds at import time call the run's server too."""
         cfg = self.cfg
+        gateway = None
+        if self.resume and cfg.serve.port == 0 and (port := previous_port(self.run_dir)):
+            try:  # where the killed run served: its remote workers, retrying meanwhile, find the run again
+                gateway = Gateway(host=cfg.serve.host, port=port, api_key=cfg.serve.api_key or new_api_key(),
+                                  model_names=cfg.serve.model_names)
+            except OSError:
+                pass  # taken meanwhile: any free port, as serve.port = 0 asks
         try:
-            gateway = Gateway(host=cfg.serve.host, port=cfg.serve.port, api_key=cfg.serve.api_key or new_api_key(),
-                              model_names=cfg.serve.model_names)
+            gateway = gateway or Gateway(host=cfg.serve.host, port=cfg.serve.port,
+                                         api_key=cfg.serve.api_key or new_api_key(), model_names=cfg.serve.model_names)
         except OSError as e:
             key = ("serve.port", cfg.serve.port) if e.errno == errno.EADDRINUSE else ("serve.host", cfg.serve.host)
             raise SetupError(f"{key[0]} = {key[1]!r}: cannot listen on {cfg.serve.host}:{cfg.serve.port} "
@@ -616,7 +625,7 @@ class Runtime:
         bad = [r for r in results if r.failed_in == "reward"]
         if bad and self.cfg.rollout.on_reward_error == "stop":
             raise RunError(f"{len(bad)} rollout(s) got no usable reward and rollout.on_reward_error = 'stop'; "
-                           f"first: {bad[0].error}")
+                           f"first: {printable(bad[0].error, 2000)}")
         return results
 
     def _evaluate(self, tasks: list[dict], policy: dict[str, str], label: str, split: tuple[str, int],

@@ -237,7 +237,7 @@ class Store:
         spans = [(r.span_id, r.trace_id, r.parent_id, r.rollout_id, r.attempt, r.component, r.name, r.start_ns,
                   r.end_ns, r.status, r.status_message, json.dumps(r.attributes), json.dumps(r.events), source)
                  for r in records]
-        conflicts = []
+        conflicts, displaced = [], []
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -245,13 +245,24 @@ class Store:
                     if self._db.execute("INSERT OR IGNORE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                                         row).rowcount == 0:
                         stored = self._db.execute("SELECT * FROM spans WHERE span_id=?", (row[0],)).fetchone()
-                        if tuple(stored) != row:
+                        if tuple(stored) == row:
+                            continue
+                        if source == GATEWAY and stored["source"] != GATEWAY:
+                            # A call's record always wins: an agent or worker span under its id (planted, or a
+                            # 1-in-2^64 accident) is dropped, never the record the trainer learns from.
+                            self._db.execute("DELETE FROM spans WHERE span_id=?", (row[0],))
+                            self._db.execute("INSERT INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", row)
+                            displaced.append(row[0])
+                        else:
                             conflicts.append(row[0])
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            self.span_conflicts += len(conflicts)
+            self.span_conflicts += len(conflicts) + len(displaced)
+        if displaced:
+            log.warning("store: %d span(s) sent by agents or workers dropped: they held the ids of LLM calls' records "
+                        "(the records are kept): %s", len(displaced), ", ".join(displaced[:3]))
         if conflicts:
             log.warning("store: %d span(s) not stored, their ids are taken by other spans (kept): %s",
                         len(conflicts), ", ".join(conflicts[:3]))

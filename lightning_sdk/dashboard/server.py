@@ -23,13 +23,16 @@ from typing import Any, Literal
 from urllib.parse import quote, urlencode
 
 from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, PlainTextResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from lightning_sdk.dashboard.runs import MAX_PAGE, STATUSES, RunNotFound, RunReader
+from lightning_sdk.gateway.guard import DEFAULT_HEADER_TIMEOUT, guarded_protocol
 from lightning_sdk.store import ROLLOUT_SORTS
 
 STATIC = Path(__file__).parent / "static"
+SQLITE_MAX = 2**63 - 1  # SQLite's largest integer: a bigger offset or iteration is bad input, not a 500
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 SECURITY_HEADERS = {
@@ -105,6 +108,12 @@ def create_app(reader: RunReader, token: str, cookie: str) -> FastAPI:
         response.headers.update(SECURITY_HEADERS)
         return response
 
+    @app.exception_handler(RequestValidationError)
+    def _bad_query(request: Request, e: RequestValidationError) -> PlainTextResponse:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"][1:]) or "the request"
+        return PlainTextResponse(f"{where}: {first['msg']}", 400)
+
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:
         return FileResponse(STATIC / "index.html")
@@ -129,9 +138,9 @@ def create_app(reader: RunReader, token: str, cookie: str) -> FastAPI:
     def rollouts(run: str, status: Literal[STATUSES] | None = None,  # type: ignore[valid-type]
                  phase: Literal["train", "eval"] | None = None, component: str | None = None,
                  min_reward: float | None = None, max_reward: float | None = None,
-                 iteration: int | None = Query(None, ge=0), q: str | None = Query(None, max_length=500),
+                 iteration: int | None = Query(None, ge=0, le=SQLITE_MAX), q: str | None = Query(None, max_length=500),
                  sort: Literal[tuple(ROLLOUT_SORTS)] = "started",  # type: ignore[valid-type]
-                 desc: bool = True, offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=MAX_PAGE),
+                 desc: bool = True, offset: int = Query(0, ge=0, le=SQLITE_MAX), limit: int = Query(50, ge=1, le=MAX_PAGE),
                  store: str | None = None) -> Any:
         return found(reader.rollouts, run, status=status, phase=phase, component=component or None,
                      min_reward=min_reward, max_reward=max_reward, iteration=iteration, search=q or None, sort=sort,
@@ -148,12 +157,15 @@ def create_app(reader: RunReader, token: str, cookie: str) -> FastAPI:
     return app
 
 
-def serve(reader: RunReader, sock: socket.socket, token: str) -> None:
+def serve(reader: RunReader, sock: socket.socket, token: str, *,
+          header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> None:
     import uvicorn
 
     port = sock.getsockname()[1]
     app = create_app(reader, token, cookie=f"lightning_dashboard_{port}")  # cookies are per host, not per port
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+    # The gateway's guard: a connection that never completes its headers is closed after `header_timeout`.
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                  http=guarded_protocol(header_timeout=header_timeout))).run(sockets=[sock])
 
 
 def new_token() -> str:

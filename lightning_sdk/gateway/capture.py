@@ -15,9 +15,10 @@ thread, off the event loop that relays the calls.
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import json
-import random
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from opentelemetry import baggage, trace
 
 from lightning_sdk.drain import Drain
 from lightning_sdk.tracing.context import COMPONENT_KEY, PROPAGATOR, ROLLOUT_KEY
-from lightning_sdk.tracing.propagation import CALL_ID_HEADER
+from lightning_sdk.tracing.propagation import CALL_ID_HEADER, CLAIM_HEADER
 from lightning_sdk.tracing.records import (API, ATTEMPT, COMPLETION_IDS, COMPLETION_LOGPROBS, COMPLETION_TOKENS,
                                            COMPONENT, GATEWAY, POLICY, PROMPT_IDS, ROLLOUT_ID, UNREPRODUCIBLE, CallSink,
                                            SpanRecord)
@@ -66,6 +67,13 @@ class Rollout:
     phase: str  # 'train' | 'eval'
     seed: int | None = None  # an eval rollout's: its calls that set no seed sample with one made from it
     calls: Iterator[int] = field(default_factory=itertools.count, compare=False)  # numbers its calls 0, 1, ...
+    # A `lightning worker`'s rollout: its claim's secret, which a call must carry (CLAIM_HEADER, or the per-rollout
+    # URL) to be attributed to it. A trace id is no key: it is in every span exported.
+    secret: str | None = field(default=None, compare=False, repr=False)
+
+    def admits(self, secret: str | None) -> bool:
+        return self.secret is None or (secret is not None and hmac.compare_digest(secret.encode(),
+                                                                                   self.secret.encode()))
 
 
 class OpenRollouts:
@@ -77,11 +85,11 @@ class OpenRollouts:
         self._lock = threading.Lock()
 
     def open(self, key: str, rollout_id: str, attempt: int = 1, phase: str = "train", *,
-             seed: int | None = None) -> None:
+             seed: int | None = None, secret: str | None = None) -> None:
         with self._lock:
             if len(self._open) >= MAX_OPEN:
                 self._open.pop(next(iter(self._open)))
-            self._open[key] = Rollout(rollout_id, attempt, phase, seed)
+            self._open[key] = Rollout(rollout_id, attempt, phase, seed, secret=secret)
 
     def close(self, key: str) -> None:
         with self._lock:
@@ -102,20 +110,27 @@ class Origin:
 
 
 def origin(headers: Mapping[str, str], rollouts: OpenRollouts, key: str | None = None) -> Origin:
-    """The call's origin from its W3C headers, or from the per-rollout URL's `key` (which wins)."""
+    """The call's origin from its W3C headers, or from the per-rollout URL's `key` (which wins): `TRACE_ID`, or
+    `TRACE_ID.SECRET` for a worker's rollout. A worker's rollout takes only calls that carry its claim's secret
+    (in the URL, or the CLAIM_HEADER its propagation adds); any other call naming it is recorded as a call of no
+    rollout."""
     ctx = PROPAGATOR.extract(headers)
     span = trace.get_current_span(ctx).get_span_context()
     trace_id = format(span.trace_id, "032x") if span.is_valid else None
     parent_id = format(span.span_id, "016x") if span.is_valid else None
     comp = baggage.get_baggage(COMPONENT_KEY, ctx)
     comp = comp if isinstance(comp, str) and 0 < len(comp) <= 200 and comp.isprintable() else None
+    secret = headers.get(CLAIM_HEADER)
     if key is not None:
-        return Origin(rollouts.get(key), key, parent_id if trace_id == key else None, comp)
+        key, dot, in_url = key.partition(".")
+        rollout = rollouts.get(key)
+        rollout = rollout if rollout is not None and rollout.admits(in_url if dot else secret) else None
+        return Origin(rollout, key, parent_id if trace_id == key else None, comp)
     rollout = rollouts.get(trace_id)
     if rollout is None:  # under a span that started a trace of its own: the rollout's baggage entry still says
         named = baggage.get_baggage(ROLLOUT_KEY, ctx)
         rollout = rollouts.get(named if isinstance(named, str) else None)
-    return Origin(rollout, trace_id, parent_id, comp)
+    return Origin(rollout if rollout is not None and rollout.admits(secret) else None, trace_id, parent_id, comp)
 
 
 @dataclass
@@ -135,7 +150,8 @@ class Call:
     def __init__(self, capture: "Capture", origin: Origin, api: str, request: dict, *, asked: str, policy: str):
         self.capture, self.origin, self.api, self.request = capture, origin, api, request
         self.asked, self.policy = asked, policy
-        self.call_id = format(capture.ids.getrandbits(64) or 1, "016x")
+        # From the OS's CSPRNG: a worker that could predict another rollout's call ids could plant spans under them.
+        self.call_id = format(secrets.randbits(64) or 1, "016x")
         self.start_ns, self.end_ns = time.time_ns(), 0
         self.status, self.error = 200, None
         self.prompt_ids: list[int] | None = None
@@ -286,7 +302,7 @@ def _arguments(raw: Any) -> Any:
     if isinstance(raw, str):
         try:
             parsed = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past Python's recursion limit: kept as the text it is
             return raw
         return parsed if isinstance(parsed, dict) else raw
     return raw
@@ -335,7 +351,6 @@ class Capture:
         self.rollouts = rollouts
         self.sink: CallSink | None = None
         self.exported: Callable[[list[SpanRecord], str], None] | None = None  # records also go to the user's tools
-        self.ids = random.Random()  # span ids: seeded from the OS, apart from the `random` a trainer seeds
         self.recorded = 0
         self.unattributed = 0  # calls of no open rollout
         self._drain: Drain[Call] | None = None
@@ -361,10 +376,21 @@ class Capture:
         return self._drain.flush(timeout_s) if self._drain is not None else True
 
     def _write(self, calls: list[Call]) -> None:
-        records = [c.record() for c in calls]
+        records = [_record(c) for c in calls]
         self.unattributed += sum(1 for r in records if not r.rollout_id)
         if self.sink is not None:
             self.sink.write_calls(records)
         self.recorded += len(records)
         if self.exported is not None:
             self.exported(records, "lightning_sdk.gateway")
+
+
+def _record(call: Call) -> SpanRecord:
+    """The call's record; a call whose record cannot be made (whatever the agent sent) is recorded failed, alone:
+    one request never stops the writer, and with it the run."""
+    try:
+        return call.record()
+    except Exception as e:  # noqa: BLE001 - any fault of one call's content is that call's
+        call.fail(500, f"its record could not be made: {type(e).__name__}: {str(e)[:300]}")
+        call.request, call.choices, call.prompt_ids = {}, {}, None
+        return call.record()

@@ -21,6 +21,8 @@ import h11
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from lightning_sdk.console import printable
+
 log = logging.getLogger("lightning_sdk.servers")
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes, as vLLM leaves it open; every other route needs the key
@@ -106,19 +108,22 @@ async def _send_json(send: Any, status: int, body: dict) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
-class RefusedRequests:
-    """401s summarised as a reverse proxy does, so that a flood of bad keys cannot grow the log without bound: the
-    first refusal from a source in a minute is logged at once, the rest are counted and logged as one line per
-    source when the minute ends. At most `max_sources` sources are told apart per minute; more are counted together.
-    """
+class PerSourceLog:
+    """Lines about requests summarised as a reverse proxy does, so that a flood cannot grow the log without bound:
+    the first such request from a source in a minute is logged at once (`first`, formatted with the source and the
+    request's own words), the rest are counted and logged as one line per source when the minute ends (`more`,
+    formatted with the count and the source). At most `max_sources` sources are told apart per minute; more are
+    counted together. Whatever a request sent is logged escaped (`printable`): it cannot forge a line."""
 
-    def __init__(self, *, window: float = 60.0, max_sources: int = 64, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, first: str, more: str, *, window: float = 60.0, max_sources: int = 64,
+                 clock: Callable[[], float] = time.monotonic):
+        self.first_line, self.more_line = first, more
         self.window, self.max_sources, self.clock = window, max_sources, clock
         self.counts: dict[str, int] = {}
-        self.until: float | None = None  # the end of the current minute; None while nothing was refused
+        self.until: float | None = None  # the end of the current minute; None while nothing was noted
 
-    def note(self, source: str, method: str, path: str) -> bool:
-        """Count one refusal; True when it opened a new minute (the caller arranges a `flush` at its end)."""
+    def note(self, source: str, **words: Any) -> bool:
+        """Count one request; True when it opened a new minute (the caller arranges a `flush` at its end)."""
         now = self.clock()
         if self.until is not None and now >= self.until:
             self.flush()
@@ -129,17 +134,33 @@ class RefusedRequests:
             source = "other sources"
         self.counts[source] = self.counts.get(source, 0) + 1
         if self.counts[source] == 1:
-            log.warning("%s %r from %s -> 401 (missing or wrong API key); further refusals from it are counted, "
-                        "one line a minute", method, path[:200], source)
+            log.warning(self.first_line.format(source=source, **{k: printable(v) for k, v in words.items()}))
         return opened
 
     def flush(self) -> None:
-        """Log the minute's counts (refusals after the first, per source) and start afresh."""
+        """Log the minute's counts (requests after the first, per source) and start afresh."""
         for source, n in self.counts.items():
             if n > 1:
-                log.warning("%d more request(s) from %s refused with 401 in the last %.0fs", n - 1, source,
-                            self.window)
+                log.warning(self.more_line.format(n=n - 1, source=source, window=self.window))
         self.counts, self.until = {}, None
+
+    def flush_later(self) -> None:
+        """Arrange the minute's `flush` at its end, on the running event loop (after a `note` that opened one),
+        even if nothing more is noted."""
+        until = self.until
+        asyncio.get_running_loop().call_later(self.window, lambda: self.until == until and self.flush())
+
+
+class RefusedRequests(PerSourceLog):
+    """401s summarised per source per minute."""
+
+    def __init__(self, **kw: Any):
+        super().__init__("{method} {path!r} from {source} -> 401 (missing or wrong API key); further refusals "
+                         "from it are counted, one line a minute",
+                         "{n} more request(s) from {source} refused with 401 in the last {window:.0f}s", **kw)
+
+    def note(self, source: str, method: str, path: str) -> bool:  # type: ignore[override]
+        return super().note(source, method=method, path=path)
 
 
 class KeyCheck:
@@ -169,15 +190,10 @@ class KeyCheck:
             if not hmac.compare_digest(header, self._expected(scope["path"])):
                 source = (scope.get("client") or ("unknown",))[0]
                 if self.refused.note(str(source), str(scope.get("method")), scope["path"]):
-                    # the minute's counts are logged when it ends, even if nothing is refused after it
-                    asyncio.get_running_loop().call_later(self.refused.window, self._end_minute, self.refused.until)
+                    self.refused.flush_later()
                 return await _send_json(send, 401, error_body(
                     401, "Unauthorized: missing or wrong API key (Authorization: Bearer ...)"))
         await self.app(scope, receive, send)
-
-    def _end_minute(self, until: float) -> None:
-        if self.refused.until == until:  # not already flushed by a refusal after the minute's end
-            self.refused.flush()
 
 
 def connection_cap(wanted: int) -> int:

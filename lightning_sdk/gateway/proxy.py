@@ -158,7 +158,9 @@ class Gateway:
     # --------------------------------------------------------------------------------------------- the app
 
     def _app(self) -> FastAPI:
-        app = FastAPI(title="lightning-sdk gateway", telemetry={"tracing": False})
+        # No /docs or /openapi.json: they would list every route (the work routes too) to whoever holds a key.
+        app = FastAPI(title="lightning-sdk gateway", telemetry={"tracing": False}, docs_url=None, redoc_url=None,
+                      openapi_url=None)
         # An idle connection is dropped before the backend's own keep-alive (uvicorn's and vLLM's: 5 s) can close
         # it under a request reusing it, which would fail that call with a ReadError.
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10),
@@ -170,6 +172,14 @@ class Gateway:
             if e.status >= 500:
                 log.warning("gateway: %s %s -> %d: %s", request.method, request.url.path, e.status, e.message)
             return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
+
+        @app.exception_handler(RecursionError)
+        async def _too_deep(request: Request, e: RecursionError) -> JSONResponse:
+            # A body nested thousands deep parses (or not) into Python's recursion limit wherever it is walked: one
+            # line and a 400, never a traceback per request.
+            message = f"the request body is nested too deeply ({RecursionError.__name__}: {e})"
+            log.warning("gateway: %s %s -> 400: %s", request.method, request.url.path, message)
+            return JSONResponse(error_body(400, message), status_code=400)
 
         @app.get("/health")
         async def health() -> dict:
@@ -390,3 +400,6 @@ async def _json_body(request: Request) -> Any:
         return await parse_off_loop(raw, json.loads)
     except (ValueError, UnicodeDecodeError):
         raise GatewayError(400, "the request body is not valid JSON") from None
+    except RecursionError as e:
+        log.warning("gateway: POST %s -> 400: the request body is nested too deeply", request.url.path)
+        raise GatewayError(400, f"the request body is nested too deeply to parse ({e})") from None

@@ -257,6 +257,8 @@ def _translate(raw: bytes, kept: _Kept) -> _Call:
         body = json.loads(raw)
     except ValueError:
         raise GatewayError(400, "the request body is not valid JSON") from None
+    except RecursionError as e:
+        raise GatewayError(400, f"the request body is nested too deeply to parse ({e})") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object")
     req = _validated(ResponsesRequest, body)

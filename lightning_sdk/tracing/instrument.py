@@ -11,8 +11,7 @@ repeat each call the gateway records.
 from __future__ import annotations
 
 import atexit
-import os
-import random
+import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -63,22 +62,19 @@ def install(sink: SpanSink, *, gateway_url: str | None = None, otlp_endpoint: st
 
 
 class PrivateRandomIds(IdGenerator):
-    """Span and trace ids from a random generator of our own, seeded from the OS (again in a forked child).
+    """Span and trace ids from the OS's CSPRNG (`secrets`), as every id that decides what is stored is drawn.
 
     OpenTelemetry's default generator draws from the `random` module, whose state training code seeds and
     restores: a resumed run would draw the very ids it drew before the kill, and the store would see old ids for
-    new spans.
+    new spans. And a Mersenne Twister's next ids follow from 624 of its outputs: whoever saw enough ids could
+    plant a span under one still to come.
     """
 
-    def __init__(self) -> None:
-        self._random = random.Random()  # seeded from os.urandom
-        os.register_at_fork(after_in_child=self._random.seed)
-
     def generate_span_id(self) -> int:
-        return self._random.getrandbits(64) or 1  # 0 is the invalid span id
+        return secrets.randbits(64) or 1  # 0 is the invalid span id
 
     def generate_trace_id(self) -> int:
-        return self._random.getrandbits(128) or 1
+        return secrets.randbits(128) or 1
 
     def is_trace_id_random(self) -> bool:
         return True

@@ -25,6 +25,9 @@ from opentelemetry import context as otel_context
 from lightning_sdk.tracing.context import PROPAGATOR, current_rollout
 
 CALL_ID_HEADER = "x-lightning-call-id"  # the gateway's answer: the id of its record of the call
+# A remote worker's claim secret, on its calls toward the gateway (and its results): only calls that carry it are
+# recorded into the claim's rollout. Sent as a header of its own, never as baggage, which other hosts may be sent.
+CLAIM_HEADER = "x-lightning-claim"
 
 _target: tuple[str, int] | None = None  # (host, port) of the gateway
 _installed = False
@@ -58,6 +61,9 @@ def _toward_gateway(host: Any, port: Any, scheme: Any) -> bool:
 
 def _inject(headers: Any) -> None:
     PROPAGATOR.inject(headers, context=otel_context.get_current())
+    ctx = current_rollout()
+    if ctx is not None and ctx.claim is not None:
+        headers[CLAIM_HEADER] = ctx.claim
 
 
 def _saw(headers: Any) -> None:

@@ -9,12 +9,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
 
 CHECKPOINTS = "checkpoints"
@@ -106,9 +108,32 @@ def write_checkpoint(run_dir: Path, iteration: int, trainer: Any, state: RunStat
     """Checkpoint `trainer` and `state` as iter-<iteration>; only the newest `keep` checkpoints stay."""
     root = Path(run_dir) / CHECKPOINTS
     final = root / checkpoint_name(iteration)
-    with atomic_dir(final) as tmp:
-        trainer.save_state(tmp / TRAINER)
-        (tmp / STATE).write_text(state.to_json())
+    try:
+        with atomic_dir(final) as tmp:
+            trainer.save_state(tmp / TRAINER)
+            (tmp / STATE).write_text(state.to_json())
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        last = latest_checkpoint(run_dir)
+        raise RunError(f"no space left on the disk of {root} while saving checkpoint {final.name} (nothing of it was "
+                       f"kept; {f'the last checkpoint, {last.name}, and ' if last else ''}the store are intact): free "
+                       f"at least {_size(last) if last else 'the size of a checkpoint'} on that disk, then continue "
+                       f"with `lightning run --resume`") from None
     for old in sorted(root.glob("iter-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether `e` says the disk (or the user's quota) is full: an OSError, or a library's own error that only says
+    so in words (safetensors' SafetensorError: "No space left on device (os error 28)")."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return any(words in str(e) for words in ("No space left on device", "Disk quota exceeded", "StorageFull"))
+
+
+def _size(checkpoint: Path) -> str:
+    """A checkpoint's size on disk, in words."""
+    total = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
+    return f"{total / 2**20:.1f} MiB" if total < 2**30 else f"{total / 2**30:.2f} GiB"

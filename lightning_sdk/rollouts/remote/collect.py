@@ -50,7 +50,9 @@ class RemoteCollector(EmbeddedCollector):
                          console=console)
         self.run_dir = Path(log_dir)
         self.dispatch = Dispatch(store, rollouts=gateway.rollouts)
-        self.worker_token = new_api_key()  # the workers' key: opens the work routes only
+        # The workers' key: opens the work routes only. A resumed run keeps the one its killed run left, so that
+        # workers still running (retrying meanwhile) go on working with it.
+        self.worker_token = _previous_token(self.token_file) or new_api_key()
         self._refused_shown = 0
 
     @property
@@ -185,3 +187,12 @@ class RemoteCollector(EmbeddedCollector):
             reasons = "; ".join(f"{n} {why}" for why, n in sorted(refused.items()))
             self.console.print(f"[yellow]{total} span(s) from workers refused so far: {escape(reasons)}",
                                highlight=False, soft_wrap=True)
+
+
+def _previous_token(path: Path) -> str | None:
+    """The workers' key a killed run left in its directory (a clean stop removes it), if it looks like one."""
+    try:
+        token = path.read_text().strip()
+    except OSError:
+        return None
+    return token if len(token) >= 32 and token.isascii() and token.isprintable() else None

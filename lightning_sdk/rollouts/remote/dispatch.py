@@ -164,7 +164,8 @@ class Dispatch:
             index, job = self._queue.popleft()
             claim = Claimed(index, job, worker, self.clock() + self.deadline_s, self.generation)
             self._claims[job.rollout_id] = claim
-            self.rollouts.open(job.trace_id, job.rollout_id, job.attempt, job.phase, seed=job.seed)
+            self.rollouts.open(job.trace_id, job.rollout_id, job.attempt, job.phase, seed=job.seed,
+                               secret=claim.secret)
             policy = self.policy
         self.store.start_rollout(job.rollout_id, task_id=job.task_id, group_id=job.group_id, iteration=job.iteration,
                                  phase=job.phase, attempt=job.attempt, model=policy)

@@ -6,19 +6,27 @@ Client (`lightning_sdk/rollouts/remote/worker.py`); it needs pydantic only, so t
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lightning_sdk.agent import MAX_ABS_REWARD
 from lightning_sdk.rollouts.job import RolloutJob
+# On a result and on the rollout's LLM calls: the claim's secret; spans carry it as `lightning.claim`
+from lightning_sdk.tracing.propagation import CLAIM_HEADER
+
+__all__ = ["CLAIM", "CLAIM_HEADER", "RESULT", "RUN", "TRACES", "TOKEN_FILE", "SERVER_FILE", "LONG_POLL_S",
+           "ClaimRequest", "Endpoint", "Claim", "Result", "RunInfo", "previous_port"]
 
 CLAIM = "/v1/work/claim"  # POST ClaimRequest -> 200 Claim | 204 nothing to do yet | 410 the run is over
 RESULT = "/v1/work/{rollout_id}/result"  # POST Result -> 200 | 409 not (or no longer) claimed: ignored
 RUN = "/v1/run"  # GET -> RunInfo
 TRACES = "/v1/traces"  # POST OTLP/HTTP ExportTraceServiceRequest (protobuf or JSON)
 
-CLAIM_HEADER = "x-lightning-claim"  # on a result: the claim's secret; spans carry it as `lightning.claim`
 TOKEN_FILE, SERVER_FILE = "worker.token", "server.json"  # in the run directory: the key, and {"url": ...}
 LONG_POLL_S = 20.0  # a claim waits at most this long for work before it is answered 204
 
@@ -27,8 +35,18 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _plain_name(v: str) -> str:
+    # A worker's name is printed and logged by the server: a newline or an ANSI/OSC escape in it would forge a line
+    # or drive the terminal.
+    if not v.isprintable():
+        raise ValueError("holds a control character (a newline, an escape...); expected a plain name")
+    return v
+
+
 class ClaimRequest(_Body):
     worker: str = Field(min_length=1, max_length=200, description="who claims: shown in the server's log")
+
+    _plain = field_validator("worker")(_plain_name)
 
 
 class Endpoint(BaseModel):
@@ -69,11 +87,15 @@ class Result(_Body):
     traceback: str | None = None
     failed_in: Literal["rollout", "reward"] | None = Field(None, description="which user function failed")
 
+    _plain = field_validator("worker")(_plain_name)
+
     @field_validator("reward")
     @classmethod
     def _finite(cls, v):
         if v is not None and not math.isfinite(v):
             raise ValueError("must be a finite number or null")
+        if v is not None and abs(v) > MAX_ABS_REWARD:  # the bound a reward function's value is held to
+            raise ValueError(f"{v!r} is beyond the bound: expected a reward within +-{MAX_ABS_REWARD:g}")
         return v
 
     @model_validator(mode="after")
@@ -89,3 +111,13 @@ class RunInfo(BaseModel):
     over: bool  # the run has ended: workers exit
     redirect_openai: bool  # agent.redirect_openai: workers point OPENAI_BASE_URL / OPENAI_API_KEY at the server
     api_key: str  # the key agents call the run's LLM routes with (it opens no work route)
+
+
+def previous_port(run_dir: Path) -> int:
+    """The port a killed remote run of `run_dir` served on (its SERVER_FILE, which a clean stop removes), or 0: a
+    resumed run serves there again if it can, so that the workers given its URL reach it again."""
+    try:
+        port = urlsplit(json.loads((Path(run_dir) / SERVER_FILE).read_text())["url"]).port
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    return port or 0

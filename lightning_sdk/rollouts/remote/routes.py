@@ -19,7 +19,8 @@ from pydantic import BaseModel, ValidationError
 from lightning_sdk.rollouts.remote import protocol
 from lightning_sdk.rollouts.remote.dispatch import Dispatch, Forbidden
 from lightning_sdk.rollouts.remote.protocol import Claim, ClaimRequest, Endpoint, Result, RunInfo
-from lightning_sdk.gateway.guard import MAX_BODY_BYTES, error_body, parse_off_loop
+from lightning_sdk.console import printable
+from lightning_sdk.gateway.guard import MAX_BODY_BYTES, PerSourceLog, error_body, parse_off_loop
 from lightning_sdk.rollouts.remote import otlp
 
 log = logging.getLogger("lightning_sdk")
@@ -34,6 +35,19 @@ def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, redirect_ope
                 long_poll_s: float = protocol.LONG_POLL_S, max_body_bytes: int = MAX_BODY_BYTES) -> APIRouter:
     """The routes; `api_key` is the key agents use for LLM calls (the gateway's), handed to workers."""
     router = APIRouter()
+    # A worker key can send results for rollouts it does not hold as fast as it likes: logged per source a minute.
+    foreign = PerSourceLog("result for {rollout} from {source} refused: the sender does not hold its claim; further "
+                           "such results from it are counted, one line a minute",
+                           "{n} more result(s) from {source} refused in the last {window:.0f}s: the sender does not "
+                           "hold their claim")
+    unclaimed = PerSourceLog("result for {rollout} from {source} (worker {worker}) ignored: not claimed now; further "
+                             "such results from it are counted, one line a minute",
+                             "{n} more result(s) from {source} ignored in the last {window:.0f}s: their rollouts are "
+                             "not claimed now")
+
+    def summarised(lines: PerSourceLog, request: Request, **words: object) -> None:
+        if lines.note((request.client or ("unknown",))[0], **words):
+            lines.flush_later()
 
     @router.get(protocol.RUN)
     async def run() -> dict:
@@ -53,13 +67,15 @@ def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, redirect_ope
                 return JSONResponse(error_body(410, f"run {run_name!r} is over"), status_code=410)
             return Response(status_code=204)
         job = claimed.job
-        log.debug("%s claimed %s", body.worker, job.rollout_id)
+        log.debug("%s claimed %s", printable(body.worker), printable(job.rollout_id))
         root = str(request.base_url).rstrip("/")  # the address this worker reached us at: right on other machines
         return JSONResponse(Claim(
             rollout_id=job.rollout_id, task_id=job.task_id, group_id=job.group_id, task=job.task,
             iteration=job.iteration, phase=job.phase, attempt=job.attempt, timeout=dispatch.timeout,
             deadline_s=max(0.0, claimed.deadline - dispatch.clock()),
-            llm=Endpoint(base_url=f"{root}/rollouts/{job.trace_id}/v1", api_key=api_key, model=dispatch.policy or ""),
+            # The rollout's URL holds its claim's secret: only the claim holder's calls train under it.
+            llm=Endpoint(base_url=f"{root}/rollouts/{job.trace_id}.{claimed.secret}/v1", api_key=api_key,
+                         model=dispatch.policy or ""),
             trace_id=job.trace_id, secret=claimed.secret,
         ).model_dump(mode="json"))
 
@@ -76,12 +92,12 @@ def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, redirect_ope
                 return body
             finished = await asyncio.to_thread(dispatch.finish, rollout_id, body, secret)
         except Forbidden:
-            log.warning("result for %s refused: the sender does not hold its claim", rollout_id[:200])
+            summarised(foreign, request, rollout=repr(rollout_id))
             return JSONResponse(error_body(403, f"rollout {rollout_id[:200]!r} is claimed by another worker: only "
                                                 f"its claim's secret ({protocol.CLAIM_HEADER}) can report it"),
                                 status_code=403)
         if finished is None:
-            log.info("result for %s from %s ignored: not claimed now", rollout_id[:200], body.worker)
+            summarised(unclaimed, request, rollout=repr(rollout_id), worker=body.worker)
             return JSONResponse(error_body(409, f"rollout {rollout_id[:200]!r} is not claimed now (unknown, already "
                                                 f"finished, or abandoned at its deadline and re-run under another "
                                                 f"id): this result is ignored"), status_code=409)

@@ -53,6 +53,7 @@ class Settings:
     reward: str | None = None
     concurrency: int = 8
     name: str = f"{socket.gethostname()}-{os.getpid()}"
+    token_path: Path | None = None  # where the token was read (--token-file, --run-dir): read again after a 401
 
 
 def settings(*, module: str | None, server: str | None, token_file: Path | None, run_dir: Path | None,
@@ -72,13 +73,13 @@ def settings(*, module: str | None, server: str | None, token_file: Path | None,
                          f"run's directory on this machine with --run-dir")
     if not server.startswith(("http://", "https://")):
         raise SetupError(f"--server {server!r}: expected an http:// or https:// URL")
-    token = None
+    token, token_path = None, None
     if token_file is not None:
-        token = _read_token(token_file, "--token-file")
+        token, token_path = _read_token(token_file, "--token-file"), token_file
     elif os.environ.get(TOKEN_ENV):
         token = os.environ[TOKEN_ENV].strip()
     elif run_dir is not None:
-        token = _read_token(run_dir / TOKEN_FILE, "--run-dir")
+        token, token_path = _read_token(run_dir / TOKEN_FILE, "--run-dir"), run_dir / TOKEN_FILE
     if not token:
         raise SetupError(f"no token: pass --token-file (the run directory's {TOKEN_FILE}), set {TOKEN_ENV}, or give "
                          f"the run's directory on this machine with --run-dir")
@@ -88,7 +89,7 @@ def settings(*, module: str | None, server: str | None, token_file: Path | None,
         raise SetupError(f"agent module {module!r}: file not found (run the worker in the agent's folder, or give "
                          f"the module's path)")
     return Settings(server=server.rstrip("/"), token=token, module=module, rollout=rollout, reward=reward,
-                    concurrency=concurrency)
+                    concurrency=concurrency, token_path=token_path)
 
 
 def _read_token(path: Path, flag: str) -> str:
@@ -144,8 +145,11 @@ class Worker:
         self.rows = _Rows()
         self.done = {"succeeded": 0, "failed": 0, "not reported": 0, "refused": 0}
         self._outage = False
+        self._connected = False  # the server has taken the token once: a 401 after that is a restarted server
+        self._token = s.token
         self._phase: tuple[str, int] | None = None
         self.signal: int | None = None  # the SIGINT / SIGTERM that stops the worker
+        self.shipper: RolloutShipper | None = None
         self._loops: list[asyncio.Task] = []
         self._running: dict[asyncio.Task, str] = {}  # claim loop -> the rollout it runs now
         self._cut: list[str] = []  # rollouts a second signal stopped: the server re-runs them
@@ -208,7 +212,7 @@ class Worker:
                 return f"run {info.name!r} at {s.server} is over; nothing to do"
             with run_environment(f"{s.server}/v1", info.api_key, redirect_openai=info.redirect_openai):
                 self.rollout_fn, self.reward_fn = load_agent(s.module, s.rollout, s.reward)
-                self._install_tracing(headers)
+                self._install_tracing()
                 self.console.print(f"worker {s.name}: run {info.name!r} at {s.server}, agent {s.module}, "
                                    f"{s.concurrency} rollout(s) at a time", highlight=False, soft_wrap=True)
                 loop = asyncio.get_running_loop()
@@ -235,13 +239,16 @@ class Worker:
             return self._closing()
         return f"run {info.name!r} is over: worker {s.name} exits ({self._tally()})"
 
-    def _install_tracing(self, headers: dict[str, str]) -> None:
+    def _install_tracing(self) -> None:
+        self.shipper = RolloutShipper(self._exporter())
+        tracing.install(self.rows, gateway_url=f"{self.s.server}/v1", outlets=[self.shipper])
+
+    def _exporter(self) -> Any:
         from opentelemetry.exporter.otlp.proto.http import Compression
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        self.shipper = RolloutShipper(OTLPSpanExporter(endpoint=f"{self.s.server}{protocol.TRACES}", headers=headers,
-                                                       compression=Compression.Gzip, timeout=10))
-        tracing.install(self.rows, gateway_url=f"{self.s.server}/v1", outlets=[self.shipper])
+        return OTLPSpanExporter(endpoint=f"{self.s.server}{protocol.TRACES}", compression=Compression.Gzip,
+                                headers={"Authorization": f"Bearer {self._token}"}, timeout=10)
 
     def _tally(self) -> str:
         return ", ".join(f"{n} {k}" for k, n in self.done.items() if n) or "no rollouts"
@@ -308,7 +315,8 @@ class Worker:
     async def _request(self, method: str, path: str, *, what: str, until: float | None = None,
                        **kw: Any) -> httpx.Response | None:
         """Send; while the server is unreachable or answers 5xx, again with backoff (until `until`, a monotonic
-        time: then None). A 401 raises Unauthorized."""
+        time: then None). A 401 raises Unauthorized, unless the server took the token before: then it was restarted
+        (`--resume`), and the worker waits for it, reading its token again."""
         if "content" in kw:
             kw.setdefault("headers", {})["Content-Type"] = "application/json"
         delay = 0.25
@@ -318,10 +326,16 @@ class Worker:
                 problem = None if r.status_code < 500 else f"HTTP {r.status_code}"
             except httpx.TransportError as e:
                 r, problem = None, type(e).__name__
-            if problem is None:
-                if r.status_code == 401:
+            if problem is None and r.status_code == 401:
+                if not self._connected:
                     raise Unauthorized(f"the server at {self.s.server} refused the token (401): use the run's "
                                        f"{TOKEN_FILE} (--token-file) or {TOKEN_ENV}")
+                # It took the token before: the run was restarted (`--resume`) with another. Wait for it, reading
+                # the token again where it came from.
+                problem = "it refused the token (401); reading the token again"
+                self._reread_token()
+            elif problem is None:
+                self._connected = True
                 if self._outage:
                     self._outage = False
                     self.console.print(f"server {self.s.server} reachable again", highlight=False)
@@ -334,3 +348,15 @@ class Worker:
                                    f"backoff", highlight=False)
             await asyncio.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(delay * 2, MAX_BACKOFF_S)
+
+    def _reread_token(self) -> None:
+        path = self.s.token_path
+        try:
+            token = path.read_text().strip() if path is not None else ""
+        except OSError:
+            return
+        if token and token != self._token:
+            self._token = token
+            self.http.headers["Authorization"] = f"Bearer {token}"
+            if self.shipper is not None:
+                self.shipper.exporter = self._exporter()
