@@ -103,7 +103,7 @@ def test_rollouts_sort_by_a_named_column_and_search_text_as_text(dashboard):
             assert page.status_code == 200, page.text
             return [r["rollout_id"] for r in page.json()["rows"]]
 
-        assert c.get("/api/rollouts", params={"run": "main", "sort": "reward; DROP TABLE rollouts"}).status_code == 422
+        assert c.get("/api/rollouts", params={"run": "main", "sort": "reward; DROP TABLE rollouts"}).status_code == 400
         # rewards 1.0 (it1-a, it1-b, it2-old-*), 0.0 (it2-new-a), none (it1-c): a missing reward comes last both ways
         assert ids(sort="reward", desc="false")[0] == "it2-new-a" and ids(sort="reward", desc="false")[-1] == "it1-c"
         assert ids(sort="reward")[-2:] == ["it2-new-a", "it1-c"]
@@ -137,3 +137,38 @@ def test_the_page_lists_what_a_checkpoint_trained_on(dashboard, tmp_path):
             assert errors == []
         finally:
             browser.close()
+
+
+@pytest.mark.parametrize("name", ["offset", "iteration"])
+def test_a_number_past_sqlite_s_integers_is_a_400_naming_it(dashboard, name):
+    with httpx.Client(base_url=dashboard["base"], cookies=dashboard["cookies"]) as c:
+        for value in ("1e20", str(2**63), "100000000000000000000"):
+            r = c.get("/api/rollouts", params={"run": "main", name: value})
+            assert r.status_code == 400 and r.text.startswith(name) and "\n" not in r.text, (value, r.text)
+        assert c.get("/api/rollouts", params={"run": "main", name: str(2**63 - 1)}).status_code == 200
+
+
+def test_connections_that_never_finish_their_headers_are_closed(dashboard):
+    """Slowloris, bounded: 50 sockets each send half a request line and wait; the dashboard closes them all after
+    its header timeout (15 s) and still serves."""
+    import socket
+    import time
+
+    host, port = dashboard["base"].removeprefix("http://").rsplit(":", 1)
+    socks = []
+    for _ in range(50):
+        s = socket.create_connection((host, int(port)), timeout=30)
+        s.sendall(b"GET /api/runs HTTP/1.1\r\nHost: x\r\n")  # never the blank line that ends the headers
+        socks.append(s)
+    start, closed = time.monotonic(), 0
+    for s in socks:
+        s.settimeout(max(0.1, 30 - (time.monotonic() - start)))
+        try:
+            closed += s.recv(1) == b""  # the server closed it
+        except (TimeoutError, socket.timeout):
+            pass
+        finally:
+            s.close()
+    took = time.monotonic() - start
+    assert closed == 50 and took < 25, (closed, took)
+    assert httpx.get(dashboard["base"] + "/api/runs", cookies=dashboard["cookies"]).status_code == 200
