@@ -51,7 +51,8 @@ def chat(claim, content):
                 key=claim["llm"]["api_key"])
 
 
-BAD = ["nan_reward", "string_reward", "bogus_token_ids", "prompt_too_long", "nan_reward_span", "foreign_result"]
+BAD = ["nan_reward", "string_reward", "bogus_token_ids", "prompt_too_long", "nan_reward_span", "foreign_result",
+       "huge_reward", "unbounded_reward"]
 status, info = call("GET", server + "/v1/run")
 held = []
 for k in range(n):
@@ -64,6 +65,9 @@ for k in range(n):
     url = f"{server}/v1/work/{claim['rollout_id']}/result"
     if what == "nan_reward":
         answer = call("POST", url, b'{"worker": "evil", "status": "succeeded", "reward": NaN}', headers=mine)
+    elif what in ("huge_reward", "unbounded_reward"):  # finite, but past the bound of +-1e6
+        answer = call("POST", url, {**result, "reward": 1.7e308 if what == "huge_reward" else 1000001.0},
+                      headers=mine)
     elif what == "string_reward":
         answer = call("POST", url, {**result, "reward": "abc"}, headers=mine)
     elif what == "bogus_token_ids":  # a real call, then spans with ids that would crash a trainer that read them

@@ -278,6 +278,9 @@ def test_a_claim_is_its_holders_alone(api):
 @pytest.mark.parametrize("sent, field", [
     (b'{"worker": "w", "status": "succeeded", "reward": NaN}', "reward"),
     (b'{"worker": "w", "status": "succeeded", "reward": "abc"}', "reward"),
+    (b'{"worker": "w", "status": "succeeded", "reward": 1000001.0}', "reward"),  # past the bound of +-1e6
+    (b'{"worker": "w", "status": "succeeded", "reward": 1.7e308}', "reward"),
+    (b'{"worker": "w", "status": "failed", "reward": -1e300}', "reward"),
     ("span", "lightning.reward.value"),
     ("nan span", "lightning.reward.value"),
 ])

@@ -47,7 +47,7 @@ worker_timeout = 120
     workers = []
     try:
         token = (d / "run/worker.token").read_text().strip()
-        evil = subprocess.run([sys.executable, str(HERE / "remote_evil_worker.py"), url, token, "6"], cwd=d,
+        evil = subprocess.run([sys.executable, str(HERE / "remote_evil_worker.py"), url, token, "8"], cwd=d,
                               capture_output=True, text=True, timeout=180, env={"PATH": "/usr/bin:/bin"})
         workers.append(subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "worker", "agent.py", "--run-dir",
                                          "run", "--concurrency", "4"], cwd=d, env=env, stdout=subprocess.PIPE,
@@ -59,12 +59,13 @@ worker_timeout = 120
             p.kill()
     assert evil.returncode == 0, evil.stderr
     did = {r["did"]: r for r in map(json.loads, evil.stdout.splitlines())}
-    assert len(did) == 6, evil.stdout
+    assert len(did) == 8, evil.stdout
     assert trainer.returncode == 0, out  # the run went on
     assert did["foreign_result"]["answer"][0] == 403
     store = Store(d / "run/store.sqlite", read_only=True)
     row = {what: store.rollout(r["rollout_id"]) for what, r in did.items()}
-    for what, field in (("nan_reward", "reward"), ("string_reward", "reward"),
+    for what, field in (("nan_reward", "reward"), ("string_reward", "reward"), ("huge_reward", "reward"),
+                        ("unbounded_reward", "reward"),
                         ("nan_reward_span", "lightning.reward.value")):
         assert row[what].status == "failed" and field in row[what].error and "\n" not in row[what].error, \
             (what, row[what].error)

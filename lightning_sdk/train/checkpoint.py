@@ -116,10 +116,12 @@ def write_checkpoint(run_dir: Path, iteration: int, trainer: Any, state: RunStat
         if not disk_full(e):
             raise
         last = latest_checkpoint(run_dir)
+        kept = f"the last checkpoint, {last.name}, and the store are intact" if last else "the store is intact"
+        need = f"at least {_size(last)} (a checkpoint's size)" if last else "room for a checkpoint (the adapter and " \
+                                                                          "its optimizer state)"
         raise RunError(f"no space left on the disk of {root} while saving checkpoint {final.name} (nothing of it was "
-                       f"kept; {f'the last checkpoint, {last.name}, and ' if last else ''}the store are intact): free "
-                       f"at least {_size(last) if last else 'the size of a checkpoint'} on that disk, then continue "
-                       f"with `lightning run --resume`") from None
+                       f"kept; {kept}): free {need} on that disk, then continue with `lightning run --resume`") \
+            from None
     for old in sorted(root.glob("iter-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
