@@ -8,7 +8,7 @@ on the tiny arith model. Prints one line per figure:
 - bytes logged for 20,000 results for rollouts nobody holds (the workers' key);
 - the planted-id attack: a worker learns 312 of its own call ids, predicts the next one (a Mersenne Twister's
   state rebuilt from 624 outputs), plants a span of its rollout under it, then another rollout makes its call:
-  that rollout's gateway records kept, and whether the prediction hit.
+  that rollout's gateway records kept, and whether the prediction hit (tests/test_call_ids.py's `predict_next`).
 Each figure is measured in a child process whose stderr (every log line, tracebacks included) is counted.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import subprocess
 import sys
 import tempfile
@@ -24,28 +23,6 @@ from pathlib import Path
 
 DEEP = 10_000
 UNKNOWN_RESULTS = 20_000
-
-
-def _untemper(y: int) -> int:
-    y ^= y >> 18
-    y ^= (y << 15) & 0xEFC60000
-    x = y
-    for _ in range(5):
-        x = y ^ ((x << 7) & 0x9D2C5680)
-    y = x & 0xFFFFFFFF
-    x = y
-    for _ in range(3):
-        x = y ^ (x >> 11)
-    return x & 0xFFFFFFFF
-
-
-def predict(ids: list[int]) -> int:
-    words = []
-    for i in ids:
-        words += [i & 0xFFFFFFFF, i >> 32]
-    clone = random.Random()
-    clone.setstate((3, tuple([_untemper(w) for w in words[-624:]] + [624]), None))
-    return clone.getrandbits(64)
 
 
 def _serve(tmp: Path):
@@ -107,7 +84,9 @@ def child(what: str) -> None:
                 chat = {"model": "m", "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 1}
                 seen = [int(c.post(attacker["llm"]["base_url"] + "/chat/completions", json=chat,
                                    headers=agents).headers["x-lightning-call-id"], 16) for _ in range(312)]
-                guess = format(predict(seen), "016x")
+                from tests.test_call_ids import predict_next  # the attacker's Mersenne Twister clone
+
+                guess = format(predict_next(seen), "016x")
                 span = {"traceId": attacker["trace_id"], "spanId": guess, "name": "chat m", "startTimeUnixNano": "1",
                         "endTimeUnixNano": "2", "attributes": [
                             {"key": "lightning.rollout.id", "value": {"stringValue": attacker["rollout_id"]}},

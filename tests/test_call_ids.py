@@ -37,7 +37,7 @@ def _untemper(y: int) -> int:
     return x & 0xFFFFFFFF
 
 
-def _predict(ids: list[int]) -> int:
+def predict_next(ids: list[int]) -> int:
     """The 64-bit id after `ids` (each getrandbits(64): two 32-bit outputs, low word first), if they come from
     one `random.Random`: its state rebuilt from 624 outputs, as an attacker does."""
     import random
@@ -56,17 +56,17 @@ def test_the_untemper_helper_breaks_a_mersenne_twister():
 
     r = random.Random(7)
     seen = [r.getrandbits(64) for _ in range(312)]
-    assert _predict(seen) == r.getrandbits(64)  # the attack works on what the gateway used to use
+    assert predict_next(seen) == r.getrandbits(64)  # the attack works on what the gateway used to use
 
 
 def test_call_ids_and_span_ids_do_not_follow_from_the_ones_seen():
     capture = Capture(OpenRollouts())
     where = Origin(None, None, None, None)
     calls = [int(capture.begin(where, "chat.completions", {}, asked="m", policy="p").call_id, 16) for _ in range(313)]
-    assert _predict(calls[:312]) != calls[312]
+    assert predict_next(calls[:312]) != calls[312]
     ids = PrivateRandomIds()
     spans = [ids.generate_span_id() for _ in range(313)]
-    assert _predict(spans[:312]) != spans[312]
+    assert predict_next(spans[:312]) != spans[312]
 
 
 def _record(span_id: str, rollout_id: str, source: str, name: str) -> SpanRecord:

@@ -10,21 +10,12 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from lightning_sdk.store import Store
-
-from .remote_harness import KEY, Api, job
+from .remote_harness import KEY, job
+from .test_remote_protocol import api  # noqa: F401 - the fixture: a real gateway with the work routes
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FORGED = ["ok\nFAKE LINE: iteration 9: reward 1.000 (forged)", "\x1b[2J\x1b[H", "name\x1b]0;pwned\x07", "a\rb",
           "bidi\u202eevil"]
-
-
-@pytest.fixture()
-def api(server, tmp_path):
-    a = Api(server, Store(tmp_path / "server.sqlite"))
-    yield a
-    a.stop()
-    a.store.close()
 
 
 @pytest.mark.parametrize("name", FORGED)
