@@ -32,6 +32,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError
 
+from lightning_sdk.console import printable
 from lightning_sdk.gateway.capture import CALL_ID_HEADER, Call
 from lightning_sdk.gateway.guard import INT64, GatewayError, Lenient, error_body, parse_off_loop, text_size
 
@@ -529,7 +530,7 @@ def responses_router(chat: ChatSender, *, max_kept: int = MAX_KEPT,
             call = await parse_off_loop(raw, lambda body: _translate(body, kept))
             sent = await chat(call.chat, request, "responses")
         except GatewayError as e:
-            log.warning("POST /v1/responses -> %d: %s", e.status, e.message[:300])
+            log.warning("POST /v1/responses -> %d: %s", e.status, printable(e.message, 300))
             return _error(e)
         except httpx.HTTPError as e:
             return _error(GatewayError(502, f"the backend is unreachable: {type(e).__name__}: {e}"))

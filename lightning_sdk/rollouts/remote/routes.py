@@ -132,7 +132,7 @@ def _message(response: Response) -> str:
 
 
 def _otlp_error(status: int, message: str, kind: str) -> Response:
-    log.warning("POST %s -> %d: %s", protocol.TRACES, status, message[:300])
+    log.warning("POST %s -> %d: %s", protocol.TRACES, status, printable(message, 300))
     return Response(otlp.error(message, kind=kind), status_code=status, media_type=kind)
 
 
