@@ -57,6 +57,8 @@ status, info = call("GET", server + "/v1/run")
 held = []
 for k in range(n):
     status, claim = call("POST", server + "/v1/work/claim", {"worker": "evil"})
+    while status == 204:  # no work yet (a loaded machine: the run still starting): claim again, as workers do
+        status, claim = call("POST", server + "/v1/work/claim", {"worker": "evil"})
     if status != 200:
         break
     what = BAD[k % len(BAD)]
