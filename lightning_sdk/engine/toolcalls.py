@@ -77,6 +77,9 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
                 except json.JSONDecodeError as e:
                     raise ToolCallError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON "
                                         f"({e.msg})", f"{where}.arguments") from None
+                except RecursionError:  # a 2 KB "[[[[..." is past Python's recursion limit: this call's fault
+                    raise ToolCallError(f"messages[{i}].tool_calls[{j}].function.arguments is nested too deeply "
+                                        f"to parse as JSON", f"{where}.arguments") from None
             fixed.append({**call, "function": {**fn, "arguments": args}})
         out.append({**m, "tool_calls": fixed})
     return out
