@@ -2,8 +2,12 @@
 Qwen2.5-1.5B's shape, the built-in server and the trainer both on one CUDA GPU, with gradient checkpointing on and
 then off. Learning is not the point: memory and speed are.
 
-    bash benchmarks/gpu_proof.sh               # one GPU (docs/gpu.md); no network, no vLLM, no bitsandbytes
+    bash benchmarks/gpu_proof.sh               # one GPU (docs/gpu.md); no network needed
     bash benchmarks/gpu_proof.sh --cpu-smoke   # the same steps on the CPU with a tiny config (a test runs it)
+
+Where vllm imports (the [gpu] extra), the same agent then runs with serve.backend = "vllm" (sleep mode on), with
+LoRA and, where bitsandbytes imports, QLoRA (vLLM serving the nf4 base: --quantization bitsandbytes): per iteration
+the trainer-vs-vLLM logprob_gap, the importance weight, sleep and wake seconds.
 
 Per iteration it prints collection tokens/s, update seconds, the update's model FLOPs utilisation (6 x the
 parameters every token passes through x the tokens the update read / its seconds, against the card's bf16 peak),
@@ -120,6 +124,29 @@ def proof_run(model_dir: Path, params: int, device: str, checkpointing: bool, sm
     return worst
 
 
+def vllm_runs(model_dir: Path, work: Path, lines: list[str]) -> None:
+    """serve.backend = "vllm" on the GPU: LoRA, then QLoRA where bitsandbytes imports; 3 iterations each."""
+    import importlib.util
+
+    from lightning_sdk.runtime import Runtime
+
+    for quantization in ("none", "4bit") if importlib.util.find_spec("bitsandbytes") else ("none",):
+        cfg = config.override(run_config(model_dir, work / f"run-vllm-{quantization}", "cuda", True, False), {
+            "run.name": f"proof-vllm-{quantization}", "serve.backend": "vllm", "serve.sleep_level": 1,
+            "serve.gpu_memory_utilization": 0.3, "serve.startup_timeout": 900, "model.quantization": quantization})
+        t0 = time.perf_counter()
+        state = Runtime(cfg).run()
+        for row in state.history:
+            lines.append(f"[vllm {quantization}] iteration {row['iteration']}: collect "
+                         f"{row['completion_tokens'] / row['collect_s']:.0f} tokens/s | update {row['update_s']:.2f} s "
+                         f"| logprob_gap {row.get('train.logprob_gap', float('nan')):.4f}, is_weight "
+                         f"{row.get('train.is_weight', float('nan')):.3f} | sleep {row.get('sleep_s', float('nan')):.2f}"
+                         f" s, wake {row.get('wake_s', float('nan')):.2f} s | hot-load {row['hotload_s']:.2f} s")
+            print(lines[-1], flush=True)
+        lines.append(f"[vllm {quantization}] 3 iterations in {time.perf_counter() - t0:.0f} s (vLLM start included)")
+        print(lines[-1], flush=True)
+
+
 def _mib(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0f} MiB"
 
@@ -147,6 +174,12 @@ def main() -> int:
         print(lines[-1], flush=True)
         peaks = {ckpt: proof_run(work / "model", params, device, ckpt, args.cpu_smoke, work, lines)
                  for ckpt in (True, False)}
+        import importlib.util
+
+        if device == "cuda" and importlib.util.find_spec("vllm") is not None:
+            vllm_runs(work / "model", work, lines)
+        elif device == "cuda":
+            lines.append("vLLM: not importable here, its runs skipped (the [gpu] extra installs it)")
     card = CARD_BYTES / 2**20
     lines.append("peak GPU memory vs a 24 GB card: " + ("n/a (CPU smoke run)" if device == "cpu" else "; ".join(
         f"checkpointing {'on' if ckpt else 'off'}: server + trainer " + (

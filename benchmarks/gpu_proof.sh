@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU proof (benchmarks/gpu_proof.py, docs/gpu.md): 3 iterations of the default agent on a random-initialised
 # model of Qwen2.5-1.5B's shape, the built-in server and the trainer on one CUDA GPU (bf16, LoRA r 16 on every
-# linear layer, gradient checkpointing on, then off), in under 8 minutes; no network, no vLLM, no bitsandbytes.
+# linear layer, gradient checkpointing on, then off), in under 8 minutes; no network. Where vllm imports (the [gpu]
+# extra), then the same with serve.backend = "vllm": LoRA, and QLoRA where bitsandbytes imports (gpu_proof.py).
 #
 #   bash benchmarks/gpu_proof.sh               # on the GPU machine
 #   bash benchmarks/gpu_proof.sh --cpu-smoke   # the same steps on the CPU, tiny config (tests/test_gpu_proof.py)
@@ -47,4 +48,5 @@ fi
 if [[ "${1:-}" != "--cpu-smoke" ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 fi
-exec timeout "${PROOF_TIMEOUT:-480}" "$PYTHON" benchmarks/gpu_proof.py "$@"
+"$PYTHON" -c "import vllm" 2>/dev/null && default_timeout=1200 || default_timeout=480  # vLLM's runs: 2 more starts
+exec timeout "${PROOF_TIMEOUT:-$default_timeout}" "$PYTHON" benchmarks/gpu_proof.py "$@"

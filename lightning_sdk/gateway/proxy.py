@@ -290,7 +290,9 @@ class Gateway:
             call.fail(e.status, e.message)
             call.end()
             raise
-        sent_body = {**body, "model": served, "return_token_ids": True, "logprobs": True}
+        # include_reasoning: with a reasoning parser, vLLM leaves a reply's token ids and log-probs out when asked
+        # to leave its reasoning out; the record needs every sampled token, so the agent's choice is applied here.
+        sent_body = {**body, "model": served, "return_token_ids": True, "logprobs": True, "include_reasoning": True}
         if api == "completions":
             sent_body["logprobs"] = max(1, body["logprobs"]) if type(body.get("logprobs")) is int else 1
         # Explicit, so that every backend samples with the settings the record (and the trainer) assume, never a
@@ -305,8 +307,8 @@ class Gateway:
             # An eval rollout: a seed of its own (evals.eval_seed) and the call's place in it, so the same policy
             # scores the same twice whatever the batch or the order. Training calls are never seeded here.
             sent_body["seed"] = (where.rollout.seed + next(where.rollout.calls)) % 2**63
-        call = self.capture.begin(where, api, {k: v for k, v in sent_body.items()
-                                               if k not in ("return_token_ids", "logprobs", "top_logprobs")},
+        call = self.capture.begin(where, api, {k: v for k, v in sent_body.items() if k not in
+                                               ("return_token_ids", "logprobs", "top_logprobs", "include_reasoning")},
                                   asked=asked, policy=served)
         # In a thread: a long conversation is megabytes of JSON, and serialising it must not stall the loop (the
         # hop costs tens of microseconds, next to a generation's milliseconds).
@@ -338,7 +340,7 @@ class Gateway:
         upstream.aclose = aclose  # type: ignore[method-assign]  # in-flight counts end with the response
         asked = body.get("logprobs")  # chat: true; completions: how many alternatives (0 too)
         return Sent(upstream, call, logprobs=asked is not None and asked is not False,
-                    token_ids=bool(body.get("return_token_ids")))
+                    token_ids=bool(body.get("return_token_ids")), reasoning=body.get("include_reasoning") is not False)
 
 
 @dataclass
@@ -349,6 +351,7 @@ class Sent:
     call: Call
     logprobs: bool  # the agent asked for log-probs
     token_ids: bool  # the agent asked for token ids (vLLM's `return_token_ids`)
+    reasoning: bool = True  # the agent did not ask vLLM to leave the reasoning out (`include_reasoning: false`)
 
     def strip(self, reply: dict) -> bool:
         """Take off `reply` (a completion or a chunk) what the agent did not ask for; True if anything was."""
@@ -363,6 +366,10 @@ class Sent:
             if not self.logprobs and c.get("logprobs") is not None:
                 c["logprobs"] = None
                 changed = True
+            if not self.reasoning:
+                for part in (c.get("message"), c.get("delta")):
+                    if isinstance(part, dict):
+                        changed |= any([part.pop(k, None) is not None for k in ("reasoning", "reasoning_content")])
         return changed
 
 

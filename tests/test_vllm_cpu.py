@@ -1,0 +1,196 @@
+"""The vLLM lane (`pytest -m vllm`, .ci/run): what agents send, served by real vLLM (its CPU build in CI) as a run
+starts it (servers/select.vllm_server), behind the run's gateway, recorded with the exact sampled token ids.
+
+One vLLM server for the whole module (a start is 30-70 s on 2 cores): the calc cookbook's tiny model, taught to
+call its calculator in the Hermes `<tool_call>` format. The capture tests of tests/test_capture.py that do not
+depend on the backend run here too, against this server (imported below: pytest collects them with this module's
+fixtures)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from lightning_sdk import config, models, tracing
+from lightning_sdk.tracing import COMPLETION_IDS, PROMPT_IDS
+from lightning_sdk.tracing.records import POLICY
+
+from .conftest import SERVED, in_rollout, recorded_calls
+from .test_capture import (  # noqa: F401  (collected here: the same assertions against vLLM)
+    test_a_litellm_agent_is_recorded, test_a_raw_httpx_post_requests_post_and_aiohttp_agent_are_recorded,
+    test_a_sync_call_is_recorded_with_exact_token_ids, test_async_streamed_and_raw_response_calls_are_recorded,
+    test_responses_api_calls_are_recorded_plain_and_streamed,
+    test_the_completions_api_is_served_and_recorded_plain_and_streamed)
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator",
+    "description": "Evaluate an arithmetic expression with + - * / and parentheses, e.g. 12*3-5.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+}}]
+MESSAGES = [{"role": "system", "content": "Solve the problem. Use the calculator, then give the number."},
+            {"role": "user", "content": "Ann has 12 boxes with 8 pencils in each. How many pencils does Ann have?"}]
+NAMED = {"type": "function", "function": {"name": "calculator"}}
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}}}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_path() -> str:
+    return models.resolve(f"tiny:{ROOT / 'cookbook/calc/teacher.py'}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    from lightning_sdk.servers.select import vllm_server
+
+    work = tmp_path_factory.mktemp("vllm")
+    cfg = config.parse({"agent": {"module": "agent.py"}, "data": {"train": "t.jsonl"},
+                        "model": {"name": SERVED, "dtype": "float32"},
+                        # generous: vLLM's start on a busy 2-core machine; 30-70 s quiet
+                        "serve": {"backend": "vllm", "sleep_level": 0, "max_model_len": 1024, "startup_timeout": 900},
+                        "run": {"dir": str(work / "run")}})
+    with vllm_server(cfg, tiny_model_path, work / "server.log") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def gateway_server(server):
+    from lightning_sdk.gateway.proxy import Gateway
+
+    g = Gateway(api_key="agents")
+    g.start([server.url], backend_key=server.api_key)
+    g.policy = SERVED
+    yield g
+    g.stop()
+
+
+def test_parser_names_are_vllms():
+    """servers/vllm_parsers.py validates serve.*_parser against these lists without importing vllm."""
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    from lightning_sdk.servers.vllm_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(ToolParserManager.list_registered())
+    assert set(REASONING_PARSERS) == set(ReasoningParserManager.list_registered())
+
+
+def test_the_server_was_started_with_the_model_s_tool_call_parser(server):
+    cmd = server.command()
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in cmd
+
+
+def chat(gw, **body) -> httpx.Response:
+    return httpx.post(f"{gw.base_url}/chat/completions", headers={"Authorization": f"Bearer {gw.api_key}"},
+                      json={"model": "gpt-4o-mini", "messages": MESSAGES, "max_tokens": 40, "temperature": 0, **body},
+                      timeout=300)
+
+
+def streamed(r: httpx.Response) -> tuple[list[int], list[dict], str]:
+    """(token ids, tool-call deltas, content) of a streamed chat reply."""
+    ids, calls, content = [], [], ""
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                ids += c.get("token_ids") or []
+                calls += c["delta"].get("tool_calls") or []
+                content += c["delta"].get("content") or ""
+    return ids, calls, content
+
+
+@pytest.mark.parametrize("form, body", [
+    ("tools, no tool_choice", {"tools": TOOLS}),
+    ("tools, streamed", {"tools": TOOLS, "stream": True}),
+    ('tool_choice "required"', {"tools": TOOLS, "tool_choice": "required"}),
+    ("tool_choice named", {"tools": TOOLS, "tool_choice": NAMED}),
+    ("named, streamed", {"tools": TOOLS, "tool_choice": NAMED, "stream": True}),
+])
+def test_every_tool_call_form_is_parsed_and_recorded_with_exact_ids(gw, store, tokenizer_of, form, body):
+    with in_rollout(gw, f"r-{form}"):
+        r = chat(gw, return_token_ids=True, **body)
+    assert r.status_code == 200, r.text
+    if body.get("stream"):
+        ids, deltas, _ = streamed(r)
+        names = [d["function"]["name"] for d in deltas if d.get("function", {}).get("name")]
+        arguments = "".join(d.get("function", {}).get("arguments") or "" for d in deltas)
+    else:
+        choice = r.json()["choices"][0]
+        ids = choice["token_ids"]
+        names = [c["function"]["name"] for c in choice["message"]["tool_calls"]]
+        arguments = choice["message"]["tool_calls"][0]["function"]["arguments"]
+    assert names == ["calculator"] and "expression" in json.loads(arguments)
+    (call,) = recorded_calls(gw, store, f"r-{form}")
+    # Every sampled token, whatever vLLM moved into tool_calls: the record is the reply's own ids.
+    assert call.attributes[COMPLETION_IDS] == ids and ids
+    assert call.attributes[PROMPT_IDS] == list(tokenizer_of.apply_chat_template(
+        MESSAGES, tools=TOOLS, add_generation_prompt=True)["input_ids"])
+    if form in ("tools, no tool_choice", "tools, streamed"):  # auto: the call is the model's own text, parsed
+        assert "<tool_call>" in tokenizer_of.decode(ids)
+
+
+def test_response_format_json_schema_is_served_and_recorded(gw, store):
+    with in_rollout(gw, "r-json"):
+        r = chat(gw, response_format=SCHEMA, return_token_ids=True, max_tokens=24)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"])["answer"], int)
+    (call,) = recorded_calls(gw, store, "r-json")
+    assert call.attributes[COMPLETION_IDS] == choice["token_ids"]
+
+
+def test_a_hot_loaded_adapter_serves_the_next_call(gw, store, server, tiny_model_path, tmp_path):
+    import torch
+
+    from lightning_sdk.config import TrainConfig
+    from lightning_sdk.train.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(tiny_model_path, TrainConfig(lora_r=8, target_modules="all-linear", device="cpu"))
+    with torch.no_grad():
+        for p in trainer.params:  # a visibly non-zero adapter
+            p.normal_(std=0.05)
+    trainer.save_adapter(tmp_path / "adapter")
+    server.load_adapter("calc-iter1", str(tmp_path / "adapter"))
+    gw.policy = "calc-iter1"
+    try:
+        with in_rollout(gw, "r-adapter"):
+            r = chat(gw, return_token_ids=True)
+    finally:
+        gw.policy = SERVED
+    assert r.status_code == 200, r.text
+    (call,) = recorded_calls(gw, store, "r-adapter")
+    assert call.attributes[POLICY] == "calc-iter1" and call.attributes[COMPLETION_IDS] == \
+        r.json()["choices"][0]["token_ids"]
+    plain = chat(gw, return_token_ids=True).json()["choices"][0]["token_ids"]
+    assert plain != r.json()["choices"][0]["token_ids"]  # greedy: the adapter changed what was sampled
+    server.unload_adapter("calc-iter1")
+
+
+def test_reasoning_left_out_for_the_agent_is_still_recorded(gw, store):
+    """include_reasoning=false reaches vLLM as true (else it drops the ids and log-probs); the agent's copy is
+    stripped here."""
+    with in_rollout(gw, "r-reasoning"):
+        r = chat(gw, include_reasoning=False, return_token_ids=True, stream=True)
+    assert r.status_code == 200, r.text
+    ids, _, _ = streamed(r)
+    (call,) = recorded_calls(gw, store, "r-reasoning")
+    assert ids and call.attributes[COMPLETION_IDS] == ids
+
+
+@pytest.fixture(scope="module")
+def tokenizer_of(tiny_model_path):
+    return models.load_tokenizer(tiny_model_path)
+
+
+def test_plain_chat_through_the_openai_client(gw):
+    out = openai.OpenAI(base_url=gw.base_url, api_key=gw.api_key, max_retries=0).chat.completions.create(
+        model="anything", messages=MESSAGES, max_tokens=8)
+    assert out.choices[0].message.content is not None or out.choices[0].message.tool_calls
+    tracing.flush()
