@@ -23,6 +23,26 @@ VLLM_MANAGED_FLAGS = ("--host", "--port", "--served-model-name", "--api-key", "-
                       "--reasoning-parser", "--quantization", "--load-format")
 
 
+# serve.tool_call_parser / serve.reasoning_parser: vLLM 0.32.0's registries (the `gpu` extra's pin), as
+# vllm.tool_parsers.ToolParserManager.list_registered() and ReasoningParserManager's give them; the vLLM lane's
+# tests/test_vllm_cpu.py::test_parser_names_are_vllms fails when vLLM's own lists change.
+VLLM_TOOL_CALL_PARSERS = (
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4",
+    "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45", "glm47", "granite",
+    "granite-20b-fc", "granite4", "hermes", "hf", "hunyuan_a13b", "hy_v3", "hy_v4", "inkling", "internlm", "jamba",
+    "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json", "llama4_json", "llama4_pythonic", "longcat",
+    "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral", "muse_glimmer", "olmo3", "openai", "phi4_mini_json",
+    "plamo3", "poolside_v1", "pythonic", "qwen3_coder", "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5",
+    "xlam",
+)
+VLLM_REASONING_PARSERS = (
+    "cohere_command3", "cohere_command4", "deepseek_r1", "deepseek_v3", "deepseek_v4", "deepseek_v41", "ernie45",
+    "gemma4", "glm45", "glm47", "granite", "granite_thinking_parser", "hf", "holo2", "hunyuan_a13b", "hy_v3", "hy_v4",
+    "inkling", "k2_horizon", "kimi_k2", "kimi_k3", "ling3", "mimo", "minicpmv", "minimax_m2",
+    "minimax_m2_append_think", "minimax_m3", "mistral", "muse_glimmer", "nemotron_v3", "olmo3", "openai_gptoss",
+    "plamo3", "poolside_v1", "qwen3", "seed_oss", "step3", "step3p5",
+)
+
 # In a run directory: the effective config the run started with, defaults included (`lightning run` writes it,
 # the dashboard shows it and credits the run's rollouts with its rollout.* settings).
 RUN_CONFIG_FILE = "config.json"
@@ -172,9 +192,7 @@ class ServeConfig(_Section):
     @field_validator("tool_call_parser", "reasoning_parser")
     @classmethod
     def _known_parser(cls, v, info):
-        from lightning_sdk.servers.vllm_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
-
-        names = TOOL_CALL_PARSERS if info.field_name == "tool_call_parser" else REASONING_PARSERS
+        names = VLLM_TOOL_CALL_PARSERS if info.field_name == "tool_call_parser" else VLLM_REASONING_PARSERS
         if v not in ("auto", "none", *names):
             raise ValueError(f"{v!r} is not one of vLLM's parsers; expected 'auto', 'none' or one of {', '.join(names)}")
         return v
@@ -376,6 +394,8 @@ class RayConfig(_Section):
                                                                    "none = rollout.concurrency / num_workers")
     servers: int = Field(1, ge=1, description="inference-server actors behind the router")
     cpus_per_server: float = Field(1.0, gt=0)
+    gpus_per_server: float = Field(0, ge=0, description="GPUs each server actor holds (its GPU set: a placement "
+                                                         "group bundle); serve.backend 'vllm' on GPUs needs >= 1")
     max_retries: int = Field(1, ge=0, description="re-runs of a rollout whose worker died")
 
 
@@ -451,15 +471,6 @@ class Config(_Section):
         if self.agent is None and self.run.runtime not in AGENT_ELSEWHERE:
             raise ValueError(f"agent: required key is missing (run.runtime = {self.run.runtime!r} runs the agent in "
                              f"this run; [agent] module names it)")
-        return self
-
-    @model_validator(mode="after")
-    def _runtime_serves_backend(self):
-        # The Ray runtime's server actors are built-in CPU servers; vLLM actors with GPUs are not built yet.
-        if self.run.runtime == "ray" and self.serve.backend == "vllm":
-            raise ValueError("run.runtime = 'ray' with serve.backend = 'vllm': the Ray runtime serves with the "
-                             "built-in CPU server only; set serve.backend = 'cpu', or run.runtime = 'embedded' "
-                             "for vLLM")
         return self
 
 

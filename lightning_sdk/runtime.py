@@ -383,10 +383,10 @@ class Runtime:
                              f"must fit in memory at once, but serve.sleep_level = {cfg.serve.sleep_level} puts vLLM "
                              f"to sleep for each update: set serve.sleep_level = 0 (and serve.gpu_memory_utilization "
                              f"to leave the trainer room), or train.max_staleness = 0")
-        if cfg.serve.backend == "vllm":  # (the config refuses it for the Ray runtime)
-            from lightning_sdk.servers.select import make_server
+        if cfg.serve.backend == "vllm":
+            from lightning_sdk.servers.select import check_vllm
 
-            make_server(cfg, "", d / "server.log")  # refuses vllm where it cannot run; builds, starts nothing
+            check_vllm(cfg)  # refuses vllm where it cannot run
         for key, device in (("serve.device", cfg.serve.device), ("train.device", cfg.train.device)):
             if device.startswith("cuda"):
                 import torch

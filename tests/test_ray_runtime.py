@@ -31,9 +31,11 @@ def ray_local(tmp_path_factory):
     ray.shutdown()
 
 
-def make_cfg(tmp_path: Path, *, module: str, tasks: list[dict], iterations: int, group: int) -> config.Config:
+def make_cfg(tmp_path: Path, *, module: str, tasks: list[dict], iterations: int, group: int,
+             serve: dict | None = None) -> config.Config:
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     return config.parse({
+        "serve": serve or {},
         "run": {"name": "ray", "dir": "run", "iterations": iterations, "runtime": "ray"},
         "agent": {"module": module},
         "data": {"train": "train.jsonl", "tasks_per_iteration": len(tasks), "group_size": group},
@@ -62,11 +64,16 @@ def score(task, output):
 '''
 
 
-def test_demo_runs_two_iterations_on_ray(ray_local, tmp_path):
+# vLLM's CPU build as one server actor (2 cores: one replica beside the two rollout workers), no sleep mode off CUDA.
+VLLM = {"backend": "vllm", "sleep_level": 0, "startup_timeout": 900, "max_model_len": 512}
+
+
+@pytest.mark.parametrize("serve", [pytest.param(None, id="cpu"), pytest.param(VLLM, marks=pytest.mark.vllm, id="vllm")])
+def test_demo_runs_two_iterations_on_ray(ray_local, tmp_path, serve):
     """The default task, with the agent as one writes it for OpenAI: its client from the environment, its own
     model name, no `llm` argument."""
     (tmp_path / "agent.py").write_text(UNCHANGED_AGENT)
-    cfg = make_cfg(tmp_path, module=str(tmp_path / "agent.py"), tasks=ROWS[:4], iterations=2, group=4)
+    cfg = make_cfg(tmp_path, module=str(tmp_path / "agent.py"), tasks=ROWS[:4], iterations=2, group=4, serve=serve)
     state = Runtime(cfg).run()
     assert state.completed == 2 and len(state.history) == 2
     with Store(cfg.run.dir / "store.sqlite") as store:

@@ -72,11 +72,12 @@ def gateway_server(server):
 
 
 def test_parser_names_are_vllms():
-    """servers/vllm_parsers.py validates serve.*_parser against these lists without importing vllm."""
+    """config validates serve.*_parser against these lists without importing vllm."""
     from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
 
-    from lightning_sdk.servers.vllm_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+    from lightning_sdk.config import VLLM_REASONING_PARSERS as REASONING_PARSERS
+    from lightning_sdk.config import VLLM_TOOL_CALL_PARSERS as TOOL_CALL_PARSERS
 
     assert set(TOOL_CALL_PARSERS) == set(ToolParserManager.list_registered())
     assert set(REASONING_PARSERS) == set(ReasoningParserManager.list_registered())
@@ -111,7 +112,7 @@ def streamed(r: httpx.Response) -> tuple[list[int], list[dict], str]:
     ('tool_choice "required"', {"tools": TOOLS, "tool_choice": "required"}),
     ("tool_choice named", {"tools": TOOLS, "tool_choice": NAMED}),
     ("named, streamed", {"tools": TOOLS, "tool_choice": NAMED, "stream": True}),
-])
+], ids=["auto", "auto-streamed", "required", "named", "named-streamed"])
 def test_every_tool_call_form_is_parsed_and_recorded_with_exact_ids(gw, store, tokenizer_of, form, body):
     with in_rollout(gw, f"r-{form}"):
         r = chat(gw, return_token_ids=True, **body)

@@ -91,7 +91,7 @@ def solve(task):
 REQUESTS = RAW_HTTPX.replace("import httpx", "import requests").replace("httpx.post", "requests.post")
 
 
-def project(tmp_path: Path, source: str, **agent) -> Path:
+def project(tmp_path: Path, source: str, serve: str = "", **agent) -> Path:
     (tmp_path / "agent.py").write_text(source)
     rows = (ROOT / "cookbook/arith/data/train.jsonl").read_text().splitlines()
     (tmp_path / "train.jsonl").write_text("\n".join(rows[::25]) + "\n")  # 4 tasks
@@ -110,9 +110,14 @@ tasks_per_iteration = 2
 group_size = 4
 [rollout]
 concurrency = 8
-timeout = 30
-""")
+timeout = {300 if serve else 30}
+{serve}""")
     return tmp_path / "lightning.toml"
+
+
+# The vLLM lane (`pytest -m vllm`): the same agents against vLLM's CPU build; the openai client, the Responses API
+# (the Agents SDK) and LiteLLM's low-level path, each a run of its own server (30-70 s to start on 2 cores).
+VLLM = '[serve]\nbackend = "vllm"\nsleep_level = 0\nstartup_timeout = 900.0\nmax_model_len = 512\n'
 
 
 @pytest.fixture()
@@ -129,13 +134,16 @@ def _openai_env() -> dict:
     return {k: v for k, v in os.environ.items() if k.startswith("OPENAI")}
 
 
-@pytest.mark.parametrize("source", [PLAIN, LANGCHAIN, AGENTS_SDK, LITELLM, DSPY, RAW_HTTPX, REQUESTS],
-                         ids=["openai-client", "langchain", "agents-sdk", "litellm", "dspy", "httpx", "requests"])
-def test_an_unchanged_agent_trains(tmp_path, openai_elsewhere, source, caplog, monkeypatch):
+@pytest.mark.parametrize("source, backend", [
+    *((source, "cpu") for source in (PLAIN, LANGCHAIN, AGENTS_SDK, LITELLM, DSPY, RAW_HTTPX, REQUESTS)),
+    *(pytest.param(source, "vllm", marks=pytest.mark.vllm) for source in (PLAIN, AGENTS_SDK, LITELLM)),
+], ids=["openai-client", "langchain", "agents-sdk", "litellm", "dspy", "httpx", "requests",
+        "vllm-openai-client", "vllm-agents-sdk", "vllm-litellm"])
+def test_an_unchanged_agent_trains(tmp_path, openai_elsewhere, source, backend, caplog, monkeypatch):
     """The Agents SDK's `Agent` given only a model name calls the Responses API (`/v1/responses`)."""
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM would fetch its price list otherwise
     with caplog.at_level("INFO", logger="lightning_sdk"):
-        result = ls.run(project(tmp_path, source))
+        result = ls.run(project(tmp_path, source, serve=VLLM if backend == "vllm" else ""))
     assert [row["iteration"] for row in result.history] == [1, 2]
     assert all(row["failed"] == 0 and row["transitions"] == 8 for row in result.history)
     store = Store(tmp_path / "run/store.sqlite")

@@ -4,7 +4,8 @@ What runs where (docs/scaling.md has the picture):
 - driver (head node): the `Runtime` loop, the trainer, the SQLite store it reads, the gateway (gateway/proxy.py:
   least-loaded over the server actors, on serve.host) and a `_StoreWriter` actor pinned to the head that is the
   only writer of rollout rows and spans;
-- `_ServerActor`s (spread over nodes): each runs one built-in inference server behind the gateway;
+- `_ServerActor`s (spread over nodes, each with its CPUs and GPU set reserved in a placement group): each runs one
+  inference server, built-in or vLLM, behind the gateway; every adapter is hot-loaded into every one;
 - `_RolloutWorker`s (spread over nodes): run the user's `@rollout`/`@reward` with tracing installed. Each span is
   shipped to the writer as soon as it ends, so what a worker wrote before it died is kept.
 
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rich.console import Console
 
 from lightning_sdk import tracing
@@ -35,6 +38,7 @@ from lightning_sdk.rollouts.episode import run_rollout
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.servers import ServerError
 from lightning_sdk.servers.process import control_request, new_api_key
+from lightning_sdk.servers.select import resolved_backend, vllm_server
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.store import Store
 
@@ -110,11 +114,13 @@ class _RolloutWorker:
 
 
 class _ServerActor:
-    def __init__(self, model: str, kw: dict, log_path: str, local: bool):
-        from lightning_sdk.servers.cpu import CPUServer
+    """One inference server (a replica: built-in or vLLM, made unstarted by the driver) in this actor's process, so
+    on this actor's node and GPUs (Ray sets CUDA_VISIBLE_DEVICES, which the server's process inherits)."""
 
-        host = "127.0.0.1" if local else ray.util.get_node_ip_address()
-        self.server = CPUServer(model, host=host, log_path=log_path, **kw)
+    def __init__(self, server: Any, local: bool):
+        self.server = server
+        if not local:
+            self.server.host = ray.util.get_node_ip_address()
 
     def start(self) -> str:
         self.server.start()
@@ -139,6 +145,7 @@ class RayServers:
         self.api_key = new_api_key()  # every server actor checks it; agents reach them only through the gateway
         self.urls: list[str] = []
         self.actors: list = []
+        self.group: Any = None
         self._started_ray = False
 
     def start(self) -> None:
@@ -156,18 +163,36 @@ class RayServers:
             self.stop()
             raise SetupError(f"ray: ray.servers x ray.cpus_per_server + ray.num_workers x ray.cpus_per_worker = "
                              f"{need:g} CPUs, but the Ray cluster has {have:g}; lower them or add nodes")
-        s = self.cfg.serve
-        kw = dict(served_model_name=self.served_model_name, api_key=self.api_key, max_batch_size=s.max_batch_size,
-                  max_model_len=s.max_model_len, dtype=self.cfg.model.dtype, quantization=self.cfg.model.quantization,
-                  threads=max(1, int(rc.cpus_per_server)), startup_timeout=s.startup_timeout)
-        actor = ray.remote(num_cpus=rc.cpus_per_server, scheduling_strategy="SPREAD")(_ServerActor)
-        self.actors = [actor.remote(self.model_path, kw, str(self.log_dir / f"server-{i}.log"), rc.address is None)
-                       for i in range(rc.servers)]
+        gpus = rc.gpus_per_server
+        # Each replica's CPUs and GPUs are reserved together (a GPU set per replica), spread over the nodes.
+        self.group = placement_group([{"CPU": rc.cpus_per_server, **({"GPU": gpus} if gpus else {})}] * rc.servers,
+                                     strategy="SPREAD")
+        if not self.group.wait(timeout_seconds=60):
+            self.stop()
+            raise SetupError(f"ray: no room for {rc.servers} server(s) of ray.cpus_per_server = {rc.cpus_per_server:g}"
+                             f" and ray.gpus_per_server = {gpus:g} in the Ray cluster")
+        self.actors = [ray.remote(_ServerActor).options(
+            num_cpus=rc.cpus_per_server, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=i)).remote(self.replica(i), rc.address is None)
+            for i in range(rc.servers)]
         try:
             self.urls = ray.get([a.start.remote() for a in self.actors])
         except ray.exceptions.RayError as e:
             self.stop()
             raise ServerError(f"an inference server actor failed to start: {e}") from e
+
+    def replica(self, i: int) -> Any:
+        """Server i, unstarted, on 127.0.0.1 (its actor's node IP on a cluster), with the replicas' shared key."""
+        log = self.log_dir / f"server-{i}.log"
+        if resolved_backend(self.cfg) == "vllm":
+            return vllm_server(self.cfg, self.model_path, log, api_key=self.api_key)
+        from lightning_sdk.servers.cpu import CPUServer
+
+        s = self.cfg.serve
+        return CPUServer(self.model_path, served_model_name=self.served_model_name, api_key=self.api_key,
+                         max_batch_size=s.max_batch_size, max_model_len=s.max_model_len, dtype=self.cfg.model.dtype,
+                         quantization=self.cfg.model.quantization, threads=max(1, int(self.rc.cpus_per_server)),
+                         startup_timeout=s.startup_timeout, log_path=log)
 
     def stop(self) -> None:
         if self.actors:  # stop the server subprocesses before their actors go
@@ -178,6 +203,9 @@ class RayServers:
             for a in self.actors:
                 ray.kill(a)
             self.actors, self.urls = [], []
+        if self.group is not None:
+            remove_placement_group(self.group)
+            self.group = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
@@ -215,8 +243,6 @@ class RayCollector:
     def __init__(self, cfg: Config, *, agent: Agent, gateway: Gateway, model_path: str, store: Store, log_dir: Path,
                  console: Console):
         self.cfg, self.rc, self.gateway, self.store, self.console = cfg, cfg.ray, gateway, store, console
-        if cfg.serve.backend == "auto":  # (config refuses "vllm" with this runtime)
-            console.print("serve.backend = 'auto' with run.runtime = 'ray': the server actors are built-in CPU servers")
         self.server = RayServers(cfg, model_path, log_dir)
         self.token = uuid.uuid4().hex[:8]
         self.workers: list = []

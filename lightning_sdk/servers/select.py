@@ -33,15 +33,13 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
     if backend != "cpu":
         from lightning_sdk.servers.vllm import vllm_unavailable_reason
 
-        why_not = vllm_unavailable_reason(cpu_build=backend == "vllm")
         if backend == "auto":
+            why_not = vllm_unavailable_reason()
             backend = "cpu" if why_not else "vllm"
             log.info("serve.backend = 'auto': using %s", f"the built-in CPU server ({why_not})" if why_not
                      else "vLLM (CUDA GPU and vllm found)")
-        elif why_not:
-            raise SetupError(f"serve.backend = 'vllm': {why_not}. Install the GPU extra with "
-                             f"`pip install 'lightning-agent-rl[gpu]'` (its own environment, docs/gpu.md) on a CUDA "
-                             f"machine, or set serve.backend = 'cpu'")
+        else:
+            check_vllm(cfg)
     if backend == "vllm":
         return vllm_server(cfg, model_path, log_path, api_key=api_key)
     return CPUServer(
@@ -82,9 +80,9 @@ def usable_cores() -> int:
 
 
 def resolved_backend(cfg: Config) -> str:
-    """'cpu' or 'vllm': the backend make_server starts for `cfg` (serve.backend 'auto' decided the same way; the Ray
-    runtime serves with built-in CPU servers only)."""
-    if cfg.run.runtime == "ray" or cfg.serve.backend == "cpu":
+    """'cpu' or 'vllm': the backend make_server (or the Ray runtime, for each replica) starts for `cfg`
+    (serve.backend 'auto' decided the same way)."""
+    if cfg.serve.backend == "cpu":
         return "cpu"
     if cfg.serve.backend == "vllm":
         return "vllm"
@@ -121,20 +119,24 @@ def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
     return VLLMServer(model_path, served_model_name=cfg.model.name, lora_r=max(p.train.lora_r for p in ps),
                       host=BACKEND_HOST, port=0, max_loras=max(s.max_loras, loras), dtype=cfg.model.dtype,
                       max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
-                      sleep_level=vllm_sleep_level(cfg), tool_call_parser=tool_call_parser,
+                      sleep_level=s.sleep_level, tool_call_parser=tool_call_parser,
                       reasoning_parser=reasoning_parser,
                       quantization="bitsandbytes" if cfg.model.quantization == "4bit" else None,
                       extra_args=s.extra_args, startup_timeout=s.startup_timeout, log_path=log_path, **kw)
 
 
-def vllm_sleep_level(cfg: Config) -> int:
-    """serve.sleep_level, refused by name on vLLM's CPU build, which has no sleep mode."""
-    from lightning_sdk.servers.vllm import on_cpu_build
+def check_vllm(cfg: Config) -> None:
+    """SetupError, naming the key, when serve.backend = "vllm" cannot run here (before anything starts)."""
+    from lightning_sdk.servers.vllm import on_cpu_build, vllm_unavailable_reason
 
+    why_not = vllm_unavailable_reason(cpu_build=True)
+    if why_not:
+        raise SetupError(f"serve.backend = 'vllm': {why_not}. Install the GPU extra with "
+                         f"`pip install 'lightning-agent-rl[gpu]'` (its own environment, docs/gpu.md) on a CUDA "
+                         f"machine, or set serve.backend = 'cpu'")
     if cfg.serve.sleep_level and on_cpu_build():
         raise SetupError("serve.sleep_level = 1: vLLM's CPU build (VLLM_TARGET_DEVICE=cpu) has no sleep mode; "
                          "set serve.sleep_level = 0")
-    return cfg.serve.sleep_level
 
 
 def parsers_for(cfg: Config, model_path: str) -> tuple[str | None, str | None]:

@@ -6,32 +6,13 @@ vLLM answers 400 to every request with `tools` unless it was started with `--ena
 template shows (the markers it wraps a tool call in) and its config's `model_type` names. A template marker is
 the stronger evidence (a Llama-shaped builtin model writes Hermes calls), so it is looked at first.
 
-This module never imports vllm. The names are vLLM 0.32's registries (the `gpu` extra's pin); the vLLM lane's
-test tests/test_vllm_cpu.py::test_parser_names_are_vllms fails when vLLM's own lists stop holding them.
+This module never imports vllm; the names it may choose are config.VLLM_TOOL_CALL_PARSERS / VLLM_REASONING_PARSERS.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-# vllm.tool_parsers.ToolParserManager.list_registered() and ReasoningParserManager's, vLLM 0.32.0.
-TOOL_CALL_PARSERS = (
-    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4",
-    "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45", "glm47", "granite",
-    "granite-20b-fc", "granite4", "hermes", "hf", "hunyuan_a13b", "hy_v3", "hy_v4", "inkling", "internlm", "jamba",
-    "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json", "llama4_json", "llama4_pythonic", "longcat",
-    "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral", "muse_glimmer", "olmo3", "openai", "phi4_mini_json",
-    "plamo3", "poolside_v1", "pythonic", "qwen3_coder", "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5",
-    "xlam",
-)
-REASONING_PARSERS = (
-    "cohere_command3", "cohere_command4", "deepseek_r1", "deepseek_v3", "deepseek_v4", "deepseek_v41", "ernie45",
-    "gemma4", "glm45", "glm47", "granite", "granite_thinking_parser", "hf", "holo2", "hunyuan_a13b", "hy_v3", "hy_v4",
-    "inkling", "k2_horizon", "kimi_k2", "kimi_k3", "ling3", "mimo", "minicpmv", "minimax_m2",
-    "minimax_m2_append_think", "minimax_m3", "mistral", "muse_glimmer", "nemotron_v3", "olmo3", "openai_gptoss",
-    "plamo3", "poolside_v1", "qwen3", "seed_oss", "step3", "step3p5",
-)
 
 # (marker in the chat template, parser): the first that appears wins. Qwen3-Coder's XML calls first: its template
 # also holds <tool_call>.
