@@ -6,8 +6,8 @@ then off. Learning is not the point: memory and speed are.
     bash benchmarks/gpu_proof.sh --cpu-smoke   # the same steps on the CPU with a tiny config (a test runs it)
 
 Where vllm imports (the [gpu] extra), the same agent then runs with serve.backend = "vllm" (sleep mode on), with
-LoRA and, where bitsandbytes imports, QLoRA (vLLM serving the nf4 base: --quantization bitsandbytes): per iteration
-the trainer-vs-vLLM logprob_gap, the importance weight, sleep and wake seconds.
+LoRA and, where bitsandbytes imports, QLoRA (the trainer's nf4 base against vLLM's bf16 one): per iteration the
+trainer-vs-vLLM logprob_gap, the importance weight, sleep and wake seconds.
 
 Per iteration it prints collection tokens/s, update seconds, the update's model FLOPs utilisation (6 x the
 parameters every token passes through x the tokens the update read / its seconds, against the card's bf16 peak),

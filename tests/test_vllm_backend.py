@@ -264,7 +264,7 @@ def test_builtin_models_get_the_hermes_parser(tmp_path, tiny_model_path):
     cmd = vllm_server(cfg, tiny_model_path, tmp_path / "server.log").command()
     assert cmd[cmd.index("--enable-auto-tool-choice"):][:3] == ["--enable-auto-tool-choice", "--tool-call-parser",
                                                               "hermes"]
-    assert "--reasoning-parser" not in cmd and "--quantization" not in cmd
+    assert "--reasoning-parser" not in cmd
 
 
 def test_parser_settings_override_and_are_validated(tmp_path, tiny_model_path, caplog):
@@ -288,13 +288,6 @@ def test_parser_settings_override_and_are_validated(tmp_path, tiny_model_path, c
     assert "--tool-call-parser" not in cmd
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "no vLLM tool-call parser fits" in warned[0] and "serve.tool_call_parser" in warned[0]
-
-
-def test_qlora_serves_the_base_quantized_as_the_trainer_holds_it(tmp_path, tiny_model_path):
-    cfg = config.parse({"agent": {"module": "a.py"}, "data": {"train": "t.jsonl"},
-                        "model": {"quantization": "4bit"}, "serve": {"backend": "vllm"}})
-    cmd = vllm_server(cfg, tiny_model_path, tmp_path / "s.log").command()
-    assert cmd[cmd.index("--quantization") + 1] == "bitsandbytes"
 
 
 def test_the_cpu_build_is_allowed_by_name_and_refuses_sleep_mode(tmp_path, monkeypatch):

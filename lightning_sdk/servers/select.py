@@ -106,9 +106,12 @@ def server_seed(cfg: Config) -> int:
 def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
     """vLLM on 127.0.0.1 (a free port) with room for every policy's rank, and for two adapters per policy: a new one
     is loaded before the old one goes (three when pipelined: the one replaced stays for the requests already routed
-    to it, until the next update). For QLoRA (model.quantization = "4bit") vLLM quantizes the base to nf4 with
-    bitsandbytes as the trainer does, so it samples the model being trained. The tool-call and reasoning parsers
-    are the model's own (parsers_for)."""
+    to it, until the next update). The tool-call and reasoning parsers are the model's own (parsers_for).
+
+    QLoRA (model.quantization = "4bit"): vLLM serves the bf16 base while the trainer holds it in nf4. vLLM 0.32 (the
+    [gpu] pin) has no bitsandbytes quantization (`--quantization` offers no nf4 method), so the sampler cannot hold
+    the trainer's base; the gap is measured every iteration (train.logprob_gap) and corrected by the truncated
+    importance weight (docs/gpu.md)."""
     from lightning_sdk.config import policies
     from lightning_sdk.servers.vllm import VLLMServer
 
@@ -120,9 +123,7 @@ def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
                       host=BACKEND_HOST, port=0, max_loras=max(s.max_loras, loras), dtype=cfg.model.dtype,
                       max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
                       sleep_level=s.sleep_level, tool_call_parser=tool_call_parser,
-                      reasoning_parser=reasoning_parser,
-                      quantization="bitsandbytes" if cfg.model.quantization == "4bit" else None,
-                      extra_args=s.extra_args, startup_timeout=s.startup_timeout, log_path=log_path, **kw)
+                      reasoning_parser=reasoning_parser, extra_args=s.extra_args, startup_timeout=s.startup_timeout, log_path=log_path, **kw)
 
 
 def check_vllm(cfg: Config) -> None:

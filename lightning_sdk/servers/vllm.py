@@ -64,7 +64,7 @@ def max_lora_rank(lora_r: int) -> int:
 def vllm_command(model: str, *, served_model_name: str, host: str, port: int, lora_r: int, max_loras: int = 2,
                  dtype: str = "auto", max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  sleep: bool = True, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 quantization: str | None = None, extra_args: Sequence[str] = (),
+                 extra_args: Sequence[str] = (),
                  launcher: Sequence[str] | None = None) -> list[str]:
     """The `vllm serve` command line. `launcher` replaces the program (default: this interpreter running vLLM's
     CLI, so the vllm of the current environment runs, whatever is first on PATH)."""
@@ -80,8 +80,6 @@ def vllm_command(model: str, *, served_model_name: str, host: str, port: int, lo
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
     if reasoning_parser:
         cmd += ["--reasoning-parser", reasoning_parser]
-    if quantization:
-        cmd += ["--quantization", quantization]
     return cmd + list(extra_args)
 
 
@@ -103,7 +101,7 @@ class VLLMServer(ServerProcess):
     def __init__(self, model: str, *, served_model_name: str, lora_r: int, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, max_loras: int = 2, dtype: str = "auto", max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.5, sleep_level: int = 1, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None, quantization: str | None = None, extra_args: Sequence[str] = (),
+                 reasoning_parser: str | None = None, extra_args: Sequence[str] = (),
                  startup_timeout: float = 600, log_path: str | Path | None = None,
                  launcher: Sequence[str] | None = None):
         super().__init__(served_model_name=served_model_name, host=host, port=port, api_key=api_key,
@@ -120,7 +118,6 @@ class VLLMServer(ServerProcess):
         self.sleep_level = sleep_level
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
-        self.quantization = quantization
         self.extra_args = list(extra_args)
         self.launcher = launcher
 
@@ -133,8 +130,7 @@ class VLLMServer(ServerProcess):
                             lora_r=self.lora_r, max_loras=self.max_loras, dtype=self.dtype,
                             max_model_len=self.max_model_len, gpu_memory_utilization=self.gpu_memory_utilization,
                             sleep=self.can_sleep, tool_call_parser=self.tool_call_parser,
-                            reasoning_parser=self.reasoning_parser, quantization=self.quantization,
-                            extra_args=self.extra_args, launcher=self.launcher)
+                            reasoning_parser=self.reasoning_parser, extra_args=self.extra_args, launcher=self.launcher)
 
     def environment(self) -> dict[str, str]:
         return vllm_environment(self.api_key, sleep=self.can_sleep)
