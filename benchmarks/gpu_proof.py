@@ -140,8 +140,8 @@ def vllm_runs(model_dir: Path, work: Path, lines: list[str]) -> None:
             lines.append(f"[vllm {quantization}] iteration {row['iteration']}: collect "
                          f"{row['completion_tokens'] / row['collect_s']:.0f} tokens/s | update {row['update_s']:.2f} s "
                          f"| logprob_gap {row.get('train.logprob_gap', float('nan')):.4f}, is_weight "
-                         f"{row.get('train.is_weight', float('nan')):.3f} | sleep {row.get('sleep_s', float('nan')):.2f}"
-                         f" s, wake {row.get('wake_s', float('nan')):.2f} s | hot-load {row['hotload_s']:.2f} s")
+                         f"{row.get('train.is_weight', float('nan')):.3f} | sleep "
+                         f"{row.get('sleep_s', float('nan')):.2f} s, wake {row.get('wake_s', float('nan')):.2f} s | hot-load {row['hotload_s']:.2f} s")
             print(lines[-1], flush=True)
         lines.append(f"[vllm {quantization}] 3 iterations in {time.perf_counter() - t0:.0f} s (vLLM start included)")
         print(lines[-1], flush=True)

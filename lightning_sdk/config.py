@@ -194,7 +194,8 @@ class ServeConfig(_Section):
     def _known_parser(cls, v, info):
         names = VLLM_TOOL_CALL_PARSERS if info.field_name == "tool_call_parser" else VLLM_REASONING_PARSERS
         if v not in ("auto", "none", *names):
-            raise ValueError(f"{v!r} is not one of vLLM's parsers; expected 'auto', 'none' or one of {', '.join(names)}")
+            raise ValueError(f"{v!r} is not one of vLLM's parsers; expected 'auto', 'none' or one of "
+                             f"{', '.join(names)}")
         return v
 
     @field_validator("api_key")

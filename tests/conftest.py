@@ -66,13 +66,22 @@ def store(tmp_path):
 @pytest.fixture(scope="session")
 def gateway_server(server):
     """The run's gateway in front of the shared server: every call through it is recorded (see `gw`)."""
+    with gateway_in_front_of(server) as g:
+        yield g
+
+
+@contextlib.contextmanager
+def gateway_in_front_of(server):
+    """A started gateway (key "agents") serving `server` as the policy SERVED."""
     from lightning_sdk.gateway.proxy import Gateway
 
     g = Gateway(api_key="agents")
     g.start([server.url], backend_key=server.api_key)
     g.policy = SERVED
-    yield g
-    g.stop()
+    try:
+        yield g
+    finally:
+        g.stop()
 
 
 @pytest.fixture()

@@ -46,22 +46,6 @@ def make_cfg(tmp_path: Path, *, module: str, tasks: list[dict], iterations: int,
     }, base=tmp_path)
 
 
-UNCHANGED_AGENT = '''
-from openai import AsyncOpenAI
-import lightning_sdk as ls
-
-client = AsyncOpenAI()  # at import, in the worker actor: from the environment the run set there
-
-@ls.rollout
-async def solve(task):
-    out = await client.chat.completions.create(model="gpt-4o-mini", temperature=1.0, max_tokens=8,
-                                               messages=[{"role": "user", "content": task["question"]}])
-    return out.choices[0].message.content or ""
-
-@ls.reward
-def score(task, output):
-    return float(output.strip() == task["answer"])
-'''
 
 
 # vLLM's CPU build as one server actor (2 cores: one replica beside the two rollout workers), no sleep mode off CUDA.
@@ -72,8 +56,8 @@ VLLM = {"backend": "vllm", "sleep_level": 0, "startup_timeout": 900, "max_model_
 def test_demo_runs_two_iterations_on_ray(ray_local, tmp_path, serve):
     """The default task, with the agent as one writes it for OpenAI: its client from the environment, its own
     model name, no `llm` argument."""
-    (tmp_path / "agent.py").write_text(UNCHANGED_AGENT)
-    cfg = make_cfg(tmp_path, module=str(tmp_path / "agent.py"), tasks=ROWS[:4], iterations=2, group=4, serve=serve)
+    cfg = make_cfg(tmp_path, module=str(Path(__file__).with_name("unchanged_agent.py")), tasks=ROWS[:4],
+                   iterations=2, group=4, serve=serve)
     state = Runtime(cfg).run()
     assert state.completed == 2 and len(state.history) == 2
     with Store(cfg.run.dir / "store.sqlite") as store:

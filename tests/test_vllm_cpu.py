@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 
-from lightning_sdk import config, models, tracing
+from lightning_sdk import config, models
 from lightning_sdk.tracing import COMPLETION_IDS, PROMPT_IDS
 from lightning_sdk.tracing.records import POLICY
 
-from .conftest import SERVED, in_rollout, recorded_calls
+from .conftest import SERVED, gateway_in_front_of, in_rollout, recorded_calls
 from .test_capture import (  # noqa: F401  (collected here: the same assertions against vLLM)
     test_a_litellm_agent_is_recorded, test_a_raw_httpx_post_requests_post_and_aiohttp_agent_are_recorded,
     test_a_sync_call_is_recorded_with_exact_token_ids, test_async_streamed_and_raw_response_calls_are_recorded,
@@ -61,13 +61,8 @@ def server(tiny_model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gateway_server(server):
-    from lightning_sdk.gateway.proxy import Gateway
-
-    g = Gateway(api_key="agents")
-    g.start([server.url], backend_key=server.api_key)
-    g.policy = SERVED
-    yield g
-    g.stop()
+    with gateway_in_front_of(server) as g:
+        yield g
 
 
 def test_parser_names_are_vllms():
@@ -220,4 +215,3 @@ def test_plain_chat_through_the_openai_client(gw):
     out = openai.OpenAI(base_url=gw.base_url, api_key=gw.api_key, max_retries=0).chat.completions.create(
         model="anything", messages=MESSAGES, max_tokens=8)
     assert out.choices[0].message.content is not None or out.choices[0].message.tool_calls
-    tracing.flush()

@@ -21,22 +21,6 @@ pytestmark = pytest.mark.vllm
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
-AGENT = '''
-from openai import AsyncOpenAI
-import lightning_sdk as ls
-
-client = AsyncOpenAI(max_retries=0)
-
-@ls.rollout
-async def solve(task):
-    out = await client.chat.completions.create(model="gpt-4o-mini", temperature=1.0, max_tokens=8,
-                                               messages=[{"role": "user", "content": task["question"]}])
-    return out.choices[0].message.content or ""
-
-@ls.reward
-def score(task, output):
-    return float(output.strip() == task["answer"]) + len(output) / 1000
-'''
 POLICIES = '''
 [policies.writer]
 components = ["writer"]
@@ -45,15 +29,13 @@ components = ["rewriter"]
 lora_r = 4
 '''
 SCENARIOS = {
-    "qlora": ("[model]\nquantization = \"4bit\"\n", None),
-    "pipelined": ("[train]\nmax_staleness = 1\n", None),
+    "qlora": ("[model]\nquantization = \"4bit\"\n", HERE / "unchanged_agent.py"),
+    "pipelined": ("[train]\nmax_staleness = 1\n", HERE / "unchanged_agent.py"),
     "policies": (POLICIES, HERE / "policies_agent.py"),
 }
 
 
-def write_run(d: Path, extra: str, module: Path | None) -> Path:
-    if module is None:
-        (d / "agent.py").write_text(AGENT)
+def write_run(d: Path, extra: str, module: Path) -> Path:
     rows = (ROOT / "cookbook/arith/data/train.jsonl").read_text().splitlines()
     (d / "train.jsonl").write_text("\n".join(rows[::9][:3]) + "\n")
     model = "" if "[model]" in extra else "[model]\n"
@@ -63,7 +45,7 @@ name = "v"
 dir = "run"
 iterations = 2
 [agent]
-module = "{module or d / 'agent.py'}"
+module = "{module}"
 [data]
 train = "train.jsonl"
 tasks_per_iteration = 3

@@ -123,7 +123,8 @@ def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
                       host=BACKEND_HOST, port=0, max_loras=max(s.max_loras, loras), dtype=cfg.model.dtype,
                       max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
                       sleep_level=s.sleep_level, tool_call_parser=tool_call_parser,
-                      reasoning_parser=reasoning_parser, extra_args=s.extra_args, startup_timeout=s.startup_timeout, log_path=log_path, **kw)
+                      reasoning_parser=reasoning_parser, extra_args=s.extra_args,
+                      startup_timeout=s.startup_timeout, log_path=log_path, **kw)
 
 
 def check_vllm(cfg: Config) -> None:
