@@ -145,6 +145,9 @@ def reward_value(value: Any, what: str, where: str = "") -> float:
 
     The error reads "{what} {value!r} ({type}){where}; expected ...", e.g. what="@reward returned".
     """
+    if value is None:  # nothing was returned: a path through the function without `return`, not a bad number
+        raise RewardError(f"{what} None{where}, expected a float: return a number (or a bool) on every path, "
+                          f"e.g. `return 0.0` where it cannot score the output")
     if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
         value = value.item()  # a numpy scalar or 0-d array, a 0-d torch tensor: its Python number
     if isinstance(value, bool) or (isinstance(value, numbers.Real) and not isinstance(value, str)):
@@ -211,10 +214,15 @@ def load_agent(module: str, rollout_name: str | None, reward_name: str | None) -
                 raise SetupError(f"agent.{kind} = {name!r}: {module} has no @{kind} function of that name")
             return fn
         found = [v for v in vars(mod).values() if test(v)]
-        if len(found) != 1:
-            names = ", ".join(f.__name__ for f in found) or "none"
-            raise SetupError(f"agent.module = {module!r}: expected exactly one @{kind} function (found: {names}); "
-                             f"name it with agent.{kind}")
+        if not found:
+            raise SetupError(f"agent.module = {module!r}: has no @{kind} function; mark the function that "
+                             + ("runs one episode with @ls.rollout" if kind == "rollout" else
+                                "scores an episode with @ls.reward")
+                             + " (import lightning_sdk as ls)")
+        if len(found) > 1:
+            names = ", ".join(f.__name__ for f in found)
+            raise SetupError(f"agent.module = {module!r}: has {len(found)} @{kind} functions ({names}); name the "
+                             f"one to use with agent.{kind} = {found[0].__name__!r} in [agent]")
         return found[0]
 
     return pick("rollout", rollout_name, is_rollout), pick("reward", reward_name, is_reward)

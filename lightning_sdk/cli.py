@@ -80,7 +80,10 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
               help="Tasks to run, each data.group_size times (the first iteration's).")
 def check(config_path: Path, tasks: int) -> None:
     """Run the agent once through the run's server (nothing trained, nothing written) and say whether it would
-    train: per rollout its LLM calls, what cannot train and why, reward and transitions; exit 0 if it would."""
+    train: per rollout its LLM calls, what cannot train and why, reward and transitions.
+
+    Exit status: 0 it would train and no rollout failed; 1 it would train nothing; 3 it would train, but some
+    rollouts failed (the verdict names them; a run skips them)."""
     console = make_console()
     try:
         cfg = config_mod.load(config_path)
@@ -97,7 +100,7 @@ def check(config_path: Path, tasks: int) -> None:
     except RunError as e:
         console.print(f"[bold red]check stopped:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)
-    sys.exit(0 if verdict.trains else 1)
+    sys.exit(verdict.exit_code)
 
 
 @main.command("eval")
@@ -175,8 +178,8 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
         policy = ("adapter " + str(adapter) if isinstance(adapter, Path)
                   else "adapters " + ", ".join(f"{k}: {v}" for k, v in adapter.items())) + f", served as {done.policy}"
     score = done.score
-    console.print(f"{score.words} {score} over {score.n} tasks (mean reward ± standard error) of {policy}",
-                  highlight=False, soft_wrap=True)
+    console.print(f"{score.words} {score} over {score.n} tasks (mean reward ± standard error) of {policy}"
+                  f"{score.failed_words}", highlight=False, soft_wrap=True, markup=False)
     console.print(f"eval rollouts: {done.store} (lightning traces --run-dir {run} --phase eval)" if done.store else
                   f"eval rollouts not kept: {run} holds no run", highlight=False, soft_wrap=True)
 

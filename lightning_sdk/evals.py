@@ -43,13 +43,24 @@ class EvalScore:
     n: int
     split: str = HELD_OUT  # TRAIN | HELD_OUT | MIXED
     seen: int = 0  # eval tasks that are training tasks
+    failed: int = 0  # eval rollouts that failed: each scored FAILED_EVAL_SCORE (store.eval_score)
+    failures: str = ""  # why, in one line (failures.summary)
 
     @classmethod
-    def of(cls, scores: list[float], split: str = HELD_OUT, seen: int = 0) -> EvalScore:
+    def of(cls, scores: list[float], split: str = HELD_OUT, seen: int = 0, *, failed: int = 0,
+           failures: str = "") -> EvalScore:
         # statistics: exact sums, so a finite reward as large as 1e200 gives a finite mean
         n = len(scores)
         stderr = statistics.stdev(scores) / math.sqrt(n) if n > 1 else None
-        return cls(float(statistics.mean(scores)), stderr, n, split, seen)
+        return cls(float(statistics.mean(scores)), stderr, n, split, seen, failed, failures)
+
+    @property
+    def failed_words(self) -> str:
+        """What failed, to follow the score in its line ("" when nothing did): a failed rollout scores 0, and a
+        score that is mostly failures must not read as the policy's."""
+        if not self.failed:
+            return ""
+        return f"; {self.failed} of {self.n} rollouts FAILED and scored 0: {self.failures}"
 
     @property
     def words(self) -> str:

@@ -33,6 +33,7 @@ from lightning_sdk.rollouts.remote.protocol import previous_port
 from lightning_sdk.console import printable
 from lightning_sdk.errors import CaptureError, RunError, SetupError
 from lightning_sdk.evals import EvalScore, eval_seed, split_of
+from lightning_sdk.failures import cannot_train, first_line, summary
 from lightning_sdk.files import DirBusyError, clean_atomic_leftovers, locked_dir, new_file
 from lightning_sdk.metrics import MetricsLog, check_trackers
 from lightning_sdk.pipeline import UpdateThread, split_stale
@@ -99,6 +100,7 @@ class Batch:
     penalised: int  # failed rollouts trained at rollout.failed_reward
     collect_s: float
     base_calls: int  # with [policies]: calls of components in no policy, served by the base model
+    failures: str = ""  # its failed rollouts in one line (failures.summary), "" when none failed
     extra: dict[str, float] = field(default_factory=dict)  # more of its row (pipelined: the staleness)
 
 
@@ -133,6 +135,7 @@ class Runtime:
         except ValueError as e:  # an unknown builtin, or a module:function that does not import
             raise SetupError(str(e)) from None
         self.collector: Collector | None = None  # set while a session is open
+        self._store: Store | None = None  # the session's store, while it is open
         self._started = 0.0  # when this process began its iterations
         self.final_eval: float | None = None
         self.final_score: EvalScore | None = None  # the trained eval, with its standard error
@@ -270,7 +273,7 @@ class Runtime:
                     policy[policy_name] = f"{name}-{tag}" if not self.multi else f"{name}-{policy_name}-{tag}"
                     collector.hot_load(policy[policy_name], path)
                 score = self._evaluate(tasks, policy, "trained" if adapter is not None else "untrained", split,
-                                       iteration=0 if adapter is None else iteration or 0)
+                                       iteration=0 if adapter is None else iteration or 0, say=False)
                 served = self._label(policy)
             if keep is not None:
                 seal(db)  # before it appears: readers of it then write nothing beside it
@@ -348,11 +351,11 @@ class Runtime:
             except ServerError as e:
                 collector.stop()
                 raise RunError(f"the inference server did not start: {e}") from None
-        self.collector = collector
+        self.collector, self._store = collector, store
         try:
             yield collector
         finally:
-            self.collector = None
+            self.collector = self._store = None
             collector.stop()
             gateway.capture.flush()
             gateway.capture.record_to(None)
@@ -497,15 +500,23 @@ class Runtime:
         collect_s = time.perf_counter() - t0
         ok = [r for r in results if r.status == "succeeded"]
         failed = len(results) - len(ok)
+        failures = self._failures(results, store)
         if len(ok) < len(results) / 2:
-            errors = sorted({r.error for r in results if r.error})[:3]
-            raise RunError(f"iteration {n}: {failed} of {len(results)} rollouts failed; not training on the rest. "
-                           f"First errors: {errors}. See `lightning traces --run-dir {self.run_dir}`.")
+            raise RunError(f"iteration {n}: {failed} of {len(results)} rollouts failed ({failures}); not training on "
+                           f"the rest. See `lightning traces --run-dir {self.run_dir} --status failed`.")
         skipped: Counter[str] = Counter()
         penalised = [r for r in results if policy_failure(r)] if cfg.rollout.failed_reward is not None else []
         transitions, scored = self._transitions(ok, store, skipped, penalised)
         return Batch(n, label, results, ok, transitions, scored, skipped, len(penalised), collect_s,
-                     sum(collector.gateway.base_served.values()) - base_calls)
+                     sum(collector.gateway.base_served.values()) - base_calls, failures)
+
+    @staticmethod
+    def _failures(results: list[RolloutResult], store: Store) -> str:
+        """The failed rollouts among `results` in one line (failures.summary, with the user's line that raised from
+        the stored traceback); "" when none failed."""
+        failed = [r for r in results if r.status != "succeeded"]
+        records = {r.job.rollout_id: store.rollout(r.job.rollout_id) for r in failed}
+        return summary((r.error, getattr(records[r.job.rollout_id], "traceback", None)) for r in failed)
 
     def _finish(self, batch: Batch, train_metrics: dict[str, float], update_s: float, handover: dict[str, float],
                 state: RunState, trainer: Any, metrics: MetricsLog, *, retire: dict[str, str],
@@ -546,9 +557,11 @@ class Runtime:
         row["hotload_s"] = time.perf_counter() - t2
         row["elapsed_s"] = time.perf_counter() - self._started
         metrics.log(row)
-        self.console.print(f"iteration {n}: reward {mean:.3f}  ({len(ok)} rollouts, {len(transitions)} "
+        failed = (f", {len(results) - len(ok)} of {len(results)} failed: {batch.failures}"
+                  if len(ok) < len(results) else "")
+        self.console.print(f"iteration {n}: reward {mean:.3f}  ({len(ok)} rollouts{failed}, {len(transitions)} "
                            f"transitions, collect {batch.collect_s:.1f}s, update {update_s:.1f}s, "
-                           f"hot-load {row['hotload_s']:.2f}s)")
+                           f"hot-load {row['hotload_s']:.2f}s)", highlight=False, soft_wrap=True, markup=False)
         return new_policy
 
     def _transitions(self, ok: list[RolloutResult], store: Store, skipped: Counter,
@@ -625,22 +638,27 @@ class Runtime:
         bad = [r for r in results if r.failed_in == "reward"]
         if bad and self.cfg.rollout.on_reward_error == "stop":
             raise RunError(f"{len(bad)} rollout(s) got no usable reward and rollout.on_reward_error = 'stop'; "
-                           f"first: {printable(bad[0].error, 2000)}")
+                           f"first: {printable(first_line(bad[0].error or ''), 2000)}")
         return results
 
     def _evaluate(self, tasks: list[dict], policy: dict[str, str], label: str, split: tuple[str, int],
-                  iteration: int | None = None) -> EvalScore:
+                  iteration: int | None = None, *, say: bool = True) -> EvalScore:
         """Each task once under `policy`; rollouts stored with phase 'eval' at `iteration` (default: 0 untrained,
-        run.iterations trained), each sampling with its task's seed (evals.eval_seed)."""
+        run.iterations trained), each sampling with its task's seed (evals.eval_seed). `say`: print the score line
+        (`lightning eval` prints its own)."""
         phase_it = iteration if iteration is not None else 0 if label == "untrained" else self.cfg.run.iterations
         jobs = [RolloutJob(rollout_id=f"eval-{label}-{i:04d}-{uuid.uuid4().hex[:8]}", task_id=data.task_id(t),
                            group_id=f"eval:{label}:{i}", task=t, iteration=phase_it, phase="eval",
                            seed=eval_seed(self.cfg.run.seed, data.task_id(t)))
                 for i, t in enumerate(tasks)]
         results = self._collect(jobs, policy, f"eval ({label})")
-        score = EvalScore.of([eval_score(r.reward) for r in results], *split)
-        self.console.print(f"eval ({label}, {self._label(policy)}): {score.words} {score} over {score.n} tasks "
-                           f"(mean reward ± standard error)", highlight=False, soft_wrap=True)
+        failed = sum(r.status != "succeeded" for r in results)
+        score = EvalScore.of([eval_score(r.reward) for r in results], *split, failed=failed,
+                             failures=self._failures(results, self._store) if failed else "")
+        if say:
+            self.console.print(f"eval ({label}, {self._label(policy)}): {score.words} {score} over {score.n} tasks "
+                               f"(mean reward ± standard error){score.failed_words}", highlight=False,
+                               soft_wrap=True, markup=False)
         return score
 
     def _print_table(self, state: RunState, baseline: EvalScore | None, final: EvalScore | None) -> None:
@@ -677,11 +695,7 @@ def _nothing_to_train(rollouts: list[str], skipped: Counter, unattributed: int, 
             why += (f"; the gateway served {unattributed} call(s) of no rollout: a client that sends no W3C "
                     f"traceparent, or a call made outside the rollout's context (docs/remote.md: the per-rollout "
                     f"base URL serves such clients)")
-    elif components and not any(k in skipped for k in ("greedy", "n>1", "failed_call")) \
-            and not any(k.startswith("setting:") for k in skipped):
-        why = f"none of their LLM calls is of rollout.components = {components}"
-    else:
-        why = "every LLM call was left out"
-    return (f"no transitions from {len(rollouts)} rollouts: {why} (left out: {seen}; greedy: temperature 0, n>1: "
-            f"several choices, setting:<name>: a sampling setting the trainer cannot reproduce, other_component: "
-            f"not of rollout.components; see docs/credit.md; `lightning check` shows each rollout)")
+        return f"no transitions from {len(rollouts)} rollouts: {why} (left out: {seen})"
+    why, fix = cannot_train(skipped, components, [])
+    return (f"no transitions from {len(rollouts)} rollouts: {why} (left out: {seen}). Fix: {fix}. "
+            f"`lightning check` shows each rollout")

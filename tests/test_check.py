@@ -16,17 +16,33 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 AGENT = '''
-import threading
+import threading, time
 from openai import OpenAI
 import lightning_sdk as ls
 
 LOCK, SEEN = threading.Lock(), set()
 MODE = "{mode}"
 
+class Shared:
+    """Per-run state kept on one object built at import, as some agent frameworks do: not safe in threads."""
+
+    def run(self, task):
+        self.task = task
+        time.sleep(0.2)  # another rollout's thread overwrites self.task meanwhile
+        if self.task is not task:
+            raise RuntimeError("state of another rollout")
+        return task["answer"]
+
+
+AGENT_OBJECT = Shared()
+
+
 @ls.rollout
 def solve(task, llm):
     if MODE == "no-llm":
         return task["answer"]  # answered from a rule: no call
+    if MODE == "some-raise" and task["question"].startswith("What is 0"):
+        raise RuntimeError("agent blew up on " + task["question"])
     with LOCK:
         first = task["question"] not in SEEN
         SEEN.add(task["question"])
@@ -34,12 +50,18 @@ def solve(task, llm):
     with ls.component("judge" if MODE == "judge" else "solver"):
         client.chat.completions.create(model=llm.model, max_tokens=4, temperature=0.0 if MODE == "greedy" else 1.0,
                                        messages=[{{"role": "user", "content": task["question"]}}])
+    if MODE == "thread-unsafe":
+        AGENT_OBJECT.run(task)
     return "win" if first else "lose"
 
 @ls.reward
 def score(task, output):
     if MODE == "reward-raises":
         return 1 / 0
+    if MODE == "reward-none":
+        if output == "win":
+            return 1.0
+        return  # a path without a value: the reward returns None
     if MODE == "flat":
         return 0.5
     return 1.0 if output == "win" else 0.0
@@ -69,14 +91,58 @@ def test_a_good_agent_would_train(tmp_path):
     out = check(project(tmp_path, "good"), "--tasks", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "would train: 6 transitions from 2 groups" in out.stdout
-    assert "task 1" in out.stdout and "task 2" in out.stdout and "0.222" in out.stdout  # [1, 0, 0]'s variance
+    assert "FAILED" not in out.stdout
+    assert "0.222" in out.stdout  # [1, 0, 0]'s variance
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert sum(_task_id(row) in out.stdout for row in rows) == 2  # grouped by task id: the two tasks run
+    assert "solver" in out.stdout and "components" in out.stdout and "tool spans" in out.stdout
+
+
+def _task_id(task: dict) -> str:
+    from lightning_sdk.data import task_id
+
+    return task_id(task)
+
+
+def _verdict(out: subprocess.CompletedProcess) -> str:
+    lines = out.stdout.splitlines()
+    return " ".join(lines[lines.index(next(x for x in lines if x.startswith("would train"))):])
+
+
+def test_failed_rollouts_are_named_in_the_verdict_and_exit_3(tmp_path):
+    """A quarter of the rollouts raise: it would still train, but the verdict counts them, names the first error
+    with its file:line and the fix, and the exit status says so (3, documented in --help)."""
+    out = check(project(tmp_path, "some-raise"), "--tasks", "4")
+    assert out.returncode == 3, out.stdout + out.stderr
+    verdict = _verdict(out)
+    line = AGENT.splitlines().index('        raise RuntimeError("agent blew up on " + task["question"])') + 1
+    assert verdict.startswith("would train: ") and "; 3 of 12 rollouts FAILED (3 x RuntimeError: agent blew up " \
+        f"on What is 0 + 1? (agent.py:{line} in solve)) and would be skipped. Fix: fix the agent where it raised " \
+        f"(agent.py:{line} in solve)" in verdict, verdict
+    assert verdict.count("RuntimeError") == 1  # one summary, not one message per rollout
+    help_text = subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "check", "--help"], capture_output=True,
+                               text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert "3 it would train, but some" in " ".join(help_text.split())
+
+
+def test_a_thread_unsafe_agent_is_detected_and_told_to_run_in_processes(tmp_path):
+    """Rollouts in threads share the agent's import-time object: they fail at rollout.concurrency 6 and succeed
+    one at a time; check says so and names run.runtime = "processes"."""
+    out = check(project(tmp_path, "thread-unsafe", rollout="timeout = 60.0\nconcurrency = 6"), "--tasks", "2")
+    verdict = _verdict(out)
+    assert out.returncode in (1, 3), out.stdout + out.stderr
+    assert "RuntimeError: state of another rollout" in verdict
+    assert "succeeded when run again one at a time: the agent is not safe to run in threads at " \
+           "rollout.concurrency = 6" in verdict and 'Fix: run.runtime = "processes"' in verdict, verdict
 
 
 @pytest.mark.parametrize("mode, extra, because", [
     ("no-llm", {}, "no rollout made an LLM call the gateway could attribute to it. Fix: call the run's server"),
     ("greedy", {}, "the agent's LLM calls are greedy (temperature 0): an argmax is not a sample of the policy. "
                    "Fix: sample in its training calls: temperature > 0"),
-    ("reward-raises", {}, "every rollout failed (first: @reward raised ZeroDivisionError: division by zero"),
+    ("reward-raises", {}, "every rollout failed (3 x @reward raised ZeroDivisionError: division by zero"),
+    ("reward-none", {}, "no group has two scored rollouts; 2 of 3 rollouts FAILED (2 x RewardError: @reward "
+                        "returned None for rollout <rollout>, expected a float"),
     ("judge", {"rollout": 'timeout = 60.0\ncomponents = ["solver-v2"]'},
      "none of the LLM calls is of rollout.components = ['solver-v2'] (their components: ['judge']). Fix: set "
      "rollout.components"),
@@ -86,12 +152,13 @@ def test_a_good_agent_would_train(tmp_path):
 def test_a_broken_agent_would_train_nothing_and_is_told_why(tmp_path, mode, extra, because):
     out = check(project(tmp_path, mode, **extra), "--tasks", "1")
     assert out.returncode == 1, out.stdout + out.stderr
-    lines = out.stdout.splitlines()
-    verdict = " ".join(lines[lines.index(next(x for x in lines if x.startswith("would train"))):])
+    verdict = _verdict(out)
     assert verdict.startswith("would train nothing, because " + because), verdict
     if mode == "reward-raises":  # the line of the user's code that raised, from the stored traceback
         line = AGENT.splitlines().index("        return 1 / 0") + 1
-        assert f"at agent.py:{line} in score: return 1 / 0). Fix: fix the agent or its @reward" in verdict
+        assert f"(agent.py:{line} in score)). Fix: fix @reward where it raised (agent.py:{line} in score)" in verdict
+    if mode == "reward-none":  # it did not raise: the fix says what to return, not where it raised
+        assert "Fix: make @reward return a float on every path" in verdict and "raised" not in verdict
     if mode == "greedy":
         assert out.stdout.count("1 greedy") == 3
     if mode == "flat":
