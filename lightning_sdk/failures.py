@@ -23,6 +23,7 @@ MAX_ERROR_CHARS = 240  # one error as shown in a line: an exception whose str() 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>.+)$')
 # What makes messages of one fault differ: the rollout's id (it0003-001-2-ab12cd34, eval-trained-0004-..., check-...)
 _ROLLOUT_ID = re.compile(r"\b(?:it\d{4}|eval-\w+|check)-[\w-]*[0-9a-f]{8}(?:-r\d+)?\b")
+_HEX_ID = re.compile(r"\b(?=[0-9a-f]*\d)[0-9a-f]{8,}\b")  # a task id (data.task_id), a trace id
 
 
 def first_line(error: str, limit: int = MAX_ERROR_CHARS) -> str:
@@ -37,11 +38,11 @@ def summary(errors: Iterable[tuple[str | None, str | None]], *, kinds: int = 2) 
     """(error, traceback) of failed rollouts as one line: the most frequent faults first, each once with how many
     rollouts it failed and where the user's code raised, e.g.
     "12 x RuntimeError: agent blew up (agent.py:31 in solve); 1 x TimeoutError: ...". Rollout ids are left out of
-    the grouping (and shown as <rollout>)."""
+    the grouping (shown as <rollout>), and so are task and trace ids (<id>)."""
     counts: Counter[str] = Counter()
     where: dict[str, str] = {}
     for error, tb in errors:
-        key = _ROLLOUT_ID.sub("<rollout>", first_line(error or "no error recorded"))
+        key = _HEX_ID.sub("<id>", _ROLLOUT_ID.sub("<rollout>", first_line(error or "no error recorded")))
         counts[key] += 1
         if key not in where:
             line = user_line(tb)
