@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -30,27 +31,56 @@ def _fail(console: Console, message: str, details: str | None = None) -> None:
     sys.exit(EXIT_USAGE)
 
 
-@click.group()
+@click.group(context_settings={"max_content_width": 120})
 @click.version_option(version=VERSION, package_name=DISTRIBUTION)
 def main() -> None:
     """Train the LLM inside an existing agent with reinforcement learning."""
     configure_output()
 
 
-@main.command()
+SET_HELP = ("Override a config key, validated as in the file: --set train.lr=1e-4 (a TOML value; text that is "
+            "not one is taken as a string). Repeatable.")
+
+
+def _set_values(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """`--set KEY=VALUE` pairs as {key: value}, each value read as TOML (1e-4, true, "x", [1, 2]) or else text."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, raw = pair.partition("=")
+        if not eq or not key.strip():
+            raise config_mod.ConfigError(f"--set {pair}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def _load(config_path: Path, sets: tuple[str, ...]) -> config_mod.Config:
+    """The config file with the --set overrides; a ConfigError names the key (and --set where it came from)."""
+    cfg = config_mod.load(config_path)
+    try:
+        return config_mod.override(cfg, _set_values(sets))
+    except config_mod.ConfigError as e:
+        raise config_mod.ConfigError(f"--set: {e}") from None
+
+
+@main.command(short_help='Train: serve the model, run the agent, update it; repeat (run.runtime: where the agent runs).')
 @click.option("-c", "--config", "config_path", default="lightning.toml", show_default=True,
               type=click.Path(dir_okay=False, path_type=Path), help="The run's configuration.")
 @click.option("--resume", is_flag=True, help="Continue the run in run.dir from its last checkpoint.")
 @click.option("--overwrite", is_flag=True, help="Delete an existing run in run.dir and start over.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Override run.dir.")
 @click.option("--iterations", type=click.IntRange(min=1), help="Override run.iterations.")
-def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, iterations: int | None) -> None:
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, iterations: int | None,
+        sets: tuple[str, ...]) -> None:
     """Train: serve the model, run the agent (here, on Ray or in `lightning worker`s: run.runtime), update it."""
     console = make_console()
     if resume and overwrite:
         _fail(console, "--resume and --overwrite exclude each other")
     try:
-        cfg = config_mod.load(config_path)
+        cfg = _load(config_path, sets)
         if run_dir is not None:
             cfg.run.dir = run_dir
         if iterations is not None:
@@ -73,12 +103,13 @@ def run(config_path: Path, resume: bool, overwrite: bool, run_dir: Path | None, 
         sys.exit(130)
 
 
-@main.command()
+@main.command(short_help='Run the agent once (nothing trained) and say whether it would train, and if not why.')
 @click.option("-c", "--config", "config_path", default="lightning.toml", show_default=True,
               type=click.Path(dir_okay=False, path_type=Path), help="The run's configuration.")
 @click.option("--tasks", default=2, show_default=True, type=click.IntRange(min=1),
               help="Tasks to run, each data.group_size times (the first iteration's).")
-def check(config_path: Path, tasks: int) -> None:
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+def check(config_path: Path, tasks: int, sets: tuple[str, ...]) -> None:
     """Run the agent once through the run's server (nothing trained, nothing written) and say whether it would
     train: per rollout its LLM calls, what cannot train and why, reward and transitions.
 
@@ -86,7 +117,7 @@ def check(config_path: Path, tasks: int) -> None:
     rollouts failed (the verdict names them; a run skips them)."""
     console = make_console()
     try:
-        cfg = config_mod.load(config_path)
+        cfg = _load(config_path, sets)
     except config_mod.ConfigError as e:
         _fail(console, str(e))
     DatasetError, ModelLoadError, _ = _training_side(console, "lightning check")
@@ -103,7 +134,7 @@ def check(config_path: Path, tasks: int) -> None:
     sys.exit(verdict.exit_code)
 
 
-@main.command("eval")
+@main.command("eval", short_help='Score the base model or a trained adapter on the eval tasks.')
 @click.option("-c", "--config", "config_path", default="lightning.toml", show_default=True,
               type=click.Path(dir_okay=False, path_type=Path), help="The run's configuration.")
 @click.option("--trained", is_flag=True, help="Score the adapter (with [policies]: every policy's adapter) of the "
@@ -115,15 +146,16 @@ def check(config_path: Path, tasks: int) -> None:
 @click.option("--data", "data_path", type=click.Path(path_type=Path),  # a directory: a datasets save_to_disk
               help="Eval tasks (default: data.eval).")
 @click.option("--limit", type=click.IntRange(min=1), help="Score only the first N tasks.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Path | None,
-          data_path: Path | None, limit: int | None) -> None:
+          data_path: Path | None, limit: int | None, sets: tuple[str, ...]) -> None:
     """Score a policy on the eval tasks: the base model, or a trained adapter (--trained / --checkpoint). Says
     whether those are held-out or training tasks; the rollouts are kept in the run's evals/ folder."""
     console = make_console()
     if trained and checkpoint is not None:
         _fail(console, "--trained and --checkpoint exclude each other")
     try:
-        cfg = config_mod.load(config_path)
+        cfg = _load(config_path, sets)
     except config_mod.ConfigError as e:
         _fail(console, str(e))
     if run_dir is not None:
@@ -184,14 +216,16 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
                   f"eval rollouts not kept: {run} holds no run", highlight=False, soft_wrap=True)
 
 
-@main.command()
+@main.command(short_help="List recent rollouts with reward and LLM calls, or one rollout's spans.")
 @click.option("-c", "--config", "config_path", default="lightning.toml", show_default=True,
               type=click.Path(dir_okay=False, path_type=Path), help="Find the store through this run's run.dir.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="A run directory, or a folder of runs (default: run.dir in --config).")
-@click.option("-n", "--limit", default=20, show_default=True, type=click.IntRange(min=1))
+@click.option("-n", "--limit", default=20, show_default=True, type=click.IntRange(min=1),
+              help="Rollouts to list, newest first (per store).")
 @click.option("--rollout", "rollout_id", help="Show one rollout's spans.")
-@click.option("--status", type=click.Choice(["running", "succeeded", "failed", "abandoned", "untrained"]))
+@click.option("--status", type=click.Choice(["running", "succeeded", "failed", "abandoned", "untrained"]),
+              help="Only rollouts with this status.")
 @click.option("--phase", type=click.Choice(["train", "eval"]),
               help="Only training or eval rollouts (eval: also those of `lightning eval`, kept in evals/).")
 @click.option("--checkpoint", help="Only the rollouts this checkpoint's update trained on (iter-00003, or a path).")
@@ -302,7 +336,7 @@ def _list_rollouts(console: Console, store: Any, db: Path, limit: int, status: s
     console.print(table)
 
 
-@main.command()
+@main.command(short_help='Serve a read-only web page of runs (open it with the printed key).')
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="A run directory, or a folder of runs (default: the parent of run.dir in --config, else runs).")
 @click.option("-c", "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -361,7 +395,7 @@ def _training_side(console: Console, what: str) -> tuple[type, type, type]:
     return DatasetError, ModelLoadError, Runtime
 
 
-@main.command()
+@main.command(short_help='Run the agent for a remote run (run.runtime = "remote" or "processes").')
 @click.argument("module", required=False)
 @click.option("--server", help="The run's URL, as `lightning run` printed it (env LIGHTNING_SERVER).")
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),

@@ -6,12 +6,13 @@ Every other module receives these typed objects and never reads the file itself.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import re
 import tomllib
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -486,12 +487,34 @@ def policies(cfg: Config) -> list[Policy]:
     return out
 
 
+def _keys_at(loc: tuple) -> list[str]:
+    """The keys a table at `loc` (("train",), ("policies", "fixer"), () for the top level) may hold."""
+    model: Any = Config
+    for part in loc:
+        field = model.model_fields.get(str(part)) if isinstance(model, type) else None
+        if field is None:  # a key of a dict of tables ([policies.NAME]): the tables' model stays
+            continue
+        types = [field.annotation]
+        model = None
+        while types:  # the first table model in the annotation (X | None, dict[str, X])
+            t = types.pop(0)
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                model = t
+                break
+            types += list(get_args(t))
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown key")
+            near = difflib.get_close_matches(str(e["loc"][-1]), _keys_at(e["loc"][:-1]), n=1, cutoff=0.6)
+            lines.append(f"{key}: unknown key" + (f"; did you mean {'.'.join(map(str, (*e['loc'][:-1], near[0])))}?"
+                                                  if near else ""))
         elif e["type"] == "missing":
             lines.append(f"{key}: required key is missing")
         elif e["type"] == "value_error" and not e["loc"]:  # a rule across keys: its message names them

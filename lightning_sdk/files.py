@@ -70,24 +70,38 @@ def locked_dir(path: str | Path, lock_name: str = ".lock") -> Iterator[Path]:
     """Hold an exclusive lock (fcntl.flock on `path/lock_name`, created with `path`) while inside.
 
     The OS drops the lock when the process dies (kill -9 included), so a stale lock file never blocks anyone.
-    Raises DirBusyError, naming the holder's pid, when another process holds it.
+    Raises DirBusyError, naming the holder's pid, when another process holds it. On leaving, the lock file is
+    removed while still locked; a process that opened it just before then finds, once it holds the lock, that the
+    file it locked is no longer the one at the path, and tries again on the new one: two never hold it at once.
     """
     import fcntl
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / lock_name, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    lock = path / lock_name
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
             raise DirBusyError(f"{path} is in use by another process (pid {holder})") from None
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # removed by its holder meanwhile: lock the file now at the path
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield path
     finally:
-        os.close(fd)
+        try:
+            lock.unlink(missing_ok=True)  # while still held: see above
+        finally:
+            os.close(fd)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

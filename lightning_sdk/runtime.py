@@ -176,7 +176,7 @@ class Runtime:
             stack.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(split[1])
         state = RunState.read(checkpoint) if checkpoint is not None else RunState()
-        store = Store(self.run_dir / "store.sqlite")
+        store = stack.enter_context(Store(self.run_dir / "store.sqlite"))  # closed (its WAL folded in) before the lock
         abandoned = store.abandon_running()
         if abandoned:
             self.console.print(f"[yellow]{abandoned} rollout(s) left running by the previous process marked abandoned")

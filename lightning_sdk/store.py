@@ -7,6 +7,7 @@ writes are small and SQLite serialises writers anyway.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -133,6 +134,7 @@ class Store:
         self.path = Path(path)
         self._lock = threading.Lock()
         self.span_conflicts = 0  # spans refused by write_spans: their id held another span
+        self.read_only = read_only
         if read_only:
             self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False,
                                        timeout=30)
@@ -150,7 +152,16 @@ class Store:
                 self._db.execute("ALTER TABLE spans ADD COLUMN source TEXT NOT NULL DEFAULT 'agent'")
 
     def close(self) -> None:
+        """Close; a writer folds its write-ahead log into the file and leaves WAL mode (as `seal`), so a clean exit
+        leaves one file and readers of it write nothing beside it. Where another connection (a dashboard) still
+        reads it, the log is checkpointed instead and SQLite removes it when the last one closes."""
         with self._lock:
+            if not self.read_only:
+                try:
+                    self._db.execute("PRAGMA journal_mode=DELETE")
+                except sqlite3.OperationalError:  # another connection holds it: fold in what can be folded
+                    with contextlib.suppress(sqlite3.OperationalError):
+                        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._db.close()
 
     def __enter__(self) -> "Store":
