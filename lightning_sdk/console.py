@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
+from contextlib import nullcontext
+from typing import Any
 
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
+from rich.measure import Measurement
+from rich.segment import Segments
 
 LOG_WIDTH = 200  # columns when the output is not a terminal: the iteration table's 11 columns fit uncut
 
@@ -26,10 +31,21 @@ def configure_output() -> None:
 
 
 def quiet_progress_bars() -> None:
-    """Output that is not a terminal (a log file, nohup, CI) gets no transformers / hub progress bars: there each
-    redraw is a line of noise. Set before huggingface_hub is imported; server subprocesses inherit it."""
-    if not sys.stderr.isatty():
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    """Output that is not a terminal (a log file, nohup, CI, a notebook) gets no transformers / hub progress bars:
+    there each redraw is a line of noise, and a notebook without ipywidgets warns (TqdmWarning) at each one. The
+    environment variable reaches server subprocesses and libraries imported later; the libraries' own switches the
+    ones a notebook's earlier cells already imported (they read the variable once, at import)."""
+    if sys.stderr.isatty():
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
 
 
 # bitsandbytes (installed with the dev and gpu extras) tries, when peft imports it on a CPU with AVX512-BF16, to
@@ -75,3 +91,30 @@ def printable(value: Any, limit: int | None = 200) -> str:
 def printable_lines(text: str) -> str:
     """`text` for a console with its line breaks and tabs kept, every other control character escaped (`printable`)."""
     return "\n".join(printable(line.replace("\t", " " * 4), None) for line in text.split("\n"))
+
+
+def live_shown(console: Console) -> bool:
+    """Whether a spinner or progress bar (rich's Live) can show on `console`: a terminal, or a notebook with
+    ipywidgets (without it rich warns 'install "ipywidgets"' at each one). In a log or a pipe it shows nothing, and
+    only leaves a blank line behind."""
+    if console.is_jupyter:
+        return importlib.util.find_spec("ipywidgets") is not None
+    return console.is_terminal
+
+
+def status(console: Console, text: str) -> Any:
+    """`console.status(text)` where it can show (live_shown); nothing elsewhere."""
+    return console.status(text) if live_shown(console) else nullcontext()
+
+
+def print_whole(console: Console, renderable: RenderableType) -> None:
+    """Print a table uncut: on a terminal at its width, elsewhere (a log, a pipe, a notebook) as wide as the table
+    needs, so no cell (a long policy name) is cut short."""
+    if console.is_terminal and not console.is_jupyter:
+        console.print(renderable)
+        return
+    options = console.options.update(width=10_000)
+    width = max(Measurement.get(console, options, renderable).maximum, console.width)
+    # rendered at its own width, then printed as is (soft_wrap: the console neither wraps nor crops it)
+    console.print(Segments(console.render(renderable, options.update(width=width))), soft_wrap=True)
+

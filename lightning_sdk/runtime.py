@@ -30,7 +30,7 @@ from lightning_sdk import credit, data, models, tracing
 from lightning_sdk.agent import load_agent, run_environment
 from lightning_sdk.config import Config, effective, policies
 from lightning_sdk.rollouts.remote.protocol import previous_port
-from lightning_sdk.console import printable
+from lightning_sdk.console import print_whole, printable, status
 from lightning_sdk.errors import CaptureError, RunError, SetupError
 from lightning_sdk.evals import EvalScore, eval_seed, split_of
 from lightning_sdk.failures import cannot_train, first_line, summary
@@ -345,7 +345,7 @@ class Runtime:
         gateway.capture.exported = tracing.export_received
         collector = make_collector(self.cfg, agent=agent, gateway=gateway, model_path=model_path, store=store,
                                    log_dir=log_dir, console=self.console)
-        with self.console.status("starting the inference server"):
+        with status(self.console, "starting the inference server"):
             try:
                 collector.start()
             except ServerError as e:
@@ -439,7 +439,7 @@ class Runtime:
         """One iteration under `policy` (each policy's served adapter); returns the adapters it trained."""
         batch = self._collect_batch(it + 1, tasks, policy, store)
         handover: dict[str, float] = {}  # sleep_s / wake_s: the server's GPU memory goes to the trainer meanwhile
-        with self.console.status(f"iteration {batch.n}/{self.cfg.run.iterations} update: "
+        with status(self.console, f"iteration {batch.n}/{self.cfg.run.iterations} update: "
                                  f"{len(batch.transitions)} transitions"), \
                 gpu_handover(self.collector.server, handover):
             t1 = time.perf_counter()
@@ -663,7 +663,7 @@ class Runtime:
 
     def _print_table(self, state: RunState, baseline: EvalScore | None, final: EvalScore | None) -> None:
         table = iteration_table(self.cfg.run.name, state.history, baseline, final, beta=self.cfg.train.beta)
-        self.console.print(table)
+        print_whole(self.console, table)
         last = latest_checkpoint(self.run_dir)
         self.console.print(f"run directory: {self.run_dir}  (config.json, metrics.jsonl, reward_curve.png, "
                            f"tensorboard/, store.sqlite, checkpoints/)"

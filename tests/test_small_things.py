@@ -84,3 +84,50 @@ def test_a_clean_exit_leaves_one_store_file_and_readers_write_nothing_beside_it(
     out = lightning("traces", "--run-dir", str(run))
     assert out.returncode == 0 and "16 rollouts" in out.stdout, out.stdout + out.stderr
     assert sorted(p.name for p in run.iterdir()) == before  # no -shm, no -wal
+
+
+def test_piped_output_has_no_blank_lines_and_a_notebook_without_ipywidgets_no_warnings():
+    import warnings
+
+    from lightning_sdk.console import status
+    from lightning_sdk.rollouts.collector import progress_bar
+
+    piped = Console(file=io.StringIO(), width=200)
+    for n in (1, 2):
+        with progress_bar(piped, "collect", 3) as advance:
+            advance()
+        with status(piped, "update"):
+            pass
+        piped.print(f"iteration {n}: reward 0.5")
+    assert piped.file.getvalue() == "iteration 1: reward 0.5\niteration 2: reward 0.5\n"
+    notebook = Console(file=io.StringIO(), force_jupyter=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with progress_bar(notebook, "collect", 3) as advance:
+            advance()
+        with status(notebook, "update"):
+            pass
+    assert not [str(w.message) for w in seen if "ipywidgets" in str(w.message)]
+
+
+def test_a_notebooks_already_imported_hf_libraries_get_their_progress_bars_off():
+    code = ("import huggingface_hub.utils as h, transformers.utils.logging as t\n"
+            "assert not h.are_progress_bars_disabled() and t.is_progress_bar_enabled()\n"
+            "from lightning_sdk.console import configure_output\nconfigure_output()\n"
+            "print(h.are_progress_bars_disabled(), t.is_progress_bar_enabled())\n")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
+
+
+def test_the_iteration_table_is_printed_uncut_where_output_is_no_terminal():
+    from lightning_sdk.console import print_whole
+    from lightning_sdk.summary import iteration_table
+
+    policy = "a-long-run-name-" * 8 + "iter1"
+    row = {"iteration": 1, "policy": policy, "reward_mean": 0.5, "reward_std": 0.1, "failed": 0, "transitions": 8,
+           "collect_s": 1.0, "update_s": 1.0}
+    log = Console(file=io.StringIO(), width=120)
+    print_whole(log, iteration_table("run", [row], None, None, beta=0.0))
+    assert policy in log.file.getvalue()

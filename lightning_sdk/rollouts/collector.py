@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lightning_sdk.config import Config
+from lightning_sdk.console import live_shown
 from lightning_sdk.errors import SetupError
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.servers import InferenceServer
@@ -82,7 +83,11 @@ def make_collector(cfg: Config, *, agent: Agent | None, gateway: Gateway, model_
 
 @contextmanager
 def progress_bar(console: Console, label: str, total: int) -> Iterator[Callable[[], None]]:
-    """A transient progress bar for one phase; yields the function that advances it by one rollout."""
+    """A transient progress bar for one phase; yields the function that advances it by one rollout. Where it cannot
+    show (a log, a pipe, a notebook without ipywidgets: console.live_shown) there is none."""
+    if not live_shown(console):
+        yield lambda: None
+        return
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
         bar = progress.add_task(label, total=total)
