@@ -662,7 +662,8 @@ class Runtime:
         return score
 
     def _print_table(self, state: RunState, baseline: EvalScore | None, final: EvalScore | None) -> None:
-        table = iteration_table(self.cfg.run.name, state.history, baseline, final, beta=self.cfg.train.beta)
+        table = iteration_table(self.cfg.run.name, state.history, baseline, final, beta=self.cfg.train.beta,
+                                pipelined=bool(self.cfg.train.max_staleness))
         print_whole(self.console, table)
         last = latest_checkpoint(self.run_dir)
         self.console.print(f"run directory: {self.run_dir}  (config.json, metrics.jsonl, reward_curve.png, "

@@ -10,6 +10,11 @@ from lightning_sdk.evals import EvalScore
 
 GAP_MEANING = ("logprob gap: mean |trainer - server| log-prob per sampled token before the update (near 0: the "
                "trainer scores what the server sampled)")
+# Pipelined, a call may have been sampled by an adapter updates older than the one the trainer starts from: the
+# gap then holds the policy's change over that staleness, not only a trainer/server mismatch.
+PIPELINED_GAP_MEANING = ("logprob gap: mean |trainer - server| log-prob per sampled token before the update; with "
+                         "train.max_staleness > 0 it includes how far the policy moved since each call was sampled "
+                         "(staleness), so it is not expected near 0")
 
 
 def _fmt(value: float | None) -> str:
@@ -17,7 +22,7 @@ def _fmt(value: float | None) -> str:
 
 
 def iteration_table(name: str, history: list[dict[str, Any]], baseline: EvalScore | None,
-                    final: EvalScore | None, *, beta: float) -> Table:
+                    final: EvalScore | None, *, beta: float, pipelined: bool = False) -> Table:
     """One row per iteration, between the eval rows. A column that the run's settings keep at zero (kl when
     train.beta is 0) is left out: a column of zeros reads as a result. The title says what the eval scored (the
     training tasks, or held-out ones)."""
@@ -31,7 +36,7 @@ def iteration_table(name: str, history: list[dict[str, Any]], baseline: EvalScor
     if beta == 0:
         columns = [c for c in columns if c[0] != "kl"]
     scored = next((s for s in (baseline, final) if s is not None), None)
-    title = f"{name}: reward per iteration\n{GAP_MEANING}"
+    title = f"{name}: reward per iteration\n{PIPELINED_GAP_MEANING if pipelined else GAP_MEANING}"
     if scored is not None:
         title += f"\neval rows: {scored.words}, mean ± standard error over {scored.n} tasks"
     table = Table(title=title)

@@ -131,3 +131,16 @@ def test_the_iteration_table_is_printed_uncut_where_output_is_no_terminal():
     log = Console(file=io.StringIO(), width=120)
     print_whole(log, iteration_table("run", [row], None, None, beta=0.0))
     assert policy in log.file.getvalue()
+
+
+def test_a_pipelined_runs_table_does_not_call_the_gap_a_mismatch_near_0():
+    from lightning_sdk.summary import iteration_table
+
+    row = {"iteration": 1, "policy": "p", "reward_mean": 0.5, "reward_std": 0.1, "failed": 0, "transitions": 8,
+           "collect_s": 1.0, "update_s": 1.0, "train.logprob_gap": 0.3}
+    for pipelined, said in ((False, "(near 0: the trainer scores what the server sampled)"),
+                            (True, "it includes how far the policy moved since each call was sampled")):
+        out = Console(file=io.StringIO(), width=400)
+        out.print(iteration_table("run", [row], None, None, beta=0.0, pipelined=pipelined))
+        assert said in out.file.getvalue()
+        assert ("near 0: the trainer scores" in out.file.getvalue()) is not pipelined

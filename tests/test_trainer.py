@@ -105,9 +105,13 @@ def test_token_weights_sum_to_one(norm):
 
 
 def test_token_weights_constant_and_bnpo():
-    # Dr.GRPO: 3 live transitions x L = 8 -> every token 1/24, whatever the lengths
+    # Dr.GRPO: 4 transitions x L = 8 -> every token 1/32, whatever the lengths; the one without tokens counts in
+    # the normaliser as in TRL (per_token_loss.size(0) * max_completion_length)
     w = token_weights(N_TOK, RIDS, "constant", max_completion_length=8)
-    assert torch.allclose(w, torch.tensor([1 / 24, 1 / 24, 1 / 24, 0.0]))
+    assert torch.allclose(w, torch.tensor([1 / 32, 1 / 32, 1 / 32, 0.0]))
+    # two of four calls masked as truncated: the others' tokens weigh as much as with none masked
+    assert torch.allclose(token_weights([3, 0, 5, 0], ["a", "b", "c", "d"], "constant", max_completion_length=8),
+                          torch.tensor([1 / 32, 0.0, 1 / 32, 0.0]))
     # bnpo: group x holds 2 + 6 tokens, group y 4: the token mean of each group, then the mean over the 2 groups
     w = token_weights(N_TOK, RIDS, "bnpo", group_ids=["x", "x", "y", "y"])
     assert torch.allclose(w, torch.tensor([1 / 16, 1 / 16, 1 / 8, 0.0]))
@@ -535,3 +539,30 @@ def test_kl_is_reported_only_when_measured(model_path, tok):
     so no tracker or chart shows a flat KL line."""
     m = GRPOTrainer(model_path, cfg(beta=0.0)).step(mixed_batch(tok))
     assert "kl" not in m and isinstance(m["loss"], float)
+
+
+def test_with_dropout_and_one_epoch_the_importance_weight_and_gap_come_from_a_dropout_free_pass(model_path, tok):
+    """The sampler's log-probs are exactly the policy's (dropout-free): the importance weight is 1 and the gap 0,
+    whatever dropout does to the training pass; the ratio of the one epoch stays exactly 1."""
+    import time
+
+    tr = GRPOTrainer(model_path, cfg(lora_dropout=0.5, epochs=1, importance_sampling_cap=2.0,
+                                     target_modules=["all-linear", "lm_head"], micro_batch_size=64), seed=0)
+    assert not tr._train_forward_is_eval
+    ts = mixed_batch(tok)
+    plan = tr._prepare(ts, None)
+    (b,) = plan.batches
+    (clean,) = tr._logprobs_frozen(plan.batches, reference=False)
+    b.sampler_logp, b.has_sampler_logp = clean.clone(), b.weights > 0
+    m = tr._update(tr.adapters["default"], ts, plan, time.perf_counter())
+    assert m["logprob_gap"] < 1e-5, m
+    assert m["is_weight"] == pytest.approx(1.0, abs=1e-5) and m["is_capped_frac"] == 0
+    assert m["ratio"] == pytest.approx(1.0, abs=1e-6) and m["clip_frac"] == 0
+
+
+def test_an_update_with_nothing_to_train_logs_no_lr(model_path, tok):
+    tr = GRPOTrainer(model_path, cfg(), seed=0)
+    solo = [t for t in mixed_batch(tok) if t.group_id == "solo"]  # one rollout: no baseline, nothing trains
+    m = tr.step(solo)
+    assert "lr" not in m and m["num_transitions"] == 0
+    assert "lr" in tr.step(mixed_batch(tok))

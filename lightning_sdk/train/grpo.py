@@ -52,13 +52,15 @@ def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_no
       "token":    every token weighs the same, 1/total tokens (DAPO; TRL loss_type="dapo", verl "token-mean")
       "sequence": every transition weighs 1/N, spread over its own tokens (original GRPO; TRL "grpo", verl
                   "seq-mean-token-mean")
-      "constant": every token weighs 1/(N * max_completion_length) (Dr.GRPO; TRL "dr_grpo", verl
-                  "seq-mean-token-sum-norm"): no length bias, the normaliser never depends on the batch
+      "constant": every token weighs 1/(N * max_completion_length), N every transition of the batch, those with
+                  no tokens to train (masked as truncated, empty) included (Dr.GRPO; TRL "dr_grpo", whose
+                  per_token_loss.size(0) counts them too; verl "seq-mean-token-sum-norm"): no length bias, and the
+                  normaliser does not depend on which transitions have tokens
       "bnpo":     every token weighs 1/(G * tokens of its group), G groups: the token mean of each group, averaged
                   over groups (TRL "bnpo", the token mean of each local batch, with one group as the local batch);
                   needs group_ids. Never the physical micro-batches: those are cut by length, and a mean per
                   micro-batch would favour the short completions sorted together
-    Transitions without completion tokens get 0 and do not count.
+    Transitions without completion tokens get 0 and, but for "constant", do not count.
     """
     n = torch.as_tensor(num_tokens, dtype=torch.float64)
     live = n > 0
@@ -71,7 +73,7 @@ def token_weights(num_tokens: Sequence[int], rollout_ids: Sequence[str], loss_no
     elif loss_norm == "constant":
         if not max_completion_length:
             raise ValueError("loss_norm 'constant' needs max_completion_length (train.max_completion_length)")
-        w = torch.full_like(n, 1.0 / (float(live.sum()) * max_completion_length))
+        w = torch.full_like(n, 1.0 / (len(n) * max_completion_length))
     elif loss_norm == "bnpo":
         if group_ids is None:
             raise ValueError("loss_norm 'bnpo' needs each transition's group")

@@ -238,7 +238,11 @@ class GRPOTrainer:
         if not plan.batches:  # nothing left to learn from: no update, not an error
             self._advance_schedule(cfg.epochs, a)  # the schedule's horizon counts these steps: it must end on time
             return self._metrics(transitions, plan, Counter(), t0, a)
-        olds, refs = self._frozen_logprobs(plan.batches)
+        clean, refs = self._frozen_logprobs(plan.batches)
+        # The old policy of the ratio: with several epochs the dropout-free pass; with one, epoch 0's own log-probs
+        # (its ratio exactly 1, the gradient the same). The importance weight and the gap always compare the
+        # sampler with the dropout-free policy: dropout noise is no mismatch.
+        olds = list(clean) if cfg.epochs > 1 else [None] * len(plan.batches)
         self.model.train()
         totals: Counter[str] = Counter()
         for epoch in range(cfg.epochs):
@@ -248,14 +252,16 @@ class GRPOTrainer:
                 logp = _gather(logits, b)
                 if olds[i] is None:  # epoch 0 without a separate pass: this is the old policy
                     olds[i] = logp.detach()
+                if clean[i] is None:  # no dropout: epoch 0's pass is the dropout-free one
+                    clean[i] = logp.detach()
                 if epoch == 0:  # no update yet: the policy the sampler ran, so compare with its log-probs
-                    totals.update(_sampler_gap(logp, b))
+                    totals.update(_sampler_gap(clean[i], b))
                     with torch.no_grad():  # weighted like the loss: the mean entropy per trained token
                         totals["entropy_sum"] += (b.weights * entropy(logits)).sum().item()
                         totals["weight_sum"] += b.weights.sum().item()
                 del logits
                 cap = self.importance_sampling_cap
-                is_w = None if cap is None else sampler_is_weight(olds[i], b.sampler_logp, b.has_sampler_logp, cap)
+                is_w = None if cap is None else sampler_is_weight(clean[i], b.sampler_logp, b.has_sampler_logp, cap)
                 if is_w is not None:  # the share of trained tokens whose weight the cap cut (weighted like the loss)
                     totals["is_capped_frac"] += (b.weights * (is_w >= cap)).sum().item()
                 loss, st = grpo_loss(logp, olds[i], b.adv, b.weights, clip_eps=cfg.clip_eps,
@@ -324,27 +330,29 @@ class GRPOTrainer:
                      [collate([ts[i] for i in c], adv[c], w[c], self.device) for c in chunks])
 
     def _frozen_logprobs(self, batches: list[Batch]) -> tuple[list, list]:
-        """Old-policy and reference log-probs, each computed only when needed ([None] * n otherwise).
+        """The policy's dropout-free log-probs before this update, and the reference's, each computed only when
+        needed ([None] * n otherwise).
 
-        The old policy is the one before this update, i.e. the current one during epoch 0, whose ratio is
-        exp(logp - logp.detach()) = 1 with the same gradient; epoch 0's own log-probs then serve as the old ones
-        for later epochs. Only a model with dropout (train-mode log-probs differ) pays for a separate no-grad pass.
+        Without dropout a training-mode pass computes the dropout-free log-probs itself: epoch 0's serve (its ratio
+        exp(logp - logp.detach()) = 1 with the same gradient, and the old policy of later epochs). Only a model with
+        dropout (train-mode log-probs differ) pays for a separate no-grad pass, whatever the number of epochs: the
+        sampler's tokens are weighed against it.
         """
         cfg, none = self.config, [None] * len(batches)
-        separate = cfg.epochs > 1 and not self._train_forward_is_eval
-        olds = self._logprobs_frozen(batches, reference=False) if separate else list(none)
+        clean = self._logprobs_frozen(batches, reference=False) if not self._train_forward_is_eval else list(none)
         refs = self._logprobs_frozen(batches, reference=True) if cfg.beta > 0 else none
-        return olds, refs
+        return clean, refs
 
     def _metrics(self, transitions: Sequence[Transition], plan: _Plan, totals: Counter, t0: float,
                  a: _Adapter) -> dict[str, float]:
         """Loss statistics averaged over epochs (grad_norm over the steps taken; skipped_steps counts the steps left
         out for a non-finite gradient); logprob_gap is the mean |trainer - sampler| log-prob before the update (the
         train/inference mismatch)."""
-        m = {**_EMPTY_METRICS, **_rollout_means(transitions), "lr": a.optimizer.param_groups[0]["lr"],
+        m = {**_EMPTY_METRICS, **_rollout_means(transitions),
              "num_skipped": float(len(transitions) - len(plan.ts)), "zero_variance_frac": plan.zero_variance_frac,
              "num_masked_truncated": float(plan.num_masked)}
-        if plan.batches:
+        if plan.batches:  # an lr only where a step used it
+            m["lr"] = a.optimizer.param_groups[0]["lr"]
             gap, gap_n = totals.pop("gap", 0.0), totals.pop("gap_n", 0)
             ent, ent_w = totals.pop("entropy_sum", 0.0), totals.pop("weight_sum", 0.0)
             m["entropy"] = ent / ent_w if ent_w else math.nan
