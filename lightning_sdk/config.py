@@ -70,8 +70,9 @@ class RunConfig(_Section):
     iterations: int = Field(10, ge=1)
     seed: int = 0
     # "ray": rollouts and inference on a Ray cluster ([ray]); "remote": rollouts by `lightning worker` processes,
-    # in the agent's own environment, on this machine or others ([remote], docs/remote.md)
-    runtime: Literal["embedded", "ray", "remote"] = "embedded"
+    # in the agent's own environment, on this machine or others ([remote], docs/remote.md); "processes": the run
+    # starts rollout.concurrency local workers, one rollout at a time each (an agent not safe to run in threads)
+    runtime: Literal["embedded", "ray", "remote", "processes"] = "embedded"
     report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
         default_factory=lambda: ["tensorboard"], description="experiment trackers that get every iteration's "
         "metrics and the eval scores (metrics.jsonl always does); all but tensorboard need the [track] extra")

@@ -174,3 +174,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "train.jsonl").unlink()
     out = check(config)
     assert out.returncode == 2 and "train.jsonl" in out.stdout
+
+
+def test_a_thread_unsafe_agent_trains_cleanly_in_worker_processes(tmp_path):
+    """The same agent with run.runtime = "processes" (set on the command line): every rollout in a local worker
+    process of its own, rollout.concurrency of them at once; none fails, the workers stop with the check."""
+    config = project(tmp_path, "thread-unsafe", rollout="timeout = 60.0\nconcurrency = 6")
+    out = check(config, "--tasks", "2", "--set", 'run.runtime="processes"')
+    assert "rollouts in 6 worker processes" in out.stdout and "FAILED" not in out.stdout, out.stdout + out.stderr
+    # Every rollout succeeded, each the first of its question in its own process (the agent's SEEN set is per
+    # process), so each scores 1: the verdict is about the reward, not a failure.
+    assert _verdict(out).startswith("would train nothing, because every group's rewards are equal (1)")
+    assert out.returncode == 1

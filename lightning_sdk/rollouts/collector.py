@@ -56,6 +56,7 @@ RUNTIMES = {
     "embedded": "lightning_sdk.rollouts.embedded:EmbeddedCollector",
     "ray": "lightning_sdk.rollouts.ray:RayCollector",
     "remote": "lightning_sdk.rollouts.remote.collect:RemoteCollector",
+    "processes": "lightning_sdk.rollouts.processes:ProcessesCollector",
 }
 
 

@@ -66,7 +66,11 @@ class RemoteCollector(EmbeddedCollector):
             redirect_openai=cfg.agent is None or cfg.agent.redirect_openai), api_key=self.worker_token)
         super().start()  # the inference server, then the gateway in front of it, with our routes
         self._write_access()
-        url = self.gateway.url
+        self.announce()
+
+    def announce(self) -> None:
+        """Say where workers connect and how to start one."""
+        cfg, url = self.cfg, self.gateway.url
         self.console.print(
             f"Lightning server for run {cfg.run.name!r} at {url}: waiting for workers. In the agent's folder and "
             f"environment, start one with\n  lightning worker --server {url} --token-file {self.token_file}\n"

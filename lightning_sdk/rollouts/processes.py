@@ -1,0 +1,75 @@
+"""The processes runtime (`run.runtime = "processes"`): rollouts in local worker processes, one rollout at a time
+each, so an agent that is not safe to run in threads (per-run state kept on an object built at import, as
+smolagents' agents do) keeps the run's concurrency.
+
+It is the remote runtime with its workers started here: rollout.concurrency `lightning worker` processes, each
+with --concurrency 1, reading the run's server.json and worker.token from the run directory; their output goes to
+workers.log there. They stop with the run (told it is over, then SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from lightning_sdk.config import Config
+from lightning_sdk.errors import RunError
+from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.rollouts.collector import Agent
+from lightning_sdk.rollouts.remote.collect import RemoteCollector
+from lightning_sdk.store import Store
+
+WORKERS_LOG = "workers.log"
+STOP_S = 10.0  # how long a worker gets to stop on SIGTERM before it is killed
+
+
+class ProcessesCollector(RemoteCollector):
+    # This process imports the agent too (a module that fails to import is one line before anything starts).
+    runs_agent = True
+
+    def __init__(self, cfg: Config, *, agent: Agent | None, gateway: Gateway, model_path: str, store: Store,
+                 log_dir: Path, console: Console):
+        super().__init__(cfg, agent=agent, gateway=gateway, model_path=model_path, store=store, log_dir=log_dir,
+                         console=console)
+        self.procs: list[subprocess.Popen] = []
+        self.log_path = Path(log_dir) / WORKERS_LOG
+
+    def announce(self) -> None:
+        a, n = self.cfg.agent, self.cfg.rollout.concurrency
+        command = [sys.executable, "-m", "lightning_sdk.cli", "worker", a.module, "--run-dir", str(self.run_dir),
+                   "--concurrency", "1"]
+        command += ["--rollout", a.rollout] if a.rollout else []
+        command += ["--reward", a.reward] if a.reward else []
+        # this process's import path (an agent module found through it, an editable checkout) goes to the workers
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        with self.log_path.open("ab") as log:
+            self.procs = [subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env=env, cwd=Path(a.module).parent if a.module.endswith(".py") else None)
+                          for _ in range(n)]
+        self.console.print(f"rollouts in {n} worker processes (run.runtime = 'processes'), one rollout at a time "
+                           f"each; their log: {self.log_path}", highlight=False, soft_wrap=True, markup=False)
+
+    def stop(self) -> None:
+        try:
+            super().stop()  # tells the workers the run is over; they exit
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in self.procs:
+                try:
+                    p.wait(STOP_S)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+    def _check_workers(self, waiting_since: float, left: int) -> None:
+        if self.procs and all(p.poll() is not None for p in self.procs):
+            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-5:] if self.log_path.exists() else []
+            raise RunError(f"all {len(self.procs)} rollout worker processes exited (run.runtime = 'processes') with "
+                           f"{left} rollout(s) left; the end of {self.log_path}: " + " | ".join(tail))
+        super()._check_workers(waiting_since, left)
