@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from lightning_sdk import credit, data, models, tracing
 from lightning_sdk.agent import load_agent, run_environment
@@ -354,9 +355,22 @@ class Runtime:
         self.collector, self._store = collector, store
         try:
             yield collector
-        finally:
-            self.collector = self._store = None
+        except BaseException:
+            # Ending on an error or a Ctrl-C: a teardown that fails too (spans that do not drain in time on a loaded
+            # machine) is said, never raised in its place, so the run ends with what stopped it (exit 130 for Ctrl-C).
+            try:
+                self._end_session(collector, gateway)
+            except Exception as e:  # noqa: BLE001 - reported; the error in flight is raised
+                self.console.print(f"[yellow]while stopping: {escape(first_line(f'{type(e).__name__}: {e}'))}",
+                                   highlight=False, soft_wrap=True)
+            raise
+        self._end_session(collector, gateway)
+
+    def _end_session(self, collector: Collector, gateway: Gateway) -> None:
+        self.collector = self._store = None
+        try:
             collector.stop()
+        finally:
             gateway.capture.flush()
             gateway.capture.record_to(None)
             tracing.flush()

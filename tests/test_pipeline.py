@@ -213,3 +213,70 @@ def test_ctrl_c_then_kill_9_during_overlapped_updates_then_resume_loses_nothing_
                               "'succeeded' GROUP BY iteration"))
     assert trained == {1: 16, 2: 16, 3: 16}  # the rest of what the stopped runs collected is marked untrained
     assert _query(db, "SELECT COUNT(*) FROM rollouts WHERE status = 'running'") == [(0,)]
+
+
+@pytest.mark.parametrize("when", ["collecting", "waiting"])
+def test_ctrl_c_during_an_overlapped_update_stops_the_run_after_it_saves(tmp_path, monkeypatch, when):
+    """Ctrl-C reaches the main thread at a chosen moment of update 1, never by luck of timing: while batch 2 is
+    collected beside it ("collecting"), or once batch 2 is in and the main thread waits for update 1 ("waiting").
+    Update 1 finishes and saves; the run ends with KeyboardInterrupt (the CLI's exit 130), even when stopping then
+    fails too (spans that do not drain in time on a loaded machine); update 2 never runs."""
+    from lightning_sdk import pipeline
+    from lightning_sdk.rollouts.embedded import EmbeddedCollector
+    from lightning_sdk.train.trainer import GRPOTrainer
+
+    step, collect, done = GRPOTrainer.step, EmbeddedCollector.collect, pipeline.UpdateThread.done
+    batch2, batch2_over, waiting, steps = threading.Event(), threading.Event(), threading.Event(), []
+
+    def collecting(self, jobs, policy, *, label):
+        if label.startswith("iteration 2/"):
+            batch2.set()
+        try:
+            return collect(self, jobs, policy, label=label)
+        finally:
+            if label.startswith("iteration 2/"):
+                batch2_over.set()
+
+    def waits(self, n):
+        if n == 1:  # batch 3's turn: it waits for update 1
+            waiting.set()
+        return done(self, n)
+
+    def interrupted(self, transitions, scored=None):
+        steps.append(self.global_step + 1)
+        if self.global_step == 0:
+            assert (batch2 if when == "collecting" else waiting).wait(120)
+            if when == "waiting":
+                time.sleep(0.5)  # the main thread is blocked in the wait by now
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            sent.set()
+            if when == "collecting":
+                assert batch2_over.wait(120)  # the collection was stopped while this update still runs
+        return step(self, transitions, scored)
+
+    def slow_spans(*args, **kw):  # a loaded machine: the span writer does not drain in time while stopping
+        if sent.is_set():
+            raise TimeoutError("span writer did not drain within 30s")
+        return flush(*args, **kw)
+
+    from lightning_sdk import tracing
+
+    flush, sent = tracing.flush, threading.Event()
+    monkeypatch.setattr(tracing, "flush", slow_spans)
+    monkeypatch.setattr(EmbeddedCollector, "collect", collecting)
+    monkeypatch.setattr(pipeline.UpdateThread, "done", waits)
+    monkeypatch.setattr(GRPOTrainer, "step", interrupted)
+    cfg = make_project(tmp_path, [task(a, 1) for a in range(1, 9)], calls=2, pause=0.2,
+                       run='name = "pipe"\ndir = "run"\niterations = 4',
+                       rollout="concurrency = 16\ntimeout = 120.0",
+                       train="lora_r = 4\nmicro_batch_size = 16\nmax_staleness = 1")
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):  # not the teardown's TimeoutError in its place
+        Runtime(cfg, console=Console(file=out, width=200)).run()
+    assert "while stopping: TimeoutError: span writer did not drain within 30s" in out.getvalue()
+    run = tmp_path / "run"
+    assert steps == [1]  # update 1 ran to its end; update 2 never started
+    assert [m["iteration"] for m in metrics(run)] == [1]
+    assert sorted(p.name for p in (run / "checkpoints").glob("iter-*")) == ["iter-00001"]
+    iterations = {it for (it,) in _query(run / "store.sqlite", "SELECT DISTINCT iteration FROM rollouts")}
+    assert 3 not in iterations and 1 in iterations  # nothing of batch 3 was collected after the Ctrl-C
