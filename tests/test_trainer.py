@@ -549,6 +549,10 @@ def test_with_dropout_and_one_epoch_the_importance_weight_and_gap_come_from_a_dr
     tr = GRPOTrainer(model_path, cfg(lora_dropout=0.5, epochs=1, importance_sampling_cap=2.0,
                                      target_modules=["all-linear", "lm_head"], micro_batch_size=64), seed=0)
     assert not tr._train_forward_is_eval
+    with torch.no_grad():  # a trained adapter: LoRA's B starts at 0, where dropout on its branch changes nothing
+        for name, p in tr.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
     ts = mixed_batch(tok)
     plan = tr._prepare(ts, None)
     (b,) = plan.batches
