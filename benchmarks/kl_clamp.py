@@ -3,7 +3,7 @@ arithmetic model learning sums with train.beta > 0, its own samples (the test su
 the share of trained tokens (weighted as the loss) whose k3 value reached KL_CLAMP or whose log-ratio reached
 KL_LOG_RATIO_CLAMP, where the clamp stops their KL gradient, per step and overall.
 
-    PYTHONPATH=. python benchmarks/kl_clamp.py [--steps 40] [--beta 0.04] [--lr 5e-3]
+    PYTHONPATH=. python benchmarks/kl_clamp.py [--steps 40] [--beta 0.04] [--lr 5e-3] [--bound on|off]
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--beta", type=float, default=0.04)
     ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--bound", choices=["on", "off"], default="on",
+                    help="off: the k3 value unbounded (TRL), its log-ratio still clamped for finiteness")
     args = ap.parse_args()
+    bound = grpo.KL_CLAMP
+    if args.bound == "off":
+        grpo.KL_CLAMP = float("inf")
     seen = {"clamped": 0.0, "weight": 0.0, "max_k3": 0.0}
     loss = grpo.grpo_loss
 
@@ -29,7 +34,7 @@ def main() -> None:
             with torch.no_grad():
                 d = ref_logp - logp
                 k3 = torch.exp(d.clamp(-grpo.KL_LOG_RATIO_CLAMP, grpo.KL_LOG_RATIO_CLAMP)) - d - 1.0
-                hit = (d.abs() >= grpo.KL_LOG_RATIO_CLAMP) | (k3.abs() >= grpo.KL_CLAMP)
+                hit = (d.abs() >= grpo.KL_LOG_RATIO_CLAMP) | (k3.abs() >= bound)
                 seen["clamped"] += float((weights * hit).sum())
                 seen["weight"] += float(weights.sum())
                 real = weights > 0
@@ -46,9 +51,9 @@ def main() -> None:
     result = learn_arithmetic(path, tok, steps=args.steps,
                               **{**DEMO, "lr": args.lr, "beta": args.beta})
     share = seen["clamped"] / seen["weight"] if seen["weight"] else 0.0
-    print(f"steps {args.steps}, beta {args.beta}, lr {args.lr}: P(correct) {result['before']:.3f} -> "
+    print(f"steps {args.steps}, beta {args.beta}, lr {args.lr}, bound {args.bound}: P(correct) {result['before']:.3f} -> "
           f"{result['after']:.3f}; clamped share of trained tokens {share:.2e}; largest k3 {seen['max_k3']:.3g} "
-          f"(KL_CLAMP {grpo.KL_CLAMP:g})")
+          f"(bound {bound:g}; share: tokens at or past it)")
 
 
 if __name__ == "__main__":
