@@ -9,7 +9,6 @@ import sys
 from contextlib import nullcontext
 from typing import Any
 
-from typing import Any
 
 from rich.console import Console, RenderableType
 from rich.measure import Measurement

@@ -15,8 +15,6 @@ from pathlib import Path
 
 from lightning_sdk.console import printable
 
-import lightning_sdk
-
 __all__ = ["MAX_ERROR_CHARS", "first_line", "summary", "user_line"]
 
 MAX_ERROR_CHARS = 240  # one error as shown in a line: an exception whose str() is a dump of prompts stays readable
@@ -59,7 +57,7 @@ def user_line(traceback: str | None) -> str | None:
     if not traceback:
         return None
     lines = traceback.splitlines()
-    ours = str(Path(lightning_sdk.__file__).parent)
+    ours = str(Path(__file__).parent)  # this package
     library = (ours, sys.prefix, sys.base_prefix, "<frozen")
     found = None
     for i, line in enumerate(lines):
