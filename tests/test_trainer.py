@@ -570,3 +570,19 @@ def test_an_update_with_nothing_to_train_logs_no_lr(model_path, tok):
     m = tr.step(solo)
     assert "lr" not in m and m["num_transitions"] == 0
     assert "lr" in tr.step(mixed_batch(tok))
+
+
+def test_the_k3_kl_pulls_back_a_token_that_drifted_far():
+    """A token 3 nats less likely than under the reference: its k3 (e^3 - 4 = 16.1) counts whole and keeps its
+    gradient, beta * (1 - e^3); verl's bound of 10 would zero it (docs/credit.md: measured)."""
+    logp = torch.tensor([-4.0], requires_grad=True)
+    ref = torch.tensor([-1.0])
+    loss, st = grpo_loss(logp, logp.detach(), torch.zeros(1), torch.tensor([1.0]), clip_eps=0.2, ref_logp=ref,
+                         beta=0.5)
+    assert st["kl"].item() == pytest.approx(math.exp(3.0) - 4.0, rel=1e-5)
+    loss.backward()
+    assert logp.grad[0].item() == pytest.approx(0.5 * (1.0 - math.exp(3.0)), rel=1e-5)
+    far = torch.tensor([-40.0], requires_grad=True)  # past the log-ratio clamp: finite, no gradient, no NaN
+    loss, _ = grpo_loss(far, far.detach(), torch.zeros(1), torch.tensor([1.0]), clip_eps=0.2, ref_logp=ref, beta=0.5)
+    loss.backward()
+    assert math.isfinite(loss.item()) and far.grad[0].item() == 0.0

@@ -17,7 +17,10 @@ from lightning_sdk import advantage
 from lightning_sdk.advantage import (STD_EPS, GroupOutcomes, group_outcomes, single_rollout_groups,  # noqa: F401
                                      zero_variance_groups)
 
-KL_LOG_RATIO_CLAMP, KL_CLAMP = 20.0, 10.0  # verl's low_var_kl bounds on the k3 term
+# The k3 term's log-ratio is clamped (verl's low_var_kl bound) so it stays finite; its value is not bounded (TRL):
+# a bound releases the KL gradient of exactly the tokens that drifted furthest (docs/credit.md, measured).
+# KL_CLAMP = 10.0 restores verl's value bound (benchmarks/kl_clamp.py --bound on).
+KL_LOG_RATIO_CLAMP, KL_CLAMP = 20.0, None
 
 
 def _floats(v: Sequence[float] | torch.Tensor) -> list[float]:
@@ -120,8 +123,8 @@ def grpo_loss(
     is given), is_weight the mean importance weight (only when given), dual_clip_frac (only with dual_clip).
     level "sequence" (GSPO) gives every token of a row its sequence's ratio, exp(mean log-ratio over the row's
     tokens, those of weight > 0), with the gradient of that mean (TRL's importance_sampling_level="sequence").
-    The k3 term is verl's low_var_kl: its log-ratio clamped to +-KL_LOG_RATIO_CLAMP, the value to +-KL_CLAMP, so one
-    token far from the reference cannot dominate the loss.
+    The k3 term's log-ratio is clamped to +-KL_LOG_RATIO_CLAMP (finite, no NaN); its value is not bounded (TRL;
+    verl's low_var_kl also bounds it to +-10, which stops the KL gradient of the tokens furthest from the reference).
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = logp - old_logp
@@ -153,7 +156,9 @@ def grpo_loss(
         stats["is_weight"] = (weights * is_weight).sum().detach()
     if ref_logp is not None:
         d = (ref_logp - logp).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
-        kl = (torch.exp(d) - d - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
+        kl = torch.exp(d) - d - 1.0
+        if KL_CLAMP is not None:
+            kl = kl.clamp(-KL_CLAMP, KL_CLAMP)
         per_token = per_token + beta * kl
         stats["kl"] = (weights * kl).sum().detach()
     return (weights * per_token).sum(), stats
