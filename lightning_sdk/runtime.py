@@ -53,7 +53,7 @@ from lightning_sdk.transitions import Transition, to_transitions
 if TYPE_CHECKING:  # torch comes with the trainer, imported when a run starts
     from lightning_sdk.train.grpo import GroupOutcomes
 
-__all__ = ["Evaluated", "RunError", "Runtime", "SetupError", "TaskFeed", "policy_failure"]
+__all__ = ["Evaluated", "RunError", "Runtime", "SetupError", "TaskFeed", "nothing_to_train", "policy_failure"]
 
 MIN_FREE_BYTES = 64 * 2**20  # below this a run cannot even write its first checkpoint of a tiny model
 RUN_LOCK = ".lock"  # in run.dir: held (flock) by the one `lightning run` using it
@@ -604,7 +604,7 @@ class Runtime:
             scored[record.group_id][record.rollout_id] = float(record.reward if failed_reward is None
                                                                else failed_reward)
         if not out:
-            raise CaptureError(_nothing_to_train([r.job.rollout_id for r in ok], skipped, capture.unattributed,
+            raise CaptureError(nothing_to_train([r.job.rollout_id for r in ok], skipped, capture.unattributed,
                                                  self._trained_components()))
         return out, dict(scored)
 
@@ -699,7 +699,7 @@ def policy_failure(r: RolloutResult) -> bool:
             and not (r.error or "").startswith(tuple(f"{n}:" for n in _INFRASTRUCTURE)))
 
 
-def _nothing_to_train(rollouts: list[str], skipped: Counter, unattributed: int, components: list[str]) -> str:
+def nothing_to_train(rollouts: list[str], skipped: Counter, unattributed: int, components: list[str]) -> str:
     """Why an iteration has no transition at all, in words, from what was seen."""
     seen = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()) if n) or "nothing left out"
     if skipped["no_llm_call"] == len(rollouts):

@@ -87,3 +87,17 @@ def test_lightning_eval_prints_its_score_once_with_its_failures(tmp_path):
     lines = [x for x in out.stdout.splitlines() if "over 2 tasks" in x]
     assert len(lines) == 1, out.stdout
     assert "; 1 of 2 rollouts FAILED and scored 0: 1 x RewardError: @reward returned nan" in lines[0]
+
+
+def test_a_greedy_agents_run_says_the_same_verdict_and_fix_as_check():
+    """The run's stop line for an iteration with nothing to train gives check's reason and fix, not a legend of
+    every reason's abbreviation."""
+    from collections import Counter
+
+    from lightning_sdk.runtime import nothing_to_train
+
+    line = nothing_to_train(["r1", "r2"], Counter({"greedy": 2}), 0, [])
+    assert line == ("no transitions from 2 rollouts: the agent's LLM calls are greedy (temperature 0): an argmax is "
+                    "not a sample of the policy (left out: 2 greedy). Fix: sample in its training calls: "
+                    "temperature > 0, e.g. 1.0. `lightning check` shows each rollout")
+    assert "n>1: several choices" not in line
