@@ -43,7 +43,8 @@ class EvalScore:
     n: int
     split: str = HELD_OUT  # TRAIN | HELD_OUT | MIXED
     seen: int = 0  # eval tasks that are training tasks
-    failed: int = 0  # eval rollouts that failed: each scored FAILED_EVAL_SCORE (store.eval_score)
+    failed: int | None = None  # eval rollouts that failed, each scored FAILED_EVAL_SCORE (store.eval_score); None:
+    # not known (a resumed run's untrained score, rebuilt from its checkpoint)
     failures: str = ""  # why, in one line (failures.summary)
 
     @classmethod

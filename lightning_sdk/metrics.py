@@ -227,10 +227,11 @@ class MetricsLog:
 
 def eval_row(label: str, score: EvalScore, step: int, *, policy: str | None = None) -> dict[str, Any]:
     row: dict[str, Any] = {"phase": "eval", "eval": label, "iteration": step, "eval.reward_mean": score.mean,
-                           "eval_stderr": score.stderr, "eval_tasks": score.n, "eval_split": score.split,
-                           "eval_failed": score.failed}
-    if score.failed:  # why they failed, in one line (failures.summary): the dashboard's runs list reads it
-        row["eval_failures"] = score.failures
+                           "eval_stderr": score.stderr, "eval_tasks": score.n, "eval_split": score.split}
+    if score.failed is not None:  # how many failed and why (failures.summary): the dashboard's runs list reads it
+        row["eval_failed"] = score.failed
+        if score.failed:
+            row["eval_failures"] = score.failures
     if policy is not None:
         row["policy"] = policy
     return row
