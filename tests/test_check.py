@@ -182,7 +182,8 @@ def test_a_thread_unsafe_agent_trains_cleanly_in_worker_processes(tmp_path):
     config = project(tmp_path, "thread-unsafe", rollout="timeout = 60.0\nconcurrency = 6")
     out = check(config, "--tasks", "2", "--set", 'run.runtime="processes"')
     assert "rollouts in 6 worker processes" in out.stdout and "FAILED" not in out.stdout, out.stdout + out.stderr
-    # Every rollout succeeded, each the first of its question in its own process (the agent's SEEN set is per
-    # process), so each scores 1: the verdict is about the reward, not a failure.
-    assert _verdict(out).startswith("would train nothing, because every group's rewards are equal (1)")
-    assert out.returncode == 1
+    # Every rollout succeeded. The agent's SEEN set is per process now, so which rollouts score 1 depends on which
+    # worker claimed which: the verdict is about the rewards either way, never a failure.
+    verdict = _verdict(out)
+    assert "failed" not in verdict.lower() and out.returncode in (0, 1), verdict
+    assert "6 rollouts of" in out.stdout and out.stdout.count("check-00") == 6
