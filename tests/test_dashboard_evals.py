@@ -73,6 +73,11 @@ def dashboard(tmp_path_factory):
     (root / "older/metrics.jsonl").write_text(json.dumps({"phase": "eval", "eval": "untrained", "iteration": 0,
                                                           "eval.reward_mean": 0.25}) + "\n"
                                               + json.dumps({"iteration": 1, "reward_mean": 0.5}) + "\n")
+    # a run whose eval rollouts mostly failed: the score is mostly zeros, and the page must say why
+    (root / "failing").mkdir()
+    failed = eval_row("untrained", EvalScore.of([0.0] * 19 + [1.0], "held-out", failed=19,
+                                                failures=f"19 x RewardError: @reward returned None {PROBE}"), 0)
+    (root / "failing/metrics.jsonl").write_text(json.dumps(failed) + "\n")
     before = _files(root / "ontrain")
     proc = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "dashboard", "--run-dir", str(root),
                              "--port", "0"], env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
@@ -133,6 +138,10 @@ def test_an_eval_on_the_training_tasks_is_named_so_with_its_standard_error(dashb
         f"{js_fixed(trained['eval_stderr'])} (3 tasks)")
     # a run from before eval_split: "eval", as it always said, and no standard error it never logged
     assert page.locator("tr[data-run=older] td.eval-score").text_content() == "eval before training: 0.250"
+    # failed eval rollouts are said beside the score they pulled down, as text (the reason is the agent's)
+    assert page.locator("tr[data-run=failing] td.eval-score").text_content().endswith(
+        f"(20 tasks); 19 of 20 rollouts FAILED and scored 0: 19 x RewardError: @reward returned None {PROBE}")
+    assert page.evaluate("window.__xss") is None and page.locator("img").count() == 0
     page.goto(dashboard["base"] + "/#/run/older")
     page.wait_for_selector("tr.eval")
     assert page.locator("tr.eval td.words").text_content() == "eval, before training"

@@ -411,11 +411,12 @@ def _evals(live: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list[dic
     out = []
     for it in sorted({r["iteration"] for r in live} | set(rows)):
         e = next((r for r in live if r["iteration"] == it), None) or {"iteration": it, "finished": None, "running": 0}
-        e = {"mean": None, "stderr": None, **e, "tasks": e["finished"]}
+        e = {"mean": None, "stderr": None, "failed": None, "failures": None, **e, "tasks": e["finished"]}
         row = rows.get(it)
         if row is not None and not e["running"]:
             e.update(mean=row.get("eval.reward_mean"), stderr=row.get("eval_stderr"),
-                     tasks=row.get("eval_tasks", e["tasks"]))
+                     tasks=row.get("eval_tasks", e["tasks"]), failed=row.get("eval_failed"),
+                     failures=row.get("eval_failures"))
         e["split"] = row.get("eval_split") if row is not None else split
         e["words"] = score_words(e["split"])
         e["label"] = "before training" if it == 0 else f"after {it} iterations"

@@ -56,9 +56,11 @@ const sig = (v) => (v === null || v === undefined ? "" : String(Number(Number(v)
 const ms = (v) => (v === null || v === undefined ? "" : v < 1000 ? `${v.toFixed(1)} ms` : `${(v / 1000).toFixed(2)} s`);
 const iterLabel = (r) => (r.phase === "eval" ? (r.iteration === 0 ? "eval before" : "eval after") : r.iteration);
 const text = (v) => (typeof v === "string" ? v : JSON.stringify(v, null, 2));
-// An eval score: its mean ± its standard error, over its tasks; what it is in words (e.words) is the server's.
+// An eval score: its mean ± its standard error, over its tasks, and how many of its rollouts failed (each scored 0,
+// so a score made mostly of failures does not read as the policy's); what it is in words (e.words) is the server's.
 const scoreText = (e) => `${num(e.mean)}${finite(e.stderr) ? ` ± ${num(e.stderr)}` : ""}` +
-  (e.tasks ? ` (${e.tasks} task${e.tasks === 1 ? "" : "s"})` : "");
+  (e.tasks ? ` (${e.tasks} task${e.tasks === 1 ? "" : "s"})` : "") +
+  (e.failed ? `; ${e.failed} of ${e.tasks} rollouts FAILED and scored 0: ${e.failures || "no reason logged"}` : "");
 // A rollout's address, in the run's store or (`store`) one of its evals/ stores.
 const rolloutHref = (run, id, store) => href("run", run, "rollout", id) + (store ? "?" + new URLSearchParams({ store }) : "");
 
