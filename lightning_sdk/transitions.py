@@ -27,8 +27,9 @@ from lightning_sdk import credit as credit_rules
 from lightning_sdk.agent import RewardError, reward_value
 from lightning_sdk.credit import CreditRule, lightning_rl
 from lightning_sdk.store import RolloutRecord
-from lightning_sdk.tracing.records import (AFTER_CALL, COMPLETION_IDS, COMPLETION_LOGPROBS, POLICY, PROMPT_IDS,
-                                           REWARD_SPAN, REWARD_VALUE, UNREPRODUCIBLE, SpanRecord, is_llm_call)
+from lightning_sdk.tracing.records import (AFTER_CALL, COMPLETION_IDS, COMPLETION_LOGPROBS, CONSTRAINT, POLICY,
+                                           PROMPT_IDS, REWARD_SPAN, REWARD_VALUE, UNREPRODUCIBLE, SpanRecord,
+                                           is_llm_call)
 
 __all__ = ["Transition", "is_llm_call", "to_transitions"]
 
@@ -52,6 +53,7 @@ class Transition:
     top_p: float = 1.0  # the nucleus it was sampled from; the trainer renormalises over the same one
     finish_reason: str | None = None  # "length": cut by max_tokens (train.mask_truncated leaves it out of the loss)
     policy: str | None = None  # the adapter (or base model) name that served the call, as the gateway recorded it
+    constraint: str | None = None  # the output constraint it was sampled under (the trainer replays its grammar)
 
     @property
     def outcome(self) -> float:
@@ -136,6 +138,7 @@ def to_transitions(
             top_p=_number(a, "gen_ai.request.top_p", 1.0),
             finish_reason=finish[0] if finish else None,
             policy=a.get(POLICY),
+            constraint=a.get(CONSTRAINT) if isinstance(a.get(CONSTRAINT), str) else None,
         ))
     return out
 

@@ -1,10 +1,11 @@
 """The built-in server serves the sampling settings it is asked for or refuses them by name, never ignores them:
-top_k is applied (as vLLM applies it), a response_format other than text is a 400 naming the field. A real server
+top_k is applied (as vLLM applies it), a constraint the grammar engine cannot serve is a 400 naming its part. A real server
 subprocess on 127.0.0.1 and the real openai client; through the gateway, such a call is recorded and left out of
 training by name."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 
@@ -42,17 +43,44 @@ def test_top_k_keeps_k_tokens_renormalised(client):
                                           extra_body={"top_k": -1}).choices[0].message.content is not None
 
 
-@pytest.mark.parametrize("fmt", [{"type": "json_object"},
-                                 {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}])
-def test_constrained_decoding_is_refused_naming_response_format(client, fmt):
+BAD_CONSTRAINTS = [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"n": {"type": "nonsense"}}}}}), "response_format.json_schema.schema",
+     'Unsupported type "nonsense"'),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "a"}}), "response_format.json_schema.schema",
+     "expected a JSON schema"),
+    (dict(extra_body={"structured_outputs": {"regex": "a(b"}}), "structured_outputs.regex", "parenthesis"),
+    (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs", "exactly one"),
+    (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json", "structured_outputs"),
+    (dict(response_format={"type": "json_object"}, tool_choice="required",
+          tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice", "both constrain"),
+]
+
+
+@pytest.mark.parametrize("request_fields,param,why", BAD_CONSTRAINTS, ids=[p for _, p, _ in BAD_CONSTRAINTS])
+def test_a_constraint_the_grammar_engine_cannot_serve_is_a_400_naming_the_part(client, request_fields, param, why):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=SERVED, messages=QUESTION, max_tokens=4, response_format=fmt)
-    assert "response_format" in str(e.value) and "constrained decoding" in str(e.value)
-    with pytest.raises(openai.BadRequestError, match="response_format"):
-        client.completions.create(model=SERVED, prompt="3 + 4 =", max_tokens=2, extra_body={"response_format": fmt})
+        client.chat.completions.create(model=SERVED, messages=QUESTION, max_tokens=4, **request_fields)
+    assert e.value.body["param"] == param and why in e.value.body["message"]
     text = client.chat.completions.create(model=SERVED, messages=QUESTION, max_tokens=2,
                                           response_format={"type": "text"})
     assert text.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_completion_cut_inside_a_grammar_is_recorded_as_truncated(gw, store):
+    agent = openai.OpenAI(base_url=gw.base_url, api_key="agents", max_retries=0)
+    schema = {"type": "object", "properties": {"n": {"type": "string"}}, "required": ["n"]}
+    with in_rollout(gw, "cut"):
+        out = agent.chat.completions.create(model="m", messages=QUESTION, max_tokens=3, response_format={
+            "type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert out.choices[0].finish_reason == "length"
+    (call,) = recorded_calls(gw, store, "cut")
+    assert call.attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert json.loads(call.attributes["lightning.llm.constraint"])["kind"] == "json_schema"
+    store.start_rollout("cut", task_id="t", group_id="g", iteration=0, phase="train")
+    store.finish_rollout("cut", status="succeeded", output="", reward=1.0)
+    (t,) = to_transitions(store.rollout("cut"), store.spans("cut"))
+    assert t.finish_reason == "length" and t.constraint  # train.mask_truncated decides; the record says it
 
 
 def test_a_top_k_call_is_served_and_left_out_of_training_by_name(gw, store):

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import Field, ValidationInfo, field_validator
 
+from lightning_sdk.constraint import OLD_VLLM_FIELDS, ConstraintError, from_request
 from lightning_sdk.engine import toolcalls
 from lightning_sdk.engine.engine import (
     MAX_TOP_LOGPROBS,
@@ -53,18 +54,24 @@ class StreamOptions(Lenient):
 
 
 class Sampled(Lenient):
-    """Request fields both APIs share beyond OpenAI's: a sampling setting this server applies (top_k, as vLLM),
-    and one it cannot serve, refused by name rather than ignored (an agent would get unconstrained text)."""
+    """Request fields both APIs share beyond OpenAI's: a sampling setting this server applies (top_k, as vLLM), the
+    output constraint (OpenAI's response_format, vLLM's structured_outputs: lightning_sdk/constraint.py), and vLLM's
+    old names for the latter, refused by name rather than ignored (an agent would get unconstrained text)."""
 
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: every token
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
-    @field_validator("response_format")
+    @field_validator(*OLD_VLLM_FIELDS)
     @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(f"type {v.get('type')!r} is not served: this server has no constrained decoding (JSON "
-                             f"mode, JSON schema); ask for text and parse it, or serve with vLLM")
+    def _old_name(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            raise ValueError(f"{info.field_name} is vLLM's name before 0.12 (vLLM 0.32 ignores it): send "
+                             f"structured_outputs {{\"{info.field_name.removeprefix('guided_')}\": ...}} instead")
         return v
 
 
@@ -84,7 +91,8 @@ class ChatCompletionRequest(Sampled):
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None  # checked, not enforced (no constrained decoding): see engine/toolcalls.py
+    tool_choice: Any = None  # "required" or a named function: enforced by a grammar (lightning_sdk/constraint.py)
+    parallel_tool_calls: bool | None = None  # False: at most one call under a forced tool_choice
     return_token_ids: bool | None = None  # accepted; ids are always returned
     add_generation_prompt: bool = True  # vLLM extras for chat templates
     continue_final_message: bool = False
@@ -240,7 +248,12 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
             body.messages = toolcalls.prompt_messages(body.messages)
         except toolcalls.ToolCallError as e:
             raise APIError(400, str(e), e.param) from e
+        grammar = await _grammar(engine, {"response_format": body.response_format,
+                                          "structured_outputs": body.structured_outputs, "tools": body.tools,
+                                          "tool_choice": body.tool_choice,
+                                          "parallel_tool_calls": body.parallel_tool_calls})
         req = await _to_generation_request(engine, body, served_model_name, max_prompt_chars)
+        req.grammar = grammar
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -280,7 +293,9 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, n=body.n, stop=stop,
             stop_token_ids=list(body.stop_token_ids or []), top_logprobs=body.logprobs or 0, seed=body.seed,
-            adapter=None if body.model == served_model_name else body.model)
+            adapter=None if body.model == served_model_name else body.model,
+            grammar=await _grammar(engine, {"response_format": body.response_format,
+                                            "structured_outputs": body.structured_outputs}))
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": body.model}
         if body.stream:
@@ -306,6 +321,16 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
     if api_key is not None:
         app.add_middleware(KeyCheck, api_key=api_key)  # added last = runs first: before the body is even read
     return app
+
+
+async def _grammar(engine: Engine, fields: dict[str, Any]) -> Any:
+    """The request's output constraint compiled (off the loop: a large schema takes a while), or None; a 400
+    naming the part that is malformed or that the grammar engine cannot compile."""
+    try:
+        constraint = from_request(fields)
+        return None if constraint is None else await asyncio.to_thread(engine.compile, constraint)
+    except ConstraintError as e:
+        raise APIError(400, str(e), e.param) from e
 
 
 def _as_api_error(e: Exception) -> APIError:

@@ -23,6 +23,7 @@ class Row:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""  # decoded so far (kept current only where stop strings or streaming need it)
     sent: int = 0  # characters of `text` already streamed
+    matcher: Any = None  # the request's grammar matcher (xgrammar.GrammarMatcher), fed every token sampled
 
     @property
     def req(self) -> GenerationRequest:

@@ -17,10 +17,12 @@ import threading
 import time
 import warnings
 from collections.abc import AsyncIterator
+from typing import Any
 
 import torch
 
 from lightning_sdk import models
+from lightning_sdk.constraint import Constraint
 from lightning_sdk.engine.batch import DecodeBatch, Row
 from lightning_sdk.engine.requests import (
     Choice,
@@ -31,8 +33,9 @@ from lightning_sdk.engine.requests import (
     RequestError,
     Job,
 )
-from lightning_sdk.engine.sampling import eos_ids, find_stop, sample_next
+from lightning_sdk.engine.sampling import find_stop, sample_next
 from lightning_sdk.engine.scheduler import Scheduler
+from lightning_sdk.grammar import Grammars
 from lightning_sdk.models.adapter import nonfinite_in_adapter
 
 log = logging.getLogger("lightning_sdk.servers")
@@ -61,7 +64,7 @@ class Engine:
             max_model_len = limit
         self.max_model_len = max_model_len
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self.eos_ids = eos_ids(self.model, self.tokenizer)
+        self.eos_ids = models.eos_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
         # transformers 5 renamed `past_key_values` to `cache` (the old name is deprecated): use whichever exists.
         params = inspect.signature(self.model.forward).parameters
@@ -71,6 +74,7 @@ class Engine:
         self._gen = torch.Generator().manual_seed(seed)
         self._tok_lock = threading.Lock()  # HF fast tokenizers raise "Already borrowed" under concurrent use
         self._token_text: dict[int, str] = {}
+        self._grammars: Grammars | None = None  # made on the first constrained request
         # batches: batches started from nothing; prefills: prompt passes (one per batch plus one per group of
         # newcomers); joined: requests that joined rows already decoding.
         self.stats = {"requests": 0, "batches": 0, "prefills": 0, "joined": 0, "max_batch_rows": 0,
@@ -126,6 +130,15 @@ class Engine:
             self._token_text[token_id] = text
         return text
 
+    def compile(self, constraint: Constraint) -> Any:
+        """The constraint compiled for this tokenizer (blocking: call it in a thread); ConstraintError names the
+        request's part the grammar engine cannot compile."""
+        if self._grammars is None:
+            with self._tok_lock:
+                if self._grammars is None:
+                    self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammars.compile(constraint)
+
     def check(self, req: GenerationRequest) -> None:
         if not req.prompt_ids:
             raise RequestError("the prompt is empty", "messages")
@@ -179,7 +192,8 @@ class Engine:
 
     def _prefill(self, jobs: list[Job]) -> DecodeBatch | None:
         """Prompt pass for new jobs, left-padded together; their first token is sampled. None if all finished."""
-        rows = [Row(job, i) for job in jobs for i in range(job.req.n)]
+        rows = [Row(job, i, matcher=None if job.req.grammar is None else self._grammars.matcher(job.req.grammar))
+                for job in jobs for i in range(job.req.n)]
         self.stats["requests"] += len(jobs)
         self.stats["prefills"] += 1
         longest = max(len(r.req.prompt_ids) for r in rows)
@@ -208,8 +222,14 @@ class Engine:
                          logits_to_keep=1, **{self._cache_kw: batch.cache})
         batch.cache = out.cache if hasattr(out, "cache") else out.past_key_values
         batch.positions = batch.positions[:, -1:]
-        # Sampling stays on the CPU, where the requests' seeded generators are.
-        tokens, logps, top = sample_next(out.logits[:, -1, :].float().cpu(), batch.temps, batch.top_ps, batch.rows, self._gen)
+        # Sampling stays on the CPU, where the requests' seeded generators are. A constrained row's logits are -inf
+        # outside what its grammar allows next, before temperature and top-p: it samples from the policy
+        # renormalised over those tokens and reports those log-probs (what the trainer's replay computes).
+        logits = out.logits[:, -1, :].float().cpu()
+        matchers = [r.matcher for r in batch.rows]
+        if any(m is not None for m in matchers):
+            self._grammars.mask_logits(logits, matchers)
+        tokens, logps, top = sample_next(logits, batch.temps, batch.top_ps, batch.rows, self._gen)
         batch.tokens = tokens
         keep = [b for b, r in enumerate(batch.rows)
                 if not self._append(r, int(tokens[b]), float(logps[b]), top[b] if top else None)]
@@ -279,6 +299,8 @@ class Engine:
         self.stats["generated_tokens"] += 1
         row.tokens.append(token)
         row.logprobs.append(logprob)
+        if row.matcher is not None and not row.matcher.accept_token(token):
+            log.error("token %d was sampled outside its request's grammar", token)  # the mask makes it impossible
         if req.top_logprobs:
             row.top.append(top or [])
         finish: str | None = None

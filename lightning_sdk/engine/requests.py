@@ -39,6 +39,7 @@ class GenerationRequest:
     seed: int | None = None
     adapter: str | None = None  # None: the base model, adapters disabled
     ignore_eos: bool = False  # vLLM's sampling flag: go on past end-of-sequence until max_tokens
+    grammar: Any = None  # a compiled constraint (Engine.compile): every choice is sampled under it
 
 
 @dataclass

@@ -7,7 +7,6 @@ it was drawn from. RL training needs both and must never re-tokenize the text.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -71,16 +70,6 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     longer follow the probabilities reported for them."""
     cdf = probs.double().cumsum(-1)
     return torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=cdf.shape[1] - 1)
-
-
-def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 def find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

@@ -5,9 +5,9 @@ one as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; the bui
 format, so a real model behaves the same way. Parsing only shapes the message the client sees: the token ids
 returned beside it are still exactly what was sampled.
 
-`tool_choice` is checked but not enforced: the server has no constrained decoding, so "required" or a named
-function cannot force the model to call it. A reply without the call comes back as plain content with
-finish_reason "stop" (as vLLM does without guided decoding), never as an invented call. "none" turns parsing off.
+`tool_choice` "required" or a named function is enforced: the reply is sampled under a grammar of these blocks
+(lightning_sdk/constraint.py). Under "auto" a reply without a call comes back as plain content, never as an
+invented call; "none" turns parsing off.
 """
 
 from __future__ import annotations

@@ -26,11 +26,12 @@ from typing import Any, Callable, Iterator, Mapping
 
 from opentelemetry import baggage, trace
 
+from lightning_sdk.constraint import ConstraintError, from_request
 from lightning_sdk.drain import Drain
 from lightning_sdk.tracing.context import COMPONENT_KEY, PROPAGATOR, ROLLOUT_KEY
 from lightning_sdk.tracing.propagation import CALL_ID_HEADER, CLAIM_HEADER
 from lightning_sdk.tracing.records import (API, ATTEMPT, COMPLETION_IDS, COMPLETION_LOGPROBS, COMPLETION_TOKENS,
-                                           COMPONENT, GATEWAY, POLICY, PROMPT_IDS, ROLLOUT_ID, UNREPRODUCIBLE, CallSink,
+                                           COMPONENT, CONSTRAINT, GATEWAY, POLICY, PROMPT_IDS, ROLLOUT_ID, UNREPRODUCIBLE, CallSink,
                                            SpanRecord)
 
 __all__ = ["CALL_ID_HEADER", "Call", "Capture", "OpenRollouts", "Origin", "Rollout", "origin", "unreproducible"]
@@ -38,10 +39,11 @@ __all__ = ["CALL_ID_HEADER", "Call", "Capture", "OpenRollouts", "Origin", "Rollo
 MAX_OPEN = 100_000  # open rollouts remembered: a runtime that forgot to close some cannot grow this forever
 
 # Request fields that change the sampled distribution in ways the trainer's log-probs do not reproduce (it applies
-# temperature and top_p only). A call that sets one is served and recorded, and left out of training, by name.
+# temperature, top_p and the output constraint, lightning_sdk/constraint.py). A call that sets one is served and
+# recorded, and left out of training, by name. guided_*: vLLM's old names, which vLLM 0.32 ignores.
 UNREPRODUCIBLE_SETTINGS = ("top_k", "min_p", "typical_p", "presence_penalty", "frequency_penalty",
                            "repetition_penalty", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
-                           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                           "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                            "use_beam_search", "best_of")
 _NEUTRAL = {"top_k": (0, -1), "min_p": (0, 0.0), "typical_p": (1, 1.0), "presence_penalty": (0, 0.0),
             "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,), "best_of": (1,),
@@ -50,12 +52,7 @@ _NEUTRAL = {"top_k": (0, -1), "min_p": (0, 0.0), "typical_p": (1, 1.0), "presenc
 
 def unreproducible(body: Mapping[str, Any]) -> list[str]:
     """The sampling settings of a chat/completions request body the trainer cannot reproduce."""
-    out = [k for k in UNREPRODUCIBLE_SETTINGS
-           if body.get(k) not in (None, [], {}, *_NEUTRAL.get(k, ()))]
-    fmt = body.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        out.append("response_format")  # constrained decoding
-    return out
+    return [k for k in UNREPRODUCIBLE_SETTINGS if body.get(k) not in (None, [], {}, *_NEUTRAL.get(k, ()))]
 
 
 @dataclass(frozen=True)
@@ -234,6 +231,12 @@ class Call:
         settings = unreproducible(body)
         if settings:
             a[UNREPRODUCIBLE] = settings
+        try:
+            constraint = from_request(body)
+        except ConstraintError:  # the backend refuses it: a failed call, nothing to replay
+            constraint = None
+        if constraint is not None:  # by value: the trainer replays this grammar over the completion ids
+            a[CONSTRAINT] = constraint.to_json()
         if o.rollout is not None:
             a[ROLLOUT_ID], a[ATTEMPT] = o.rollout.rollout_id, o.rollout.attempt
         if o.component is not None:

@@ -190,3 +190,14 @@ def load_causal_lm(name_or_path: str, *, dtype: str = "auto", quantization: str 
             if param.dtype in (torch.float16, torch.bfloat16) and type(param).__name__ != "Params4bit":
                 param.data = param.data.to(torch.float32)
     return model
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The token ids that end a reply: the generation config's, the model config's and the tokenizer's."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -24,6 +24,7 @@ COMPLETION_LOGPROBS = "lightning.llm.completion_logprobs"
 COMPLETION_TOKENS = "lightning.llm.completion_tokens"  # each completion token's text, as the server sent it
 POLICY = "lightning.llm.policy"  # the adapter (or base model) name that served the call
 API = "lightning.llm.api"  # "chat.completions" | "completions" | "responses": the route the agent called
+CONSTRAINT = "lightning.llm.constraint"  # the output constraint it was sampled under (constraint.Constraint.to_json)
 UNREPRODUCIBLE = "lightning.llm.unreproducible"  # sampling settings of the call the trainer cannot reproduce
 AFTER_CALL = "lightning.after_call"  # on agent spans: the latest LLM call (span id) the agent had seen a reply of
 CLAIM = "lightning.claim"  # on a remote worker's spans: its claim's secret (checked, then dropped by the server)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +25,12 @@ class Batch:
     top_p: torch.Tensor  # [B, 1, 1] the nucleus each row was sampled from (1: the whole vocabulary)
     sampler_logp: torch.Tensor  # [B, C] the sampler's log-probs (0 where absent)
     has_sampler_logp: torch.Tensor  # [B, C] bool
+    bitmask: torch.Tensor | None = None  # [B, C, words] int32: each position's grammar mask (-1: every token)
 
 
-def collate(ts: Sequence[Transition], adv: torch.Tensor, w: torch.Tensor, device: str) -> Batch:
+def collate(ts: Sequence[Transition], adv: torch.Tensor, w: torch.Tensor, device: str,
+            masks: Mapping[str, torch.Tensor] | None = None) -> Batch:
+    """`masks`: span id -> [C, words] grammar bitmask of a constrained call (grammar.Grammars.replay)."""
     P = max(len(t.prompt_ids) for t in ts)
     C = max(len(t.completion_ids) for t in ts)
     B = len(ts)
@@ -56,4 +59,11 @@ def collate(ts: Sequence[Transition], adv: torch.Tensor, w: torch.Tensor, device
     top_p = torch.tensor([t.top_p for t in ts]).view(B, 1, 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     fields = (ids, mask, pos, ids[:, P:], weights, adv.view(B, 1), temps, top_p, slp, has)
-    return Batch(*(x.to(device) for x in fields))
+    bitmask = None
+    mine = [(i, masks[t.span_id]) for i, t in enumerate(ts) if masks and t.span_id in masks]
+    if mine:
+        bitmask = torch.full((B, C, mine[0][1].shape[-1]), -1, dtype=torch.int32)
+        for i, m in mine:
+            bitmask[i, :len(m)] = m
+        bitmask = bitmask.to(device)
+    return Batch(*(x.to(device) for x in fields), bitmask=bitmask)

@@ -29,8 +29,10 @@ import torch
 
 from lightning_sdk import models
 from lightning_sdk.config import Policy, TrainConfig
+from lightning_sdk.constraint import Constraint, ConstraintError
 from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
+from lightning_sdk.grammar import Grammars, additive_mask
 from lightning_sdk.models.adapter import first_nonfinite
 from lightning_sdk.train.microbatch import Batch, collate
 from lightning_sdk.train.checkpoint import ADAPTER, ADAPTERS
@@ -101,6 +103,8 @@ class GRPOTrainer:
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         self.config = config
+        self._model_path = model_path
+        self._grammars: Grammars | None = None  # made for the first constrained call
         self.importance_sampling_cap = config.sampling_cap(backend)
         self.device = resolve_device(config.device)
         self.global_step = 0
@@ -176,12 +180,15 @@ class GRPOTrainer:
         return self.adapters["default"]
 
     def _logits(self, b: Batch) -> torch.Tensor:
-        """[B, C, V] logits of the distribution each completion token was sampled from: temperature-scaled, and
-        -inf outside the row's top-p nucleus (the CPU server's and vLLM's processed log-probs renormalise over it)."""
+        """[B, C, V] logits of the distribution each completion token was sampled from: temperature-scaled, -inf
+        outside what the call's grammar allowed there (constrained calls) and outside the row's top-p nucleus of
+        what is left (the CPU server's and vLLM's processed log-probs renormalise over the same set)."""
         C = b.targets.shape[1]
         out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
                          logits_to_keep=C + 1, use_cache=False)
         logits = out.logits[:, :-1].float() / b.temperature  # position j predicts token j+1
+        if b.bitmask is not None:  # a constrained call: the tokens its grammar allowed at each position, as sampled
+            logits = logits + additive_mask(b.bitmask, logits.shape[-1])
         if bool((b.top_p < 1).any()):
             with torch.no_grad():
                 # The sampled token was inside the sampler's nucleus by construction; keeping it when a float
@@ -208,9 +215,14 @@ class GRPOTrainer:
         `scored`: group id -> {rollout id: outcome} of every scored rollout of each group, those that left no
         transition included; the group baselines come from it (without it, from the transitions' rollouts)."""
         t0 = time.perf_counter()
+        transitions, masks, mismatched = self._replay(transitions)
+        if not transitions and mismatched:  # every call of the batch left out: no update, not an error
+            self._advance_schedule(self.config.epochs)
+            return {**_EMPTY_METRICS, "num_constrained": 0.0, "constraint_mismatch": float(mismatched),
+                    "step": float(self.global_step), "seconds": time.perf_counter() - t0}
         if not self._multi:
             a = self.adapters["default"]
-            plan = self._prepare(transitions, scored)
+            plan = self._prepare(transitions, scored, masks=masks)
             m, trained = self._update(a, transitions, plan, t0), bool(plan.batches)
         else:
             if not transitions:
@@ -219,10 +231,11 @@ class GRPOTrainer:
             for a in self.adapters.values():
                 self.model.set_adapter(a.name)
                 mine = [t for t in transitions if t.component in a.components]
-                plan = self._prepare(transitions, scored, a.components)
+                plan = self._prepare(transitions, scored, a.components, masks=masks)
                 trained |= bool(plan.batches)
                 m.update({f"{a.name}.{k}": v for k, v in self._update(a, mine, plan, t0).items()
                           if k not in ("step", "seconds")})
+        m.update(num_constrained=float(len(masks)), constraint_mismatch=float(mismatched))
         if not trained:  # nothing left to learn from: no update, not an error
             return {**m, "step": float(self.global_step), "seconds": time.perf_counter() - t0}
         self.model.eval()
@@ -292,8 +305,34 @@ class GRPOTrainer:
                 for _ in range(steps):
                     adapter.scheduler.step()
 
+    def _replay(self, transitions: Sequence[Transition]) -> tuple[list[Transition], dict[str, torch.Tensor], int]:
+        """Each constrained call's grammar replayed over its completion ids: span id -> [C, words] bitmask of the
+        tokens allowed at each position. A call whose ids the grammar does not accept was not sampled under it
+        (vLLM writes a forced tool call as bare JSON): it is left out, and counted (constraint_mismatch)."""
+        constrained = [t for t in transitions if t.constraint]
+        if not constrained:
+            return list(transitions), {}, 0
+        if self._grammars is None:
+            vocab = int(self.model.get_output_embeddings().weight.shape[0])
+            tokenizer = models.load_tokenizer(self._model_path)
+            self._grammars = Grammars(tokenizer, vocab, models.eos_ids(self.model, tokenizer))
+        masks, bad = {}, set()
+        for t in constrained:
+            try:
+                m = self._grammars.replay(Constraint.from_json(t.constraint), t.completion_ids)
+            except (ConstraintError, ValueError):
+                m = None
+            if m is None:
+                bad.add(t.span_id)
+            else:
+                masks[t.span_id] = m
+        if bad:
+            log.warning("%d constrained call(s) left out of this update: their completion ids are not what the "
+                        "recorded constraint allows (train.constraint_mismatch)", len(bad))
+        return [t for t in transitions if t.span_id not in bad], masks, len(bad)
+
     def _prepare(self, transitions: Sequence[Transition], scored: GroupOutcomes | None,
-                 components: Sequence[str] = ()) -> _Plan:
+                 components: Sequence[str] = (), *, masks: dict[str, torch.Tensor] | None = None) -> _Plan:
         """Advantages and token weights over the whole batch, then micro-batches of similar lengths (less padding).
         With `components` (one policy's), the plan holds only their calls, with the advantages of the whole batch.
 
@@ -327,7 +366,7 @@ class GRPOTrainer:
         w = token_weights(n, args[2], cfg.loss_norm, max_completion_length=cfg.max_completion_length,
                           group_ids=args[1])
         return _Plan(ts, adv, frac, sum(masked), order,
-                     [collate([ts[i] for i in c], adv[c], w[c], self.device) for c in chunks])
+                     [collate([ts[i] for i in c], adv[c], w[c], self.device, masks) for c in chunks])
 
     def _frozen_logprobs(self, batches: list[Batch]) -> tuple[list, list]:
         """The policy's dropout-free log-probs before this update, and the reference's, each computed only when

@@ -1,0 +1,161 @@
+"""A call's output constraint (structured outputs), read once from the request in one canonical form.
+
+The same request means the same thing on the built-in server and on vLLM: OpenAI's `response_format` (json_schema,
+json_object), vLLM's `structured_outputs` (json, regex, choice, grammar, json_object: vLLM 0.32's names) and a
+forced `tool_choice` ("required" or a named function). The built-in server samples under it; the gateway records
+it by value (`to_json`) in the call's record, so that the trainer replays the same grammar over the sampled ids
+and scores each token under the same allowed set (lightning_sdk/grammar.py compiles it; nothing here needs the
+grammar engine). JSON is compact (no free whitespace between tokens): a free whitespace run lets a small model fill
+its whole reply with newlines; vLLM is started with the same setting (its disable_any_whitespace, a server-wide
+option it does not take per request).
+
+A forced tool call is a grammar over the `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks
+that Hermes / Qwen2.5 chat templates (and the builtin models') teach; vLLM instead constrains such a call to bare
+JSON (its tool parsers are bypassed), so the token ids differ and the trainer's replay leaves vLLM's forced tool
+calls out, counted (`constraint_mismatch`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+# vLLM's names before 0.12; vLLM 0.32 ignores them (with a warning) and samples unconstrained.
+OLD_VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+
+
+class ConstraintError(ValueError):
+    """A constraint that is malformed or cannot be served; `param` names the request's part (an HTTP 400)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the sampler must follow: `kind` (KINDS) and its definition `spec` (a JSON value: the schema, the
+    pattern, the choices, the EBNF grammar, or the tools and how many calls); `param` names where it came from."""
+
+    kind: str
+    spec: Any
+    param: str = ""
+
+    def to_json(self) -> str:
+        """The canonical text stored in the call's record (keys sorted: one constraint, one text)."""
+        return json.dumps({"kind": self.kind, "spec": self.spec, "param": self.param}, sort_keys=True,
+                          separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Constraint":
+        d = json.loads(text)
+        if not isinstance(d, dict) or d.get("kind") not in KINDS:
+            raise ConstraintError(f"not a recorded constraint: {text[:200]!r}", "constraint")
+        return cls(d["kind"], d.get("spec"), str(d.get("param", "")))
+
+    @property
+    def label(self) -> str:
+        """A short human name: `json_schema Person`, `tool_calls search`, `regex`."""
+        if self.kind == "json_schema" and isinstance(self.spec, dict) and isinstance(self.spec.get("title"), str):
+            return f"json_schema {self.spec['title']}"
+        if self.kind == "tool_calls":
+            return "tool_calls " + ",".join(t["name"] for t in self.spec["tools"])
+        return self.kind
+
+
+def from_request(body: Mapping[str, Any]) -> Constraint | None:
+    """The constraint a chat/completions request body asks for, or None. ConstraintError names a malformed part.
+
+    As vLLM: `response_format` overrides `structured_outputs`. A forced tool_choice with either is refused: two
+    grammars for one reply."""
+    fmt = _response_format(body.get("response_format"))
+    so = _structured_outputs(body.get("structured_outputs"))
+    tools = _forced_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    text = fmt or so
+    if tools is not None and text is not None:
+        raise ConstraintError(f"{text.param} and a forced tool_choice both constrain the reply; send one",
+                              "tool_choice")
+    return text or tools
+
+
+def _response_format(fmt: Any) -> Constraint | None:
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise ConstraintError("response_format: expected an object with a type", "response_format")
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object", None, param="response_format")
+    if kind == "json_schema":
+        js = fmt.get("json_schema")
+        # OpenAI's key is `schema`; vLLM's model also takes it as `json_schema`
+        schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise ConstraintError("response_format.json_schema.schema: expected a JSON schema (an object)",
+                                  "response_format.json_schema.schema")
+        return Constraint("json_schema", schema, param="response_format.json_schema.schema")
+    raise ConstraintError(f"response_format.type {kind!r} is not served: expected 'text', 'json_object' or "
+                          f"'json_schema'", "response_format.type")
+
+
+def _structured_outputs(so: Any) -> Constraint | None:
+    if so is None:
+        return None
+    if not isinstance(so, dict):
+        raise ConstraintError("structured_outputs: expected an object (vLLM's StructuredOutputsParams)",
+                              "structured_outputs")
+    if so.get("structural_tag") is not None:
+        raise ConstraintError("structured_outputs.structural_tag is not served by this server", 
+                              "structured_outputs.structural_tag")
+    if so.get("whitespace_pattern") is not None:
+        raise ConstraintError("structured_outputs.whitespace_pattern is not served by this server",
+                              "structured_outputs.whitespace_pattern")
+    set_ = [k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k) is not None]
+    if len(set_) != 1:
+        raise ConstraintError(f"structured_outputs: expected exactly one of json, regex, choice, grammar, "
+                              f"json_object (got {set_ or 'none'})", "structured_outputs")
+    key, value = set_[0], so[set_[0]]
+    param = f"structured_outputs.{key}"
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConstraintError(f"{param}: not valid JSON ({e})", param) from None
+        if not isinstance(value, dict):
+            raise ConstraintError(f"{param}: expected a JSON schema (an object)", param)
+        return Constraint("json_schema", value, param)
+    if key == "json_object":
+        if value is not True:
+            raise ConstraintError(f"{param}: expected true", param)
+        return Constraint("json_object", None, param)
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise ConstraintError(f"{param}: expected a non-empty list of strings", param)
+        return Constraint("choice", value, param)
+    if not isinstance(value, str) or not value:
+        raise ConstraintError(f"{param}: expected a non-empty string", param)
+    return Constraint(key, value, param)
+
+
+def _forced_tools(tools: Any, choice: Any, parallel: Any) -> Constraint | None:
+    """tool_choice "required" (one call or more of any tool) or a named function (exactly one call of it)."""
+    if choice != "required" and not isinstance(choice, dict):
+        return None
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    out = []
+    for tool in tools if isinstance(tools, list) else ():
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str) and (named is None or fn["name"] == named):
+            params = fn.get("parameters")
+            out.append({"name": fn["name"], "parameters": params if isinstance(params, dict) and params
+                        else {"type": "object"}})
+    if not out:  # engine/toolcalls.py names what is wrong with tools and tool_choice
+        return None
+    return Constraint("tool_calls", {"tools": out, "one": named is not None or parallel is False},
+                      param="tool_choice")

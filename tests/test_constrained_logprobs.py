@@ -1,0 +1,89 @@
+"""Structured outputs trained exactly: a call sampled under a grammar (response_format json_schema, vLLM's
+structured_outputs, a forced tool_choice) on the built-in server reports the log-probs of the policy renormalised
+over the tokens the grammar allowed; the gateway records the constraint; the trainer replays the grammar over the
+sampled ids and its masked log-probs equal the server's, where the unmasked ones do not. Real OpenAI-client calls
+through the gateway to the built-in server on 127.0.0.1, recorded into SQLite, one GRPO step."""
+
+import json
+
+import openai
+import pytest
+import torch
+
+from lightning_sdk import tracing
+from lightning_sdk.config import TrainConfig
+from lightning_sdk.constraint import Constraint
+from lightning_sdk.train.trainer import GRPOTrainer
+from lightning_sdk.transitions import to_transitions
+
+from .conftest import in_rollout
+
+torch.set_num_threads(1)
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "sure": {"type": "boolean"}},
+          "required": ["answer", "sure"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a", "b"], "additionalProperties": False}}}]
+CONSTRAINTS = {
+    "json_schema": dict(response_format={"type": "json_schema", "json_schema": {"name": "Answer", "schema": SCHEMA}}),
+    "json_object": dict(response_format={"type": "json_object"}),
+    "structured_outputs.choice": dict(extra_body={"structured_outputs": {"choice": ["seven", "eight", "nine"]}}),
+    "structured_outputs.regex": dict(extra_body={"structured_outputs": {"regex": "[0-9]{1,2}"}}),
+    "tool_choice.named": dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}),
+    "tool_choice.required": dict(tools=TOOLS, tool_choice="required"),
+}
+
+
+def _calls(gw, store, constraint: dict, k: int = 4, **sampling):
+    client = openai.OpenAI(base_url=gw.base_url, api_key=gw.api_key, max_retries=0)
+    replies = []
+    for i in range(k):
+        rid = f"r{i}"
+        store.start_rollout(rid, task_id="t", group_id="g", iteration=0, phase="train")
+        with in_rollout(gw, rid):
+            replies.append(client.chat.completions.create(
+                model="gpt-4o-mini", max_tokens=40, seed=i, messages=[{"role": "user", "content": f"What is {i} + 4?"}],
+                **sampling, **constraint))
+        store.finish_rollout(rid, status="succeeded", output="", reward=float(i % 2))
+    assert gw.capture.flush()
+    tracing.flush()
+    ts = [t for i in range(k) for t in to_transitions(store.rollout(f"r{i}"), store.spans(f"r{i}"))]
+    return replies, ts
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_trainer_masked_log_probs_equal_the_server_s_under_a_grammar(gw, store, tiny_model_path, name):
+    replies, ts = _calls(gw, store, CONSTRAINTS[name], temperature=1.0, top_p=0.95)
+    assert len(ts) == 4 and all(t.constraint and t.logprobs for t in ts)  # trained, no longer left out
+    for r in replies:  # the reply follows the grammar (unless cut by max_tokens: recorded as truncated)
+        c = r.choices[0]
+        if c.finish_reason == "length":
+            continue
+        if name == "json_schema":
+            assert set(json.loads(c.message.content)) == {"answer", "sure"}
+        elif name.startswith("tool_choice"):
+            assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "add"
+            assert set(json.loads(c.message.tool_calls[0].function.arguments)) == {"a", "b"}
+        elif name == "structured_outputs.choice":
+            assert c.message.content in ("seven", "eight", "nine")
+    trainer = GRPOTrainer(tiny_model_path, TrainConfig(device="cpu"))
+    m = trainer.step(ts)
+    print(f"{name}: logprob_gap {m['logprob_gap']:.2e}")
+    assert m["num_constrained"] == 4 and m["constraint_mismatch"] == 0
+    assert m["logprob_gap"] <= 1e-5
+    # the same calls scored without the grammar: far from what the server sampled from
+    plain = [t.__class__(**{**t.__dict__, "constraint": None}) for t in ts]
+    unmasked = GRPOTrainer(tiny_model_path, TrainConfig(device="cpu")).step(plain)
+    print(f"{name}: unmasked logprob_gap {unmasked['logprob_gap']:.2e}")
+    assert unmasked["logprob_gap"] > 1e-2
+
+
+def test_ids_the_grammar_does_not_accept_are_left_out_and_counted(gw, store, tiny_model_path):
+    _, ts = _calls(gw, store, CONSTRAINTS["json_schema"], k=2)
+    other = Constraint("choice", ["x"], "structured_outputs.choice").to_json()
+    ts = [ts[0], ts[1].__class__(**{**ts[1].__dict__, "constraint": other})]
+    m = GRPOTrainer(tiny_model_path, TrainConfig(device="cpu")).step(ts)
+    assert m["constraint_mismatch"] == 1 and m["num_constrained"] == 1
