@@ -17,10 +17,11 @@ from rich.table import Table
 
 from lightning_sdk import data, tracing
 from lightning_sdk.config import Config
+from lightning_sdk.constraint import Constraint
 from lightning_sdk.failures import cannot_train, first_line, fix_for_failure, summary, user_line
 from lightning_sdk.rollouts.job import RolloutJob
 from lightning_sdk.runtime import Runtime, TaskFeed, policy_failure
-from lightning_sdk.tracing.records import AGENT, REWARD_NAME, REWARD_SPAN, REWARD_VALUE, is_llm_call
+from lightning_sdk.tracing.records import AGENT, CONSTRAINT, REWARD_NAME, REWARD_SPAN, REWARD_VALUE, is_llm_call
 from lightning_sdk.transitions import to_transitions
 
 __all__ = ["EXIT_FAILED", "EXIT_NOTHING", "EXIT_TRAINS", "RolloutCheck", "Verdict", "check", "user_line", "verdict"]
@@ -49,6 +50,7 @@ class RolloutCheck:
     traceback: str | None = None
     emitted: tuple[str, ...] = ()  # its emit_reward values, "name=value"
     tools: int = 0  # its tool spans (gen_ai.operation.name = execute_tool)
+    constrained: tuple[str, ...] = ()  # each constrained call's constraint, named (Constraint.label)
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,9 @@ def _collect(runtime: Runtime, tasks: list[dict]) -> tuple[list[RolloutCheck], i
                 status=record.status, reward=reward, error=error, where=user_line(record.traceback), calls=len(calls),
                 left_out=left, components=tuple(sorted({c.component for c in calls if c.component})),
                 call_error=(failed_calls[0].status_message or "failed") if failed_calls else None, transitions=n,
-                traceback=record.traceback, emitted=emitted, tools=tools))
+                traceback=record.traceback, emitted=emitted, tools=tools,
+                constrained=tuple(Constraint.from_json(c.attributes[CONSTRAINT]).label for c in calls
+                                  if isinstance(c.attributes.get(CONSTRAINT), str))))
         unattributed = capture.unattributed
     return out, unattributed, alone
 
@@ -228,7 +232,9 @@ def _table(rollouts: list[RolloutCheck], cfg: Config) -> Table:
             table.add_row(escape(r.task_id) if k == 0 else "",
                           (var + (" (no signal)" if var == "0" else "")) if k == 0 else "",
                           r.rollout_id.rsplit("-", 1)[0], "failed" if r.reward is None else f"{r.reward:g}",
-                          str(r.calls), escape(", ".join(r.components)), escape(", ".join(r.emitted)),
+                          str(r.calls) + (f" ({len(r.constrained)} constrained: "
+                                           f"{escape(', '.join(sorted(set(r.constrained))))})" if r.constrained else ""),
+                          escape(", ".join(r.components)), escape(", ".join(r.emitted)),
                           str(r.tools), escape(left), str(r.transitions), escape(error),
                           end_section=k == len(rs) - 1)
     return table

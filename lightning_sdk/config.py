@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 VLLM_MANAGED_FLAGS = ("--host", "--port", "--served-model-name", "--api-key", "--enable-lora", "--max-lora-rank",
                       "--max-loras", "--dtype", "--max-model-len", "--gpu-memory-utilization", "--enable-sleep-mode",
                       "--logprobs-mode", "--generation-config", "--enable-auto-tool-choice", "--tool-call-parser",
-                      "--reasoning-parser")
+                      "--reasoning-parser", "--structured-outputs-config")
 
 
 # serve.tool_call_parser / serve.reasoning_parser: vLLM 0.32.0's registries (the `gpu` extra's pin), as

@@ -16,11 +16,13 @@ PKG = Path(lightning_sdk.__file__).parent
 HEIGHT = {
     "errors": 0, "files": 0, "distribution": 0, "compat": 0, "drain": 0, "advantage": 0,
     "console": 1, "summary": 1, "config": 1, "data": 1,
+    "constraint": 1,                               # what a request asks the sampler to follow: read by the gateway
     "agent": 2, "tracing": 3,                      # the agent side: no store, trainer or server below them
     "gateway": 3,                                  # makes each call's record; the store keeps it
     "evals": 1,                                    # what an eval score says: below the table and the metrics
     "failures": 1,                                 # how failed rollouts are told: read by the loop and check
     "store": 4, "credit": 5, "transitions": 6, "models": 5,
+    "grammar": 6,                                  # a constraint compiled: the sampler's mask and the trainer's replay
     "train": 7, "engine": 7, "servers": 7, "metrics": 7,
     "rollouts": 8, "pipeline": 8, "runtime": 9, "check": 10, "cli": 10, "dashboard": 10, "api": 11,
 }

@@ -18,14 +18,15 @@ from typing import Any
 
 from lightning_sdk import config as config_mod
 from lightning_sdk import credit as credit_mod
+from lightning_sdk.constraint import Constraint
 from lightning_sdk.dashboard.explain import Scoring, explain, view
 from lightning_sdk.errors import CaptureError
 from lightning_sdk.evals import EVALS_DIR, score_words, split_of
 from lightning_sdk.metrics import section
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.records import messages
-from lightning_sdk.tracing.records import (COMPLETION_IDS, COMPLETION_LOGPROBS, COMPLETION_TOKENS, PROMPT_IDS,
-                                           REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord)
+from lightning_sdk.tracing.records import (COMPLETION_IDS, COMPLETION_LOGPROBS, COMPLETION_TOKENS, CONSTRAINT,
+                                           PROMPT_IDS, REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord)
 from lightning_sdk.train.checkpoint import (STATE, checkpoint_name, completed_iterations, latest_checkpoint,
                                             trained_into)
 from lightning_sdk.transitions import is_llm_call, to_transitions
@@ -435,8 +436,19 @@ def _kind(span: SpanRecord) -> str:
 
 
 _SHOWN = {"gen_ai.input.messages", "gen_ai.output.messages", PROMPT_IDS, COMPLETION_IDS,
-          COMPLETION_LOGPROBS, COMPLETION_TOKENS, "lightning.rollout.id", "lightning.rollout.attempt",
+          COMPLETION_LOGPROBS, COMPLETION_TOKENS, CONSTRAINT, "lightning.rollout.id", "lightning.rollout.attempt",
           "lightning.component"}
+
+
+def _constraint_view(text: Any) -> dict[str, Any] | None:
+    """What the call was sampled under: its name, the request's part it came from, and its definition as JSON."""
+    if not isinstance(text, str):
+        return None
+    try:
+        c = Constraint.from_json(text)
+    except (ValueError, KeyError, TypeError):
+        return {"label": "unreadable", "param": "", "spec": text[:2000]}
+    return {"label": c.label, "param": c.param, "spec": json.dumps(c.spec, indent=2)}
 
 
 def _span_view(s: SpanRecord, t0: int, credited: float | None) -> dict[str, Any]:
@@ -462,6 +474,7 @@ def _span_view(s: SpanRecord, t0: int, credited: float | None) -> dict[str, Any]
             # per completion token: its text (when the server sent it) and the sampler's log-prob
             "completion_ids": a.get(COMPLETION_IDS), "completion_logprobs": a.get(COMPLETION_LOGPROBS),
             "completion_token_texts": a.get(COMPLETION_TOKENS),
+            "constraint": _constraint_view(a.get(CONSTRAINT)),
         })
     elif kind == "reward":
         view.update({"reward_name": a.get(REWARD_NAME), "reward_value": a.get(REWARD_VALUE)})

@@ -12,6 +12,8 @@ softmax(logits / temperature):
   temperature is applied.
 - `--generation-config vllm`: otherwise vLLM takes default sampling parameters (top_k, top_p, repetition
   penalty) from the model's generation_config.json, and the sampled distribution is not the one trained on.
+- `--structured-outputs-config {"disable_any_whitespace": true}`: compact JSON under a grammar, as the built-in
+  server and the trainer's replay compile it (lightning_sdk/constraint.py).
 
 This module never imports vllm: it only runs it, in its own process (and maybe its own virtual environment).
 """
@@ -73,7 +75,8 @@ def vllm_command(model: str, *, served_model_name: str, host: str, port: int, lo
            "--dtype", dtype, *(["--max-model-len", str(max_model_len)] if max_model_len is not None else []),
            "--gpu-memory-utilization", f"{gpu_memory_utilization:g}",
            "--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_r)), "--max-loras", str(max_loras),
-           "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+           "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+           "--structured-outputs-config", '{"disable_any_whitespace": true}']
     if sleep:
         cmd.append("--enable-sleep-mode")
     if tool_call_parser:  # without it vLLM refuses every request that offers tools (400)

@@ -603,7 +603,7 @@ function spanCard(s) {
   // The status message is usually "Type: message" of the exception event below; show it once.
   if (err && s.status_message && !raised.some((a) => s.status_message === `${a["exception.type"]}: ${a["exception.message"]}`))
     body.push(el("pre", { class: "errtext" }, s.status_message));
-  if (s.kind === "llm") body.push(advantageBox(s.advantage), el("div", { class: "cols" }, messagesBlock("prompt", s.input), messagesBlock("completion", s.output)), logprobStrip(s));
+  if (s.kind === "llm") body.push(advantageBox(s.advantage), constraintBox(s.constraint), el("div", { class: "cols" }, messagesBlock("prompt", s.input), messagesBlock("completion", s.output)), logprobStrip(s));
   for (const e of s.events || []) {
     const a = e.attributes || {};
     body.push(el("div", { class: e.name === "exception" ? "errtext" : "" }, el("div", {}, `event: ${e.name}`),
@@ -627,6 +627,14 @@ function advantageBox(a) {
       cell("group_mean", "group mean", a.group_mean), cell("group_std", "group std", a.group_std), cell("group_size", "rollouts in group", a.group_size),
       cell("divisor", "divided by", a.divisor), cell("rollout_advantage", "rollout advantage", a.rollout_advantage),
       cell("credit", "credit weight", a.credit), cell("shaping", "intermediate rewards", a.shaping), cell("shaping_term", "shaping term", a.shaping_term)));
+}
+
+// The grammar a constrained call was sampled under (its log-probs are renormalised over what it allowed).
+function constraintBox(c) {
+  if (!c) return null;
+  return el("div", { class: "constraint", "data-constraint": c.label }, el("span", { class: "badge" }, `constrained: ${c.label}`),
+    el("span", { class: "muted" }, ` from ${c.param}; sampled and trained over the tokens it allowed`),
+    el("details", {}, el("summary", { class: "muted" }, "constraint"), el("pre", {}, c.spec)));
 }
 
 // The completion's tokens, each coloured by the probability the sampler gave it; hover for the token and its log-prob.
