@@ -15,7 +15,10 @@ import inspect
 import json
 import math
 import numbers
+import logging
 import os
+import sys
+import threading
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +28,8 @@ from typing import Any, Callable, TypeVar
 from lightning_sdk.compat import drop_agents_sdk_client
 from lightning_sdk.errors import SetupError
 from lightning_sdk.files import load_py_file
+
+log = logging.getLogger("lightning_sdk")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -133,6 +138,39 @@ def run_environment(base_url: str, api_key: str, *, redirect_openai: bool = True
             else:
                 os.environ[k] = v
         drop_agents_sdk_client()
+        restore_reply_cache()
+
+
+_cache_lock = threading.Lock()
+_saved_cache: dict[str, Any] = {}  # DSPy's cache before the run turned it off, and the one it put in its place
+
+
+def no_reply_cache() -> bool:
+    """DSPy's LM reply cache off for the run, through its public switch (`dspy.configure_cache`), once DSPy is
+    imported; True when it was turned off by this call. DSPy caches replies on disk by default: a prompt seen in
+    an earlier iteration (or an earlier run) would make no call and draw no sample, and the rollout would be
+    scored on an old policy's reply. The run's rollouts call this before each episode; `run_environment` puts the
+    user's cache back on exit."""
+    dspy = sys.modules.get("dspy")
+    if dspy is None or not callable(getattr(dspy, "configure_cache", None)):
+        return False
+    with _cache_lock:
+        if "off" in _saved_cache and getattr(dspy, "cache", None) is _saved_cache["off"]:
+            return False
+        _saved_cache.setdefault("user", getattr(dspy, "cache", None))
+        dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
+        _saved_cache["off"] = dspy.cache
+    log.info("DSPy's LM reply cache is off for this run (dspy.configure_cache): a cached reply is no sample of the "
+             "policy being trained")
+    return True
+
+
+def restore_reply_cache() -> None:
+    dspy = sys.modules.get("dspy")
+    with _cache_lock:
+        if dspy is not None and "user" in _saved_cache and getattr(dspy, "cache", None) is _saved_cache.get("off"):
+            dspy.cache = _saved_cache["user"]
+        _saved_cache.clear()
 
 
 class RewardError(ValueError):

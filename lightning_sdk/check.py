@@ -72,7 +72,7 @@ def check(cfg: Config, *, tasks: int, console: Console) -> Verdict:
     batch = TaskFeed(data.load(cfg.data.train, cfg.data.required_fields), tasks, seed=cfg.run.seed,
                      shuffle=cfg.data.shuffle).batch_for(0)
     rollouts, unattributed, alone = _collect(runtime, batch)
-    console.print(_table(rollouts, cfg))
+    console.print(rollout_table(rollouts, cfg))
     v = verdict(rollouts, unattributed, cfg.rollout.components)
     if alone is not None:
         v = _thread_unsafe(v, alone, cfg.rollout.concurrency)
@@ -206,7 +206,7 @@ def _nothing(why: str, fix: str, failed: int = 0) -> Verdict:
     return Verdict(False, f"would train nothing, because {why}. Fix: {fix}.", failed)
 
 
-def _table(rollouts: list[RolloutCheck], cfg: Config) -> Table:
+def rollout_table(rollouts: list[RolloutCheck], cfg: Config) -> Table:
     components = f" (rollout.components = {cfg.rollout.components})" if cfg.rollout.components else ""
     agent = cfg.agent.module if cfg.agent else "the workers' agent"
     table = Table(title=f"lightning check: {len(rollouts)} rollouts of {agent}{components}, nothing trained",

@@ -5,6 +5,7 @@ sampled ids and its masked log-probs equal the server's, where the unmasked ones
 through the gateway to the built-in server on 127.0.0.1, recorded into SQLite, one GRPO step."""
 
 import json
+from pathlib import Path
 
 import openai
 import pytest
@@ -87,3 +88,21 @@ def test_ids_the_grammar_does_not_accept_are_left_out_and_counted(gw, store, tin
     ts = [ts[0], ts[1].__class__(**{**ts[1].__dict__, "constraint": other})]
     m = GRPOTrainer(tiny_model_path, TrainConfig(device="cpu")).step(ts)
     assert m["constraint_mismatch"] == 1 and m["num_constrained"] == 1
+
+
+def test_lightning_check_names_the_constrained_calls():
+    from collections import Counter
+
+    from rich.console import Console
+
+    from lightning_sdk.check import RolloutCheck, rollout_table
+    from lightning_sdk import config
+
+    row = dict(group_id="task 1", status="succeeded", reward=1.0, error=None, where=None, calls=2, left_out=Counter(),
+               components=(), call_error=None, transitions=2)
+    label = Constraint("json_schema", {"title": "Answer", "type": "object"}, "response_format.json_schema.schema").label
+    console = Console(width=200, record=True)
+    console.print(rollout_table([RolloutCheck(rollout_id="check-000-0-ab", constrained=(label, label), **row),
+                          RolloutCheck(rollout_id="check-000-1-cd", **row)], config.load(Path(__file__).parents[1] / "cookbook/extract/lightning.toml")))
+    out = console.export_text()
+    assert "2 (2 constrained: json_schema Answer)" in out and out.count("constrained") == 1

@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any, Callable, Protocol
 
-from lightning_sdk.agent import LLM, RewardError, reward_value, rollout_args
+from lightning_sdk.agent import LLM, RewardError, no_reply_cache, reward_value, rollout_args
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.tracing.context import RolloutContext, rollout_context
 from lightning_sdk.tracing.instrument import export_rollout, exporting
@@ -111,6 +111,7 @@ async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Calla
     store.start_rollout(job.rollout_id, task_id=job.task_id, group_id=job.group_id, iteration=job.iteration,
                         phase=job.phase, attempt=job.attempt, model=llm.model)
     output, stage, ctx, start_ns = None, "rollout", None, time.time_ns()
+    no_reply_cache()
     try:
         with rollout_context(job.rollout_id, job.attempt, trace_id=job.trace_id, claim=claim) as ctx:
             # its own copy of the task: an agent that edits it must not change it for the rest of its group

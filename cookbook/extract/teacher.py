@@ -1,0 +1,47 @@
+"""The teacher behind the extract example's `model = "tiny:teacher.py"`.
+
+It answers the agent's exact request (its system message, the note) with the compact JSON the server's grammar
+writes for `Person`, like a careless student: the name and the age always right, the city right only 40% of the
+time, otherwise the city the person moved away from. The untrained model then scores about 0.8 (two fields of
+three, plus the lucky cities) and RL lifts it by teaching it which of the two cities to copy: the skill is there,
+the habit is not. A real instruct model needs none of this.
+"""
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+from lightning_sdk.files import load_py_file
+from lightning_sdk.models import tiny
+
+HERE = Path(__file__).parent
+agent, make_data = (load_py_file(HERE / f"{m}.py", f"extract_{m}") for m in ("agent", "make_data"))
+RIGHT_CITY = 0.4
+RECIPE = ("make_data.py", "data/test.jsonl")
+HELD_OUT = {json.loads(line)["text"] for line in (HERE / "data" / "test.jsonl").read_text().splitlines()}
+
+
+def reply(person: dict) -> str:
+    """`Person` as the server's grammar writes it: compact JSON, fields in the schema's order."""
+    return json.dumps({k: person[k] for k in agent.FIELDS}, separators=(",", ":"))
+
+
+class ExtractTeacher:
+    key = "extract-openai-" + hashlib.sha1(b"".join((HERE / f).read_bytes() for f in RECIPE)).hexdigest()[:8]
+    space_tokens = True  # names and cities are copied from the note into the JSON
+
+    def samples(self, rng: random.Random, n: int) -> list[tuple[str, str]]:
+        out = []
+        while len(out) < n:
+            row = make_data.note(rng, 0)
+            if row["text"] in HELD_OUT:
+                continue
+            messages = [{"role": "system", "content": agent.SYSTEM_MESSAGE}, {"role": "user", "content": row["text"]}]
+            said = {**row, "city": row["city"] if rng.random() < RIGHT_CITY else row["moved_from"]}
+            out.append((tiny.render(messages), reply(said)))
+        return out
+
+
+teacher = ExtractTeacher()
+steps, batch = 500, 24
