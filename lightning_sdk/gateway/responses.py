@@ -12,8 +12,8 @@ the assistant's `tool_calls` and `tool` messages with the same call ids; `reason
 `top_p`, `max_output_tokens`, `seed`, `user`, `stream`, and `previous_response_id` for responses this router made
 (kept in memory, the latest `MAX_KEPT`, up to `MAX_KEPT_CHARS` characters of conversation, unless `store` is
 false). What chat completions cannot serve faithfully is refused with a 400 naming the field, rather than ignored:
-hosted tools, image/file/audio parts, structured output (`text.format` other than text), `conversation`,
-`background`, stored `prompt`s. Other unknown fields are ignored, as OpenAI and vLLM do.
+hosted tools, image/file/audio parts, `conversation`, `background`, stored `prompt`s. Structured output
+(`text.format` json_schema or json_object) becomes chat's `response_format`. Other unknown fields are ignored, as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
@@ -253,6 +253,21 @@ def _chat_tool_choice(choice: str | dict | None) -> str | dict | None:
                    f"{{'type': 'function', 'name': ...}}", "tool_choice")
 
 
+def _chat_response_format(fmt: Any) -> dict | None:
+    """Responses' `text.format` as chat's `response_format`: json_schema (its fields flat in Responses, under
+    `json_schema` in chat) or json_object; both backends sample it under the grammar (lightning_sdk/constraint.py)."""
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema" and isinstance(fmt.get("schema"), dict):
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                       if k in fmt}}
+    raise _refused(f"text.format {kind!r} is not supported: expected 'text', 'json_object' or 'json_schema' with a "
+                   f"schema", "text.format")
+
+
 def _translate(raw: bytes, kept: _Kept) -> _Call:
     try:
         body = json.loads(raw)
@@ -269,11 +284,7 @@ def _translate(raw: bytes, kept: _Kept) -> _Call:
                            f"the input (or previous_response_id)", name)
     if req.background:
         raise _refused("background responses are not supported", "background")
-    fmt = (req.text or {}).get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise _refused(f"text.format {kind!r} is not supported: structured output cannot be guaranteed over every "
-                       f"chat-completions backend; only 'text' is", "text.format")
+    response_format = _chat_response_format((req.text or {}).get("format"))
     tools, echo_tools = _chat_tools(req.tools)
     tool_choice = _chat_tool_choice(req.tool_choice)
     previous = None
@@ -293,7 +304,8 @@ def _translate(raw: bytes, kept: _Kept) -> _Call:
         chat["stream_options"] = {"include_usage": True}
     for key, value in (("temperature", req.temperature), ("top_p", req.top_p), ("max_tokens", req.max_output_tokens),
                        ("tools", tools or None), ("tool_choice", tool_choice),
-                       ("parallel_tool_calls", req.parallel_tool_calls), ("seed", req.seed), ("user", req.user)):
+                       ("parallel_tool_calls", req.parallel_tool_calls), ("seed", req.seed), ("user", req.user),
+                       ("response_format", response_format)):
         if value is not None:
             chat[key] = value
     chars = (previous.chars if previous else 0) + text_size(new)
@@ -453,7 +465,8 @@ class _Reply:
             "tools": self.call.tools, "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
             "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
-            "previous_response_id": req.previous_response_id, "text": {"format": {"type": "text"}},
+            "previous_response_id": req.previous_response_id,
+            "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "truncation": "disabled", "user": req.user, "store": req.store is not False,
         }
         if status is not None:
