@@ -1,5 +1,5 @@
-"""The cookbook's three agents, in their real frameworks, trained unchanged: a short `lightning run` of each
-(one iteration, few tasks, small groups) as a subprocess, then what its store shows. Each also runs with
+"""The cookbook's four agents, in their real frameworks, trained unchanged: a short `lightning run` of each
+(one iteration, few tasks, small groups) as a subprocess, then what its store shows. The first three also run with
 serve.backend = "vllm" in the vLLM lane (`pytest -m vllm`, .ci/run: vLLM's CPU build, sleep_level 0)."""
 
 from __future__ import annotations
@@ -156,6 +156,18 @@ def test_rag_agents_sdk_trains(tmp_path, backend):
         call, result = messages[2]["parts"][0], messages[3]["parts"][0]
         assert call["name"] == "search" and result["id"] == call["id"]
         assert result["response"] == rag.search_passages(call["arguments"]["query"])
+
+
+def test_extract_openai_parse_trains_under_its_schema(tmp_path):
+    _, store, rollouts, trained = trained_example("extract", tmp_path)
+    assert all(r.reward in (0.0, 1 / 3, 2 / 3, 1.0) for r in rollouts)  # the share of fields right
+    # every call was sampled under Person's schema, recorded with it, and trained under it
+    calls = [s for r in rollouts + store.rollouts(phase="eval") for s in store.spans(r.rollout_id)
+             if transitions.is_llm_call(s)]
+    assert calls and all(json.loads(s.attributes["lightning.llm.constraint"])["spec"]["title"] == "Person"
+                         for s in calls)
+    assert trained and all(t.constraint for t in trained)
+    assert all(set(json.loads(r.output)) == {"name", "age", "city"} for r in rollouts)
 
 
 def test_failed_autogen_tool_call_is_a_negative_intermediate_reward(gw, store):
