@@ -13,6 +13,7 @@ import pytest
 
 import lightning_sdk as ls
 from lightning_sdk.dashboard.runs import RunReader
+from lightning_sdk.errors import RunError
 from lightning_sdk.store import Store
 
 from .test_zero_change import openai_elsewhere, project  # noqa: F401  (a fixture)
@@ -95,7 +96,7 @@ def solve(task):
     return react(question=task["question"]).answer
 '''
 AGENTS = {"openai-parse": OPENAI_PARSE, "langchain": LANGCHAIN, "agents-sdk": AGENTS_SDK, "instructor": INSTRUCTOR,
-          "dspy-predict": DSPY_PREDICT, "dspy-react": DSPY_REACT}
+          "dspy-predict": DSPY_PREDICT}
 
 
 @pytest.mark.parametrize("name", list(AGENTS))
@@ -135,3 +136,23 @@ def test_a_structured_output_agent_trains_exactly(tmp_path, openai_elsewhere, na
         import dspy
 
         assert dspy.cache.enable_disk_cache  # the user's own cache is back after the run
+
+
+def test_dspy_react_is_served_and_recorded_under_its_constraint(tmp_path, openai_elsewhere, monkeypatch):  # noqa: F811
+    """ReAct's JSONAdapter asks for `json_object` (its signature holds an open `dict` of tool arguments, which DSPy
+    does not send as a JSON schema): every call is served (no 400) and recorded with its constraint. The tiny
+    model's objects lack ReAct's fields, so its rollouts fail in DSPy's parser and the run stops (the majority
+    failed); a model that writes the fields trains as DSPy Predict does."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    toml = project(tmp_path, DSPY_REACT)
+    toml.write_text(toml.read_text().replace("timeout = 30", "timeout = 180"))
+    with pytest.raises(RunError, match="AdapterParseError"):
+        ls.run(toml)
+    store = Store(tmp_path / "run/store.sqlite")
+    calls = [s for r in store.rollouts(phase="train") for s in store.spans(r.rollout_id) if s.source == "gateway"]
+    assert calls and all(s.status == "OK" and s.attributes["lightning.llm.completion_token_ids"] for s in calls)
+    kinds = {json.loads(s.attributes["lightning.llm.constraint"])["kind"] for s in calls
+             if "lightning.llm.constraint" in s.attributes}
+    assert kinds == {"json_object"}
+

@@ -42,7 +42,7 @@ def test_command_line():
                    "--dtype", "bfloat16", "--max-model-len", "4096", "--gpu-memory-utilization", "0.45",
                    "--enable-lora", "--max-lora-rank", "16", "--max-loras", "3",
                    "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-                   "--structured-outputs-config", '{"disable_any_whitespace": true}',
+                   "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
                    "--enable-sleep-mode", "--enforce-eager"]
     no_sleep = vllm_command("m", served_model_name="p", host="h", port=1, lora_r=8, sleep=False, launcher=["vllm",
                                                                                                           "serve"])

@@ -6,13 +6,14 @@ tokens' log-probs (`logprobs: true`), plus LoRA hot-loading through `/v1/load_lo
 only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set. Sleep mode (`/sleep`, `/wake_up`, served only with
 VLLM_SERVER_DEV_MODE=1) hands the GPU memory to the trainer during the update phase.
 
-Two flags keep the sampler's log-probs comparable with the trainer's, which scores the sampled tokens under
+These flags keep the sampler's log-probs comparable with the trainer's, which scores the sampled tokens under
 softmax(logits / temperature):
 - `--logprobs-mode processed_logprobs`: vLLM's default reports the log-probs of the raw logits, before the
   temperature is applied.
 - `--generation-config vllm`: otherwise vLLM takes default sampling parameters (top_k, top_p, repetition
   penalty) from the model's generation_config.json, and the sampled distribution is not the one trained on.
-- `--structured-outputs-config {"disable_any_whitespace": true}`: compact JSON under a grammar, as the built-in
+- `--structured-outputs-config {"backend": "xgrammar", "disable_any_whitespace": true}`: compact JSON under a
+  grammar (vLLM allows that option with xgrammar only, its default backend), as the built-in
   server and the trainer's replay compile it (lightning_sdk/constraint.py).
 
 This module never imports vllm: it only runs it, in its own process (and maybe its own virtual environment).
@@ -76,7 +77,7 @@ def vllm_command(model: str, *, served_model_name: str, host: str, port: int, lo
            "--gpu-memory-utilization", f"{gpu_memory_utilization:g}",
            "--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_r)), "--max-loras", str(max_loras),
            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-           "--structured-outputs-config", '{"disable_any_whitespace": true}']
+           "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
     if sleep:
         cmd.append("--enable-sleep-mode")
     if tool_call_parser:  # without it vLLM refuses every request that offers tools (400)
