@@ -32,7 +32,8 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": SCH
 TEMPERATURE, N = 1.0, 16
 
 
-def main() -> None:
+def measure(n: int = N) -> dict[str, float]:
+    """`n` constrained replies from vLLM; the mean and max |trainer - vLLM| log-prob, masked and unmasked."""
     path = models.resolve("builtin:tiny-arith")
     tok, model = models.load_tokenizer(path), models.load_causal_lm(path, dtype="float32")
     grammars = Grammars(tok, int(model.get_output_embeddings().weight.shape[0]), models.eos_ids(model, tok))
@@ -44,7 +45,7 @@ def main() -> None:
         print(f"vLLM server healthy after {time.perf_counter() - t0:.1f} s", flush=True)
         client = OpenAI(base_url=server.base_url, api_key="check")
         gaps, raw_gaps, rejected, tokens = [], [], 0, 0
-        for k in range(N):
+        for k in range(n):
             out = client.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": f"What is {k % 10} + 4?"}], max_tokens=24,
                 logprobs=True, temperature=TEMPERATURE, seed=k, response_format=FORMAT,
@@ -67,9 +68,15 @@ def main() -> None:
             if k == 0:
                 print(f"reply {c.message.content!r} ({c.finish_reason}), {len(ids)} ids")
         g, r = torch.cat(gaps), torch.cat(raw_gaps)
-        print(f"{N} replies, {tokens} tokens, {rejected} not accepted by the replayed grammar")
-        print(f"mean |trainer masked - vLLM| = {g.mean():.2e} (max {g.max():.2e}); "
-              f"unmasked = {r.mean():.2e} (max {r.max():.2e})")
+    return {"replies": n, "tokens": tokens, "rejected": rejected, "masked_mean": float(g.mean()),
+            "masked_max": float(g.max()), "unmasked_mean": float(r.mean()), "unmasked_max": float(r.max())}
+
+
+def main() -> None:
+    m = measure()
+    print(f"{m['replies']} replies, {m['tokens']} tokens, {m['rejected']} not accepted by the replayed grammar")
+    print(f"mean |trainer masked - vLLM| = {m['masked_mean']:.2e} (max {m['masked_max']:.2e}); "
+          f"unmasked = {m['unmasked_mean']:.2e} (max {m['unmasked_max']:.2e})")
 
 
 if __name__ == "__main__":
