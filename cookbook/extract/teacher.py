@@ -44,4 +44,4 @@ class ExtractTeacher:
 
 
 teacher = ExtractTeacher()
-steps, batch = 500, 24
+steps, batch = 250, 24
