@@ -167,7 +167,7 @@ def test_extract_openai_parse_trains_under_its_schema(tmp_path):
     assert calls and all(json.loads(s.attributes["lightning.llm.constraint"])["spec"]["title"] == "Person"
                          for s in calls)
     assert trained and all(t.constraint for t in trained)
-    assert all(set(json.loads(r.output)) == {"name", "age", "city"} for r in rollouts)
+    assert all(set(r.output) == {"name", "age", "city"} for r in rollouts)
 
 
 def test_failed_autogen_tool_call_is_a_negative_intermediate_reward(gw, store):
