@@ -45,9 +45,9 @@ class Constraint:
     param: str = ""
 
     def to_json(self) -> str:
-        """The canonical text stored in the call's record (keys sorted: one constraint, one text)."""
-        return json.dumps({"kind": self.kind, "spec": self.spec, "param": self.param}, sort_keys=True,
-                          separators=(",", ":"))
+        """The text stored in the call's record. Never with sorted keys: a JSON schema's property order is the
+        order the grammar writes the properties in."""
+        return json.dumps({"kind": self.kind, "spec": self.spec, "param": self.param}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "Constraint":

@@ -21,9 +21,10 @@ from .conftest import in_rollout
 
 torch.set_num_threads(1)
 
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99},
-                                           "sure": {"type": "boolean"}},
-          "required": ["answer", "sure"], "additionalProperties": False}
+# properties out of alphabetical order: the grammar writes them in the schema's order, and the record keeps it
+SCHEMA = {"type": "object", "properties": {"sure": {"type": "boolean"},
+                                           "answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["sure", "answer"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                      "b": {"type": "integer", "minimum": 0, "maximum": 9}},
