@@ -99,7 +99,7 @@ def test_lightning_check_names_the_constrained_calls():
     from lightning_sdk.check import RolloutCheck, rollout_table
     from lightning_sdk import config
 
-    row = dict(group_id="task 1", status="succeeded", reward=1.0, error=None, where=None, calls=2, left_out=Counter(),
+    row = dict(group_id="task 1", task_id="t1", status="succeeded", reward=1.0, error=None, where=None, calls=2, left_out=Counter(),
                components=(), call_error=None, transitions=2)
     label = Constraint("json_schema", {"title": "Answer", "type": "object"}, "response_format.json_schema.schema").label
     console = Console(width=200, record=True)
