@@ -20,7 +20,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_
 needed="torch:torch transformers:transformers peft:peft accelerate:accelerate tokenizers:tokenizers
 safetensors:safetensors fastapi:fastapi uvicorn:uvicorn httpx:httpx openai:openai pydantic:pydantic click:click
 rich:rich wrapt:wrapt opentelemetry.sdk:opentelemetry-sdk
-opentelemetry.instrumentation.openai:opentelemetry-instrumentation-openai==0.62.4
 opentelemetry.exporter.otlp.proto.http:opentelemetry-exporter-otlp-proto-http opentelemetry.proto:opentelemetry-proto
 google.rpc:googleapis-common-protos matplotlib:matplotlib numpy:numpy"
 missing() {  # one interpreter for all of them: torch alone takes seconds to import

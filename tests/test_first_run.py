@@ -115,7 +115,7 @@ def test_overrides_are_validated_like_the_file(tmp_path):
     assert (cfg.train.lr, cfg.train.lora_r, cfg.train.epochs) == (2e-3, 8, 2) and "lm_head" in cfg.train.target_modules
     real = config.override(cfg, {"model.name": "Qwen/Qwen2.5-0.5B-Instruct", "train.lora_r": 4})
     assert (real.train.lr, real.train.lora_r, real.train.target_modules) == (1e-4, 4, "all-linear")
-    with pytest.raises(config.ConfigError, match=r"^train\.lrr: unknown key$"):
+    with pytest.raises(config.ConfigError, match=r"^train\.lrr: unknown key; did you mean train\.lr\?$"):
         ls.run(tmp_path / "lightning.toml", **{"train.lrr": 1.0})
     with pytest.raises(config.ConfigError, match=r"^run\.iterations: Input should be greater than or equal to 1"):
         ls.run(tmp_path / "lightning.toml", iterations=0, run_dir=tmp_path / "run")
