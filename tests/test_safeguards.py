@@ -12,7 +12,7 @@ import torch
 from lightning_sdk import config, models
 from lightning_sdk.config import TrainConfig
 from lightning_sdk.servers.select import resolved_backend
-from lightning_sdk.train.grpo import grpo_loss
+from lightning_sdk.train.grpo import KL_CLAMP, KL_LOG_RATIO_CLAMP, grpo_loss
 from lightning_sdk.train.trainer import GRPOTrainer
 from lightning_sdk.transitions import Transition
 
@@ -45,13 +45,16 @@ def test_importance_sampling_is_on_with_vllm_and_off_on_the_built_in_server():
         parse({"importance_sampling_cap": 0.5})
 
 
-def test_the_k3_kl_term_is_bounded():
-    # a token 100 nats more likely under the reference: unbounded, exp(100) overflows float32 and the loss is inf
+def test_the_k3_kl_term_is_finite():
+    # a token 100 nats more likely under the reference: unclamped, exp(100) overflows float32 and the loss is inf.
+    # The log-ratio is clamped at KL_LOG_RATIO_CLAMP (20); the value itself is not (TRL; docs/credit.md).
     logp = torch.tensor([-101.0, -1.0], requires_grad=True)
     ref = torch.tensor([-1.0, -1.0])
     loss, st = grpo_loss(logp, logp.detach(), torch.zeros(2), torch.tensor([0.5, 0.5]), clip_eps=0.2,
                          ref_logp=ref, beta=1.0)
-    assert st["kl"].item() == pytest.approx(0.5 * 10.0) and loss.item() == pytest.approx(5.0)
+    assert KL_LOG_RATIO_CLAMP == 20.0 and KL_CLAMP is None
+    k3 = math.exp(20.0) - 20.0 - 1.0
+    assert st["kl"].item() == pytest.approx(0.5 * k3, rel=1e-5) and loss.item() == pytest.approx(0.5 * k3, rel=1e-5)
     loss.backward()
     assert torch.isfinite(logp.grad).all()
     # within the bound the term is the plain k3: ref - logp = ln 2
