@@ -307,16 +307,19 @@ class Runtime:
         agent process's environment pointing at it (agent.redirect_openai) until `stack` closes: set before the
         agent module is imported, so OpenAI clients it builds at import time call the run's server too."""
         cfg = self.cfg
+        api_key = cfg.serve.api_key or new_api_key()
+
+        def listen(port: int) -> Gateway:
+            return Gateway(host=cfg.serve.host, port=port, api_key=api_key, model_names=cfg.serve.model_names)
+
         gateway = None
         if self.resume and cfg.serve.port == 0 and (port := previous_port(self.run_dir)):
             try:  # where the killed run served: its remote workers, retrying meanwhile, find the run again
-                gateway = Gateway(host=cfg.serve.host, port=port, api_key=cfg.serve.api_key or new_api_key(),
-                                  model_names=cfg.serve.model_names)
+                gateway = listen(port)
             except OSError:
                 pass  # taken meanwhile: any free port, as serve.port = 0 asks
         try:
-            gateway = gateway or Gateway(host=cfg.serve.host, port=cfg.serve.port,
-                                         api_key=cfg.serve.api_key or new_api_key(), model_names=cfg.serve.model_names)
+            gateway = gateway or listen(cfg.serve.port)
         except OSError as e:
             key = ("serve.port", cfg.serve.port) if e.errno == errno.EADDRINUSE else ("serve.host", cfg.serve.host)
             raise SetupError(f"{key[0]} = {key[1]!r}: cannot listen on {cfg.serve.host}:{cfg.serve.port} "
