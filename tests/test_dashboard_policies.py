@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's ch
 
 
 def write_run(run: Path) -> list[dict]:
-    """A [policies] run's metrics.jsonl and config.json, as `lightning run` writes them (runtime._iteration)."""
+    """A [policies] run's metrics.jsonl and config.json, as `lightning run` writes them (runtime.loop)."""
     run.mkdir(parents=True)
     rows = [{"iteration": n, "policy": f"solver=multi-solver-iter{n - 1}, judge=multi-judge-iter{n - 1}",
              "reward_mean": 0.2 * n, "reward_std": 0.1, "rollouts": 8, "failed": 0, "transitions": 12,

@@ -160,3 +160,31 @@ def test_no_private_name_crosses_a_file_boundary():
 def test_no_two_modules_share_a_name():
     names = [m.rsplit(".", 1)[-1] for m, p in _modules().items() if p.name not in ("__init__.py", "__main__.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+# Inside the runtime, one room per idea and data flowing one way: the loop on top, the rooms it uses below it,
+# each importing only rooms lower than itself.
+RUNTIME_ROOMS = {
+    "feed": 0, "handover": 0, "preflight": 0, "resume": 0, "launch": 0, "session": 0,
+    "iteration": 1, "evaluation": 1,
+    "loop": 2, "__init__": 3,
+}
+
+
+def test_the_runtime_rooms_import_downward_only():
+    mods = _modules()
+    rooms = {m: p for m, p in mods.items() if m == "lightning_sdk.runtime" or m.startswith("lightning_sdk.runtime.")}
+    room = lambda m: "__init__" if m == "lightning_sdk.runtime" else m.rsplit(".", 1)[-1]  # noqa: E731
+    assert {room(m) for m in rooms} == set(RUNTIME_ROOMS), "a new runtime module: give it a height in this test"
+    wrong = [f"{m} imports {t}" for m, p in rooms.items() for t in _imports(m, p, set(mods))
+             if t in rooms and RUNTIME_ROOMS[room(t)] >= RUNTIME_ROOMS[room(m)]]
+    assert not wrong, wrong
+
+
+def test_the_training_loop_reads_on_one_screen():
+    """collect, update, save and hot-load: the loop of `lightning run` in one short function, the rooms apart."""
+    tree = ast.parse((PKG / "runtime" / "loop.py").read_text())
+    [loop] = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_train"]
+    assert loop.end_lineno - loop.lineno + 1 <= 30
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (PKG / "runtime").glob("*.py")}
+    assert max(sizes.values()) <= 300, sizes

@@ -44,7 +44,7 @@ class Explained:
 
 
 def trained_calls(record: RolloutRecord, spans: list, s: Scoring) -> list[Transition]:
-    """The rollout's transitions, as the runtime makes them (runtime.Runtime._transitions)."""
+    """The rollout's transitions, as the runtime makes them (runtime.iteration.transitions_of)."""
     return to_transitions(record, spans, credit=s.rule, components=s.components, error_reward=s.error_reward)
 
 
