@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 VLLM_MANAGED_FLAGS = ("--host", "--port", "--served-model-name", "--api-key", "--enable-lora", "--max-lora-rank",
                       "--max-loras", "--dtype", "--max-model-len", "--gpu-memory-utilization", "--enable-sleep-mode",
                       "--logprobs-mode", "--generation-config", "--enable-auto-tool-choice", "--tool-call-parser",
-                      "--reasoning-parser", "--structured-outputs-config")
+                      "--reasoning-parser", "--structured-outputs-config", "--tensor-parallel-size")
 
 
 # serve.tool_call_parser / serve.reasoning_parser: vLLM 0.32.0's registries (the `gpu` extra's pin), as
@@ -177,6 +177,12 @@ class ServeConfig(_Section):
         if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
             raise ValueError("expected 'cpu', 'cuda' or 'cuda:N'")
         return v
+
+    replicas: int | None = Field(None, ge=1, description="inference servers behind the gateway, each request to "
+                                 "the least loaded, every adapter loaded into each; none = as many as the serving "
+                                 "GPUs hold at tensor_parallel_size each (1 on the CPU). run.runtime 'ray': "
+                                 "ray.servers")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM replica (vLLM's --tensor-parallel-size)")
 
     # backend = "vllm" only (docs/gpu.md):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of GPU memory vLLM may take")
@@ -385,6 +391,39 @@ class Policy:
     train: TrainConfig
 
 
+def gpu_indices(v):
+    """devices.serve / devices.train: distinct GPU indices."""
+    if v is not None and (not v or len(set(v)) != len(v)):
+        raise ValueError("expected a non-empty list of distinct GPU indices, e.g. [0, 1]")
+    return v
+
+
+class DevicesConfig(_Section):
+    """Which of the visible GPUs (CUDA_VISIBLE_DEVICES, counted from 0) serve and which train (placement.py,
+    docs/scaling.md). None: a split of the visible GPUs, said in the run's first lines."""
+
+    serve: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="the inference servers' GPUs, split "
+                                                            "into serve.replicas sets of serve.tensor_parallel_size")
+    train: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="the trainer's GPUs; the same as "
+                                                            "devices.serve: shared in turns (vLLM sleeps during each "
+                                                            "update); apart: pipelined (train.max_staleness = 1)")
+
+    @field_validator("serve", "train")
+    @classmethod
+    def _indices(cls, v):
+        return gpu_indices(v)
+
+    @model_validator(mode="after")
+    def _same_or_apart(self):
+        if self.serve is not None and self.train is not None:
+            both = set(self.serve) & set(self.train)
+            if both and set(self.serve) != set(self.train):
+                raise ValueError(f"serve = {self.serve} and train = {self.train} share GPU(s) "
+                                 f"{sorted(both)}: expected the same GPUs (serving and training in turns) or none "
+                                 f"in common")
+        return self
+
+
 class RayConfig(_Section):
     """Used when run.runtime = "ray" (the `[ray]` extra); see docs/scaling.md."""
 
@@ -433,6 +472,7 @@ class Config(_Section):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    devices: DevicesConfig = Field(default_factory=DevicesConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
     policies: dict[str, PolicyConfig] = Field(
@@ -467,6 +507,36 @@ class Config(_Section):
                 if key not in self.train.model_fields_set:
                     setattr(self.train, key, value)
                     self.train.model_fields_set.discard(key)  # still a default: see override()
+        return self
+
+    @model_validator(mode="after")
+    def _placement(self):
+        s, d = self.serve, self.devices
+        if s.tensor_parallel_size > 1 and s.backend == "cpu":
+            raise ValueError(f"serve.tensor_parallel_size = {s.tensor_parallel_size}: tensor parallelism is vLLM's; "
+                             f"expected 1 with serve.backend = 'cpu' (or serve.backend = 'vllm')")
+        if self.run.runtime == "ray" and (s.replicas is not None or d.serve is not None or d.train is not None):
+            key = "serve.replicas" if s.replicas is not None else "devices"
+            raise ValueError(f"{key}: with run.runtime = 'ray', Ray places the servers: set ray.servers and "
+                             f"ray.gpus_per_server instead")
+        if self.run.runtime == "ray" and s.tensor_parallel_size > 1 and self.ray.gpus_per_server != s.tensor_parallel_size:
+            raise ValueError(f"ray.gpus_per_server = {self.ray.gpus_per_server:g}: expected serve.tensor_parallel_size = "
+                             f"{s.tensor_parallel_size} GPUs for each server actor")
+        if d.serve is not None and s.replicas is not None and len(d.serve) != s.replicas * s.tensor_parallel_size:
+            raise ValueError(f"devices.serve = {d.serve}: expected serve.replicas x serve.tensor_parallel_size = "
+                             f"{s.replicas} x {s.tensor_parallel_size} GPUs")
+        if d.serve is not None and len(d.serve) % s.tensor_parallel_size:
+            raise ValueError(f"devices.serve = {d.serve}: expected a multiple of serve.tensor_parallel_size = "
+                             f"{s.tensor_parallel_size} GPUs")
+        if d.serve is not None and s.backend == "cpu" and s.device == "cpu":
+            raise ValueError(f"devices.serve = {d.serve}: the built-in server runs on the CPU (serve.device = 'cpu'); "
+                             f"set serve.device = 'cuda' (or serve.backend = 'vllm') to serve on GPUs")
+        if d.serve is not None and s.device not in ("cpu", "cuda"):
+            raise ValueError(f"serve.device = {s.device!r} and devices.serve both place the server: keep "
+                             f"devices.serve (and serve.device = 'cuda' for the built-in server)")
+        if d.train is not None and self.train.device not in ("auto", "cuda"):
+            raise ValueError(f"train.device = {self.train.device!r} and devices.train both place the trainer: keep "
+                             f"devices.train (train.device 'auto' or 'cuda')")
         return self
 
     @model_validator(mode="after")

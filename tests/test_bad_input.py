@@ -33,6 +33,10 @@ CASES = {
     "not a JSON object": (config(), GOOD_ROWS + "[1, 2]\n", "line 3: expected a JSON object"),
     "unknown model": (config(model='name = "builtin:gpt-17"'), GOOD_ROWS, "unknown builtin model"),
     "missing agent": (config(agent='module = "missing_agent.py"'), GOOD_ROWS, "file not found"),
+    "GPUs that are not there": (config(serve='device = "cuda"', devices="serve = [0]"), GOOD_ROWS,
+                                "devices.serve = [0]: no CUDA GPU is visible"),
+    "GPUs half shared": (config(devices="serve = [0, 1]\ntrain = [1, 2]"), GOOD_ROWS,
+                         "devices: serve = [0, 1] and train = [1, 2] share GPU(s) [1]"),
 }
 
 

@@ -17,6 +17,7 @@ HEIGHT = {
     "errors": 0, "files": 0, "distribution": 0, "compat": 0, "drain": 0, "advantage": 0,
     "console": 1, "summary": 1, "config": 1, "data": 1,
     "constraint": 1,                               # what a request asks the sampler to follow: read by the gateway
+    "placement": 1,                                # which GPUs serve and train: a function of the config
     "agent": 2, "tracing": 3,                      # the agent side: no store, trainer or server below them
     "gateway": 3,                                  # makes each call's record; the store keeps it
     "evals": 1,                                    # what an eval score says: below the table and the metrics

@@ -1,7 +1,9 @@
 """The Ray runtime on a real local Ray instance (2 CPUs, 2 rollout-worker actors)."""
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -9,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 ray = pytest.importorskip("ray")
 
@@ -32,7 +35,7 @@ def ray_local(tmp_path_factory):
 
 
 def make_cfg(tmp_path: Path, *, module: str, tasks: list[dict], iterations: int, group: int,
-             serve: dict | None = None) -> config.Config:
+             serve: dict | None = None, servers: int = 1) -> config.Config:
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     return config.parse({
         "serve": serve or {},
@@ -42,7 +45,7 @@ def make_cfg(tmp_path: Path, *, module: str, tasks: list[dict], iterations: int,
         "model": {"name": "builtin:tiny-arith", "dtype": "float32"},
         "rollout": {"concurrency": 8, "timeout": 120},
         "train": {"lr": 2e-3, "lora_r": 8, "micro_batch_size": 16},
-        "ray": {"num_workers": 2, "cpus_per_worker": 0.5, "servers": 1, "cpus_per_server": 1.0},
+        "ray": {"num_workers": 2, "cpus_per_worker": 0.5, "servers": servers, "cpus_per_server": 1.0 / servers},
     }, base=tmp_path)
 
 
@@ -55,10 +58,16 @@ VLLM = {"backend": "vllm", "sleep_level": 0, "startup_timeout": 900, "max_model_
 @pytest.mark.parametrize("serve", [pytest.param(None, id="cpu"), pytest.param(VLLM, marks=pytest.mark.vllm, id="vllm")])
 def test_demo_runs_two_iterations_on_ray(ray_local, tmp_path, serve):
     """The default task, with the agent as one writes it for OpenAI: its client from the environment, its own
-    model name, no `llm` argument."""
+    model name, no `llm` argument. On the CPU two built-in server actors serve it behind the gateway, each adapter
+    loaded into both; vLLM's CPU build is one (2 cores)."""
+    servers = 1 if serve else 2
     cfg = make_cfg(tmp_path, module=str(Path(__file__).with_name("unchanged_agent.py")), tasks=ROWS[:4],
-                   iterations=2, group=4, serve=serve)
-    state = Runtime(cfg).run()
+                   iterations=2, group=4, serve=serve, servers=servers)
+    out = io.StringIO()
+    state = Runtime(cfg, console=Console(file=out, width=300)).run()
+    if servers == 2:  # both took calls, of each iteration's adapter (the records' model below)
+        served = re.search(r"2 inference servers served (\d+) / (\d+) calls", out.getvalue())
+        assert served and min(map(int, served.groups())) > 0, out.getvalue()[-2000:]
     assert state.completed == 2 and len(state.history) == 2
     with Store(cfg.run.dir / "store.sqlite") as store:
         rollouts = store.rollouts(phase="train")

@@ -12,7 +12,8 @@
   server honours too) and with explicit sampling settings; the agent gets back only what it asked for, plus the
   record's id (`x-lightning-call-id`). A call's rollout comes from its `traceparent` or its per-rollout base URL
   (`/rollouts/{key}/v1`, `RolloutPath`).
-- Several backends (the Ray runtime's server actors): each request goes to the one with the fewest in flight.
+- Several backends (serve.replicas; the Ray runtime's server actors): each request goes to the one with the fewest
+  in flight; one that refuses connections is left out for a while (gateway/routing.py).
 - Agents hold the gateway's key only. The backends' key, which can swap adapters, stays in the runtime, and
   adapter control goes to the backends directly, never through here.
 
@@ -23,7 +24,6 @@ environment before the agent module is imported; `start` serves it from a thread
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 from collections import Counter
@@ -38,6 +38,7 @@ from lightning_sdk.gateway.capture import CALL_ID_HEADER, Call, Capture, OpenRol
 from lightning_sdk.gateway.guard import (MAX_BODY_BYTES, PARSE_INLINE_BYTES, BodyLimit, GatewayError, KeyCheck,
                                         error_body, parse_off_loop)
 from lightning_sdk.gateway.listen import ThreadedServer, bind, url_of
+from lightning_sdk.gateway.routing import Backends
 from lightning_sdk.gateway.responses import responses_router
 
 log = logging.getLogger("lightning_sdk")  # the runtime's logger: which names the agent asked for is part of a run
@@ -45,29 +46,6 @@ log = logging.getLogger("lightning_sdk")  # the runtime's logger: which names th
 BACKEND_IDLE_S = 2.0  # seconds an idle connection to a backend is kept: well under its keep-alive
 _MAX_NAMES = 1000  # distinct model names remembered: a caller cycling through names cannot grow this forever
 _HOP = {"content-length", "transfer-encoding", "connection", "content-encoding"}
-
-
-class Backends:
-    """In-flight counts per backend root URL; `pick` is the least-loaded (ties: the least recently picked)."""
-
-    def __init__(self, urls: Sequence[str]):
-        if not urls:
-            raise ValueError("a gateway needs at least one backend url")
-        self.urls = [u.rstrip("/") for u in urls]
-        self.in_flight = [0] * len(self.urls)
-        self.served = [0] * len(self.urls)
-        self._last = [0] * len(self.urls)
-        self._tick = itertools.count(1)
-
-    def pick(self) -> int:
-        i = min(range(len(self.urls)), key=lambda k: (self.in_flight[k], self._last[k], k))
-        self.in_flight[i] += 1
-        self.served[i] += 1
-        self._last[i] = next(self._tick)
-        return i
-
-    def done(self, i: int) -> None:
-        self.in_flight[i] -= 1
 
 
 class Gateway:
@@ -314,18 +292,23 @@ class Gateway:
         # hop costs tens of microseconds, next to a generation's milliseconds).
         content = (await asyncio.to_thread(json.dumps, sent_body)).encode()
         backends = self.backends
-        i = backends.pick()
         path = "/v1/completions" if api == "completions" else "/v1/chat/completions"
-        try:
-            req = self._client.build_request("POST", f"{backends.urls[i]}{path}", content=content,
-                                             headers=self._backend_headers)
-            upstream = await self._client.send(req, stream=True)
-        except httpx.HTTPError as e:
-            backends.done(i)
-            message = f"the inference server at {backends.urls[i]} is unreachable ({type(e).__name__})"
-            call.fail(502, message)
-            call.end()
-            raise GatewayError(502, message)
+        while True:
+            i = backends.pick()
+            try:
+                req = self._client.build_request("POST", f"{backends.urls[i]}{path}", content=content,
+                                                 headers=self._backend_headers)
+                upstream = await self._client.send(req, stream=True)
+            except httpx.HTTPError as e:
+                backends.done(i)
+                if isinstance(e, httpx.ConnectError) and backends.refused(i):
+                    continue  # nothing reached that replica: another takes the call
+                message = f"the inference server at {backends.urls[i]} is unreachable ({type(e).__name__})"
+                call.fail(502, message)
+                call.end()
+                raise GatewayError(502, message)
+            backends.reached(i)
+            break
         close, done = upstream.aclose, False
 
         async def aclose() -> None:

@@ -13,7 +13,6 @@ import atexit
 import threading
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 
 from lightning_sdk.agent import LLM
@@ -56,7 +55,7 @@ class EmbeddedCollector:
 
     def start(self) -> None:
         self.server.start()
-        self.gateway.start([self.server.url], backend_key=self.server.api_key)  # a restart keeps the server's port
+        self.gateway.start(self.server.urls, backend_key=self.server.api_key)  # a restart keeps the server's port
 
     def stop(self) -> None:
         self.server.stop()
@@ -124,13 +123,7 @@ class EmbeddedCollector:
         return _event_loop().run(go())
 
     def _server_up(self) -> bool:
-        if not self.server.is_alive():
-            return False
-        try:  # a process that is alive but refuses connections is as good as dead; a slow answer is not
-            httpx.get(self.server.base_url.removesuffix("/v1") + "/health", timeout=30)
-        except httpx.TransportError as e:
-            return isinstance(e, httpx.TimeoutException)
-        return True
+        return self.server.answers()
 
     def _restart(self) -> None:
         with self._server_lock:
@@ -145,11 +138,8 @@ class EmbeddedCollector:
                            f"Log {self.log_path}:\n{self.server.log_tail(40)}")
         self.console.print(f"[yellow]the inference server died; restarting it (restart {self._restarts} of "
                            f"at most {MAX_SERVER_RESTARTS}) and re-running the rollouts it took down")
-        try:
-            self.server.stop()
-            self.server.start()
-            for name, path in self._adapters.items():
-                self.server.load_adapter(name, str(path))
+        try:  # with replicas, only those that died: the others serve meanwhile
+            self.server.restart(self._adapters)
         except ServerError as e:
             self._gone = RunError(f"the inference server died and did not come back: {e}")
             raise self._gone from None

@@ -1,4 +1,6 @@
-"""Where the trainer runs and how it is started: its share of the CPU cores, and the GRPO trainer itself."""
+"""Where the run's processes go and how the trainer is started: the placement (placement.py; make_server starts
+the servers by the same plan), the defaults it implies, the trainer's share of the CPU cores, and the trainer on
+its devices."""
 
 from __future__ import annotations
 
@@ -6,10 +8,21 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 from lightning_sdk.config import Config, Policy
-from lightning_sdk.servers.select import cpu_threads, resolved_backend
+from lightning_sdk.placement import Placement, defaults_for
+from lightning_sdk.servers.select import cpu_threads, placement_of, resolved_backend
 
 if TYPE_CHECKING:  # torch comes with the trainer, imported when a run starts
     from lightning_sdk.train.trainer import GRPOTrainer
+
+
+def place_run(cfg: Config) -> tuple[Placement, str | None]:
+    """The run's placement, with the defaults it implies set on `cfg`, and its line for the run's first lines
+    (None on the CPU with one server: nothing to say)."""
+    placement = placement_of(cfg)
+    implied = defaults_for(cfg, placement)
+    if not (placement.serving or placement.train or len(placement.replicas) > 1):
+        return placement, None
+    return placement, placement.line() + (f"; so {', '.join(implied)}" if implied else "")
 
 
 def share_cores(stack: ExitStack, cfg: Config) -> None:
@@ -22,10 +35,15 @@ def share_cores(stack: ExitStack, cfg: Config) -> None:
         torch.set_num_threads(split[1])
 
 
-def start_trainer(cfg: Config, model_path: str, policies: list[Policy] | None) -> GRPOTrainer:
-    """The run's trainer on the base model at `model_path`; `policies`: one adapter each (None: one adapter)."""
+def start_trainer(cfg: Config, model_path: str, policies: list[Policy] | None, gpus: tuple[int, ...] = ()) \
+        -> GRPOTrainer:
+    """The run's trainer on the base model at `model_path`; `policies`: one adapter each (None: one adapter);
+    `gpus`: the placement's for the trainer (visible indices; () = train.device). One process, on the first."""
     from lightning_sdk.train.trainer import GRPOTrainer
 
-    return GRPOTrainer(model_path, cfg.train, quantization=cfg.model.quantization, dtype=cfg.model.dtype,
+    train = cfg.train
+    if gpus and train.device in ("auto", "cuda"):
+        train = train.model_copy(update={"device": f"cuda:{gpus[0]}"})
+    return GRPOTrainer(model_path, train, quantization=cfg.model.quantization, dtype=cfg.model.dtype,
                        seed=cfg.run.seed, total_steps=cfg.run.iterations * cfg.train.epochs, policies=policies,
                        backend=resolved_backend(cfg))

@@ -31,7 +31,7 @@ from lightning_sdk.runtime.evaluation import Evaluated, evaluate, score
 from lightning_sdk.runtime.feed import TaskFeed
 from lightning_sdk.runtime.handover import gpu_handover
 from lightning_sdk.runtime.iteration import Batch, collect_batch
-from lightning_sdk.runtime.launch import share_cores, start_trainer
+from lightning_sdk.runtime.launch import place_run, share_cores, start_trainer
 from lightning_sdk.runtime.preflight import preflight
 from lightning_sdk.runtime.resume import refuse_conflict, reopen, take_run_dir
 from lightning_sdk.runtime.session import Session, agent_of, bind_gateway, open_session, store_session
@@ -78,6 +78,7 @@ class Runtime:
         eval_tasks = data.load(cfg.data.eval, cfg.data.required_fields) if cfg.data.eval else []
         model_path = models.resolve(cfg.model.name)  # before the run directory: bad input writes nothing
         check_trackers(cfg.run.report_to)
+        placement, placed = place_run(cfg)  # GPUs that are not there: one line, before anything is written
         preflight(cfg, self.run_dir)
         checkpoint = take_run_dir(stack, self.run_dir, resume=self.resume, overwrite=self.overwrite,
                                   console=self.console)
@@ -87,6 +88,8 @@ class Runtime:
         self.console.print(f"run {cfg.run.name!r}: {cfg.run.iterations} iterations of {cfg.model.name} in "
                            f"{cfg.run.dir}; starting the model server and the agent", highlight=False, soft_wrap=True,
                            markup=False)
+        if placed:
+            self.console.print(placed, highlight=False, soft_wrap=True, markup=False)
         share_cores(stack, cfg)
         state = RunState.read(checkpoint) if checkpoint is not None else RunState()
         store = stack.enter_context(Store(self.run_dir / "store.sqlite"))  # closed (its WAL folded in) before the lock
@@ -104,7 +107,7 @@ class Runtime:
         metrics.write_outcome("running")
         try:
             with self._opened(agent, gateway, model_path, store, self.run_dir) as session:
-                trainer = start_trainer(cfg, model_path, self.policies if self.multi else None)
+                trainer = start_trainer(cfg, model_path, self.policies if self.multi else None, placement.train)
                 policy = {p.name: session.base for p in self.policies}  # each policy's served adapter (the base at first)
                 if checkpoint is not None:
                     trainer.load_state(checkpoint / TRAINER)

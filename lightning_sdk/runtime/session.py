@@ -160,6 +160,7 @@ def open_session(cfg: Config, console: Console, agent: Agent | None, gateway: Ga
             raise RunError(f"the inference server did not start: {e}") from None
     try:
         yield Session(cfg, console, collector, store, credit_rule)
+        say_replicas(console, gateway)
     except BaseException:
         # Ending on an error or a Ctrl-C: a teardown that fails too (spans that do not drain in time on a loaded
         # machine) is said, never raised in its place, so the run ends with what stopped it (exit 130 for Ctrl-C).
@@ -170,6 +171,15 @@ def open_session(cfg: Config, console: Console, agent: Agent | None, gateway: Ga
                           highlight=False, soft_wrap=True)
         raise
     close(collector, gateway)
+
+
+def say_replicas(console: Console, gateway: Gateway) -> None:
+    """With several inference servers, how many calls each served (and those left out of the rotation)."""
+    b = gateway.backends
+    if b is not None and len(b.urls) > 1:
+        out = f"; {len(b.out)} refused connections and were left out of the rotation" if b.out else ""
+        console.print(f"{len(b.urls)} inference servers served {' / '.join(map(str, b.served))} calls{out}",
+                      highlight=False, soft_wrap=True, markup=False)
 
 
 def close(collector: Collector, gateway: Gateway) -> None:

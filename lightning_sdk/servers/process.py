@@ -76,6 +76,7 @@ class ServerProcess:
         self.api_key = api_key
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else None
+        self.gpu_env: dict[str, str] = {}  # its GPUs' CUDA_VISIBLE_DEVICES (placement.gpu_environment); {}: inherited
         self._proc: subprocess.Popen | None = None
 
     # ------------------------------------------------------------------------------- what a backend defines
@@ -97,6 +98,11 @@ class ServerProcess:
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
+    @property
+    def urls(self) -> list[str]:
+        """The roots the gateway sends requests to: this server's."""
+        return [self.url]
+
     def start(self) -> None:
         if self.is_alive():
             return
@@ -107,7 +113,7 @@ class ServerProcess:
             os.close(fd)
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.environment())
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.gpu_env, **self.environment())
         with open(self.log_path, "ab") as log:
             # Own process group: stop() can then reach the workers a server forks (vLLM's engine core).
             self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
@@ -156,6 +162,24 @@ class ServerProcess:
 
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def answers(self) -> bool:
+        """Alive and taking connections: a process that is alive but refuses them is as good as dead; a slow
+        answer is not."""
+        if not self.is_alive():
+            return False
+        try:
+            httpx.get(f"{self.url}/health", timeout=30)
+        except httpx.TransportError as e:
+            return isinstance(e, httpx.TimeoutException)
+        return True
+
+    def restart(self, adapters: dict[str, Path]) -> None:
+        """Stopped and started again on its port, serving `adapters` (name -> directory) again."""
+        self.stop()
+        self.start()
+        for name, path in adapters.items():
+            self.load_adapter(name, str(path))
 
     def log_tail(self, n: int = 50) -> str:
         if self.log_path is None or not self.log_path.exists():

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_sdk.errors import SetupError
+from lightning_sdk.placement import Placement, gpu_environment, place
 from lightning_sdk.servers.process import new_api_key
 
 if TYPE_CHECKING:
@@ -22,12 +23,31 @@ BACKEND_HOST = "127.0.0.1"  # agents call the gateway (serve.host); the backend 
 
 
 def make_server(cfg: Config, model_path: str, log_path: Path):
-    """The run's inference backend on 127.0.0.1 (a free port), behind a key of its own made for this run: agents
-    reach it only through the gateway (gateway/proxy.py), which holds the key. The CPU server holds the base as the
-    trainer does (nf4 for model.quantization = "4bit"), so it samples from the policy being trained."""
-    from lightning_sdk.servers.cpu import CPUServer
-
+    """The run's inference backend on 127.0.0.1 (free ports), behind a key of its own made for this run: agents
+    reach it only through the gateway (gateway/proxy.py), which holds the key. One server per replica of the
+    placement (placement.py), each given its GPUs through CUDA_VISIBLE_DEVICES; several make a ReplicaSet."""
+    replicas = placement_of(cfg).replicas
     api_key = new_api_key()
+    servers = []
+    for i, gpus in enumerate(replicas):
+        log = log_path if i == 0 else log_path.with_name(f"{log_path.stem}-{i}{log_path.suffix}")
+        server = one_server(cfg, model_path, log, api_key, gpus=gpus, index=i, share=len(replicas))
+        server.gpu_env = gpu_environment(gpus)
+        servers.append(server)
+    if len(servers) == 1:
+        return servers[0]
+    from lightning_sdk.servers.replicas import ReplicaSet
+
+    return ReplicaSet(servers)
+
+
+def one_server(cfg: Config, model_path: str, log_path: Path, api_key: str, *, gpus: tuple[int, ...] = (),
+               index: int = 0, share: int = 1):
+    """Replica `index`, unstarted: vLLM, or the built-in server, which holds the base as the trainer does (nf4 for
+    model.quantization = "4bit"), so it samples from the policy being trained. `gpus`: the GPUs its process sees
+    (so the built-in server takes 'cuda'); `share`: the replicas the server's CPU threads are divided among. Each
+    replica's sampler draws a stream of its own, so a group's rollouts on two replicas never share samples."""
+    from lightning_sdk.servers.cpu import CPUServer
 
     backend = cfg.serve.backend
     if backend != "cpu":
@@ -41,14 +61,33 @@ def make_server(cfg: Config, model_path: str, log_path: Path):
         else:
             check_vllm(cfg)
     if backend == "vllm":
-        return vllm_server(cfg, model_path, log_path, api_key=api_key)
+        seed = ["--seed", str(index)] if index and "--seed" not in cfg.serve.extra_args else []
+        return vllm_server(cfg, model_path, log_path, api_key=api_key, more_args=seed)
     return CPUServer(
         model_path, served_model_name=cfg.model.name, host=BACKEND_HOST, port=0,
         api_key=api_key, max_batch_size=cfg.serve.max_batch_size, max_model_len=cfg.serve.max_model_len,
         dtype=cfg.model.dtype, quantization=cfg.model.quantization, startup_timeout=cfg.serve.startup_timeout,
-        log_path=log_path, seed=server_seed(cfg), device=cfg.serve.device,
-        threads=split[0] if (split := cpu_threads(cfg)) else None,
+        log_path=log_path, seed=(server_seed(cfg) + index) % 2**32, device="cuda" if gpus else cfg.serve.device,
+        threads=max(1, split[0] // share) if (split := cpu_threads(cfg)) else None,
     )
+
+
+def visible_gpus(cfg: Config) -> int:
+    """The CUDA GPUs this process sees (torch's count); 0 without asking torch where nothing of `cfg` could use
+    one (the built-in server and the trainer on the CPU)."""
+    if (cfg.serve.backend == "cpu" and cfg.serve.device == "cpu" and cfg.train.device in ("cpu", "mps")
+            and cfg.devices.serve is None and cfg.devices.train is None):
+        return 0
+    try:
+        import torch
+    except ImportError:  # a serving-only environment: vLLM's own torch is in its process, not this one
+        return 0
+    return torch.cuda.device_count()
+
+
+def placement_of(cfg: Config) -> Placement:
+    """placement.place for this machine: its visible GPUs and serve.backend resolved."""
+    return place(cfg, visible=visible_gpus(cfg), backend=resolved_backend(cfg))
 
 
 def cpu_threads(cfg: Config) -> tuple[int, int | None] | None:
@@ -118,12 +157,14 @@ def vllm_server(cfg: Config, model_path: str, log_path: Path, **kw: Any):
     s, ps = cfg.serve, policies(cfg)
     loras = (3 if cfg.train.max_staleness else 2) * len(ps)
     kw.setdefault("api_key", new_api_key())
+    more_args = kw.pop("more_args", [])
     tool_call_parser, reasoning_parser = parsers_for(cfg, model_path)
     return VLLMServer(model_path, served_model_name=cfg.model.name, lora_r=max(p.train.lora_r for p in ps),
                       host=BACKEND_HOST, port=0, max_loras=max(s.max_loras, loras), dtype=cfg.model.dtype,
                       max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
                       sleep_level=s.sleep_level, tool_call_parser=tool_call_parser,
-                      reasoning_parser=reasoning_parser, extra_args=s.extra_args,
+                      reasoning_parser=reasoning_parser, extra_args=[*s.extra_args, *more_args],
+                      tensor_parallel_size=s.tensor_parallel_size,
                       startup_timeout=s.startup_timeout, log_path=log_path, **kw)
 
 

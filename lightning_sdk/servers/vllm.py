@@ -67,7 +67,7 @@ def max_lora_rank(lora_r: int) -> int:
 def vllm_command(model: str, *, served_model_name: str, host: str, port: int, lora_r: int, max_loras: int = 2,
                  dtype: str = "auto", max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  sleep: bool = True, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 extra_args: Sequence[str] = (),
+                 extra_args: Sequence[str] = (), tensor_parallel_size: int = 1,
                  launcher: Sequence[str] | None = None) -> list[str]:
     """The `vllm serve` command line. `launcher` replaces the program (default: this interpreter running vLLM's
     CLI, so the vllm of the current environment runs, whatever is first on PATH)."""
@@ -78,6 +78,8 @@ def vllm_command(model: str, *, served_model_name: str, host: str, port: int, lo
            "--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_r)), "--max-loras", str(max_loras),
            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
            "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
+    if tensor_parallel_size > 1:  # the GPUs of its CUDA_VISIBLE_DEVICES (placement.py)
+        cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
     if sleep:
         cmd.append("--enable-sleep-mode")
     if tool_call_parser:  # without it vLLM refuses every request that offers tools (400)
@@ -105,7 +107,7 @@ class VLLMServer(ServerProcess):
     def __init__(self, model: str, *, served_model_name: str, lora_r: int, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, max_loras: int = 2, dtype: str = "auto", max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.5, sleep_level: int = 1, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None, extra_args: Sequence[str] = (),
+                 reasoning_parser: str | None = None, extra_args: Sequence[str] = (), tensor_parallel_size: int = 1,
                  startup_timeout: float = 600, log_path: str | Path | None = None,
                  launcher: Sequence[str] | None = None):
         super().__init__(served_model_name=served_model_name, host=host, port=port, api_key=api_key,
@@ -123,6 +125,7 @@ class VLLMServer(ServerProcess):
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.extra_args = list(extra_args)
+        self.tensor_parallel_size = tensor_parallel_size
         self.launcher = launcher
 
     @property
@@ -134,7 +137,8 @@ class VLLMServer(ServerProcess):
                             lora_r=self.lora_r, max_loras=self.max_loras, dtype=self.dtype,
                             max_model_len=self.max_model_len, gpu_memory_utilization=self.gpu_memory_utilization,
                             sleep=self.can_sleep, tool_call_parser=self.tool_call_parser,
-                            reasoning_parser=self.reasoning_parser, extra_args=self.extra_args, launcher=self.launcher)
+                            reasoning_parser=self.reasoning_parser, extra_args=self.extra_args,
+                            tensor_parallel_size=self.tensor_parallel_size, launcher=self.launcher)
 
     def environment(self) -> dict[str, str]:
         return vllm_environment(self.api_key, sleep=self.can_sleep)
