@@ -18,7 +18,8 @@ from lightning_sdk.errors import SetupError
 
 @dataclass(frozen=True)
 class Placement:
-    replicas: tuple[tuple[int, ...], ...]  # each inference server's GPUs (visible indices); () = the CPU
+    replicas: tuple[tuple[int, ...], ...]  # each local inference server's GPUs (visible indices; () = the CPU); none
+    # with run.runtime = "ray", whose server actors Ray places
     train: tuple[int, ...]  # the trainer's GPUs; () = where train.device says (the CPU, MPS)
     visible: int  # GPUs this process sees
 
@@ -43,7 +44,8 @@ class Placement:
 
         n = len(self.replicas)
         servers = (f"{n} inference server{'s' if n > 1 else ''} on "
-                   + ("the CPU" if not self.serving else "; ".join(gpus(r) for r in self.replicas)))
+                   + ("the CPU" if not self.serving else "; ".join(gpus(r) for r in self.replicas))) if n else \
+            "the inference servers where Ray places them"
         trainer = f"the trainer on {gpus(self.train)}" if self.train else "the trainer on the CPU/train.device"
         how = (", in turns (the server sleeps during each update)" if self.shared else
                ", at once (pipelined)" if self.apart else "")
@@ -63,8 +65,10 @@ def place(cfg: Config, *, visible: int, backend: str) -> Placement:
     if tp > 1 and backend != "vllm":
         raise SetupError(f"serve.tensor_parallel_size = {tp}: tensor parallelism is vLLM's, and this run serves "
                          f"with the built-in server (serve.backend resolved to 'cpu')")
-    serve_gpu = visible > 0 and (backend == "vllm" or s.device.startswith("cuda"))
     train_gpu = visible > 0 and (cfg.train.device == "auto" or cfg.train.device.startswith("cuda"))
+    if cfg.run.runtime == "ray":  # Ray places the servers (ray.servers, ray.gpus_per_server); the trainer is here
+        return Placement((), tuple(range(visible)) if train_gpu else (), visible)
+    serve_gpu = visible > 0 and (backend == "vllm" or s.device.startswith("cuda"))
     serve = _pinned(d.serve, s.device, serve_gpu)
     train = _pinned(d.train, cfg.train.device, train_gpu)
     everything = tuple(range(visible))

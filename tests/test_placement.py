@@ -40,6 +40,13 @@ def test_the_built_in_server_on_a_gpu_is_placed_like_vllm():
     assert place(cfg(), visible=2, backend="cpu").replicas == ((),)  # serve.device = 'cpu': the CPU
 
 
+def test_with_ray_the_servers_are_rays_to_place_and_the_trainer_keeps_the_head():
+    p = place(cfg(run={"runtime": "ray"}, serve={"backend": "vllm"}), visible=4, backend="vllm")
+    assert (p.replicas, p.train, p.apart) == ((), (0, 1, 2, 3), False)
+    assert p.line() == ("placement: 4 GPU(s) visible; the inference servers where Ray places them, the trainer on "
+                        "GPUs 0,1,2,3")
+
+
 def test_apart_pipelines_unless_the_config_says_otherwise_and_one_gpu_stays_as_it_was():
     one = cfg(serve={"backend": "vllm"})
     assert defaults_for(one, place(one, visible=1, backend="vllm")) == []

@@ -38,7 +38,7 @@ from lightning_sdk.rollouts.episode import run_rollout
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.servers import ServerError
 from lightning_sdk.servers.process import control_request, new_api_key
-from lightning_sdk.servers.select import resolved_backend, vllm_server
+from lightning_sdk.servers.select import resolved_backend, server_seed, vllm_server
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.store import Store
 
@@ -182,17 +182,20 @@ class RayServers:
             raise ServerError(f"an inference server actor failed to start: {e}") from e
 
     def replica(self, i: int) -> Any:
-        """Server i, unstarted, on 127.0.0.1 (its actor's node IP on a cluster), with the replicas' shared key."""
+        """Server i, unstarted, on 127.0.0.1 (its actor's node IP on a cluster), with the replicas' shared key and a
+        sampler stream of its own (a group's rollouts on two replicas never share samples)."""
         log = self.log_dir / f"server-{i}.log"
         if resolved_backend(self.cfg) == "vllm":
-            return vllm_server(self.cfg, self.model_path, log, api_key=self.api_key)
+            seed = ["--seed", str(i)] if i and "--seed" not in self.cfg.serve.extra_args else []
+            return vllm_server(self.cfg, self.model_path, log, api_key=self.api_key, more_args=seed)
         from lightning_sdk.servers.cpu import CPUServer
 
         s = self.cfg.serve
         return CPUServer(self.model_path, served_model_name=self.served_model_name, api_key=self.api_key,
                          max_batch_size=s.max_batch_size, max_model_len=s.max_model_len, dtype=self.cfg.model.dtype,
                          quantization=self.cfg.model.quantization, threads=max(1, int(self.rc.cpus_per_server)),
-                         startup_timeout=s.startup_timeout, log_path=log)
+                         startup_timeout=s.startup_timeout, log_path=log,
+                         seed=(server_seed(self.cfg) + i) % 2**32)
 
     def stop(self) -> None:
         if self.actors:  # stop the server subprocesses before their actors go
