@@ -73,10 +73,11 @@ def one_server(cfg: Config, model_path: str, log_path: Path, api_key: str, *, gp
 
 
 def visible_gpus(cfg: Config) -> int:
-    """The CUDA GPUs this process sees (torch's count); 0 without asking torch where nothing of `cfg` could use
-    one (the built-in server and the trainer on the CPU)."""
-    if (cfg.serve.backend == "cpu" and cfg.serve.device == "cpu" and cfg.train.device in ("cpu", "mps")
-            and cfg.devices.serve is None and cfg.devices.train is None):
+    """The CUDA GPUs this process sees (torch's count). 0 without asking torch (whose import takes seconds, before
+    the run's first line) where the servers are the built-in one on the CPU and [devices] is not set: nothing is
+    then placed, and the trainer goes where train.device says, as on one GPU."""
+    if cfg.serve.backend == "cpu" and cfg.serve.device == "cpu" and cfg.devices.serve is None \
+            and cfg.devices.train is None:
         return 0
     try:
         import torch
