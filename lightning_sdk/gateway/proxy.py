@@ -38,8 +38,8 @@ from lightning_sdk.gateway.capture import CALL_ID_HEADER, Call, Capture, OpenRol
 from lightning_sdk.gateway.guard import (MAX_BODY_BYTES, PARSE_INLINE_BYTES, BodyLimit, GatewayError, KeyCheck,
                                         error_body, parse_off_loop)
 from lightning_sdk.gateway.listen import ThreadedServer, bind, url_of
-from lightning_sdk.gateway.routing import Backends
 from lightning_sdk.gateway.responses import responses_router
+from lightning_sdk.gateway.routing import Backends
 
 log = logging.getLogger("lightning_sdk")  # the runtime's logger: which names the agent asked for is part of a run
 
