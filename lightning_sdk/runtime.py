@@ -169,7 +169,7 @@ class Runtime:
         self.console.print(f"run {cfg.run.name!r}: {cfg.run.iterations} iterations of {cfg.model.name} in "
                            f"{cfg.run.dir}; starting the model server and the agent", highlight=False, soft_wrap=True,
                            markup=False)
-        from lightning_sdk.train.trainer import GRPOTrainer
+        from lightning_sdk.train.ranks import start_trainer
         split = cpu_threads(cfg)
         if split is not None and split[1] is not None:  # the trainer's share of the cores; the server has the rest
             import torch
@@ -198,11 +198,12 @@ class Runtime:
         metrics.write_outcome("running")
         try:
             with self._session(agent, gateway, model_path, store, self.run_dir) as collector:
-                trainer = GRPOTrainer(model_path, cfg.train, quantization=cfg.model.quantization,
-                                      dtype=cfg.model.dtype, seed=cfg.run.seed,
-                                      total_steps=cfg.run.iterations * cfg.train.epochs,
-                                      policies=self.policies if self.multi else None,
-                                      backend=resolved_backend(cfg))
+                # train.processes > 1: data-parallel processes (train/ranks.py), stopped with the run
+                trainer = start_trainer(model_path, cfg.train, stack, quantization=cfg.model.quantization,
+                                        dtype=cfg.model.dtype, seed=cfg.run.seed,
+                                        total_steps=cfg.run.iterations * cfg.train.epochs,
+                                        policies=self.policies if self.multi else None,
+                                        backend=resolved_backend(cfg))
                 base = collector.server.served_model_name
                 policy = {p.name: base for p in self.policies}  # each policy's served adapter (the base at first)
                 if checkpoint is not None:
