@@ -104,8 +104,8 @@ def main() -> int:
     r = compare(path, args.processes, args.device, updates=args.updates, prompts=args.prompts, group=args.group,
                 length=args.length, micro_batch_size=args.micro_batch_size, threads=args.threads)
     load = Path("/proc/loadavg").read_text().strip() if Path("/proc/loadavg").exists() else "n/a"
-    print(f"one process ({args.threads or 'default'} threads): {r['one_s']:.3f} s/update | {args.processes} processes: {r['n_s']:.3f} s/update | "
-          f"{r['tokens']:.0f} tokens/update | loadavg {load}")
+    print(f"one process ({args.threads or 'default'} threads): {r['one_s']:.3f} s/update | {args.processes} "
+          f"processes: {r['n_s']:.3f} s/update | {r['tokens']:.0f} tokens/update | loadavg {load}")
     print(f"speedup={r['one_s'] / r['n_s']:.3f}")
     return 0
 

@@ -123,3 +123,11 @@ def test_a_two_process_run_a_killed_process_and_its_resume(tmp_path):
     steps = [r["train.step"] for r in rows if "train.step" in r]
     assert steps == [1.0, 2.0], steps  # each update once, the resumed one continuing the step count
     assert (run / "checkpoints" / "iter-00002" / "trainer" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_processes_is_validated_once_in_the_config():
+    assert TrainConfig().processes == 1  # the single-process path, in the run's own process
+    for bad, words in (({"processes": 0}, "greater than or equal to 1"),
+                       ({"processes": 2, "device": "cuda:1"}, "train.device = 'cuda:1' cannot name one")):
+        with pytest.raises(ValueError, match=words):
+            TrainConfig(**bad)
