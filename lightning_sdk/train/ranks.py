@@ -7,6 +7,9 @@ then process 0's adapter broadcast), joins the group (gloo on the CPU, NCCL on G
 pipe: each update's whole batch goes to every rank, which trains on its share (train.data_parallel); rank 0 alone
 writes checkpoints. A rank that dies ends the run with one line naming it; the others are stopped, never left
 waiting in a collective.
+
+Spawn imports the parent's main module again in each rank: `lightning run` is safe; a script that calls
+`lightning_sdk.run` with train.processes > 1 needs the usual `if __name__ == "__main__":` guard.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import datetime
 import multiprocessing
 import os
 import signal
+import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from multiprocessing.connection import Connection, wait
@@ -76,7 +80,7 @@ class TrainerProcesses:
                 theirs.close()
                 self._procs.append(p)
                 self._conns.append(mine)
-            self._wait(range(self.world), "starting")
+            self._wait(range(self.world), "its start")
         except BaseException:
             self.close()
             raise
@@ -143,8 +147,9 @@ class TrainerProcesses:
             except OSError:
                 pass
             c.close()
+        deadline = time.monotonic() + 30  # leaving the group and the interpreter: seconds on a busy machine
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:  # one left waiting in a collective for a dead peer
             if p.exitcode is None:
                 p.kill()
