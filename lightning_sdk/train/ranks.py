@@ -104,6 +104,7 @@ class TrainerProcesses:
             try:
                 self._conns[r].send((command, args))
             except OSError:
+                self._procs[r].join(timeout=5)
                 self._alive(what)
                 raise
         return self._wait(ranks, what)
@@ -121,9 +122,12 @@ class TrainerProcesses:
                 r = pending.pop(ready)
                 try:
                     status, value = ready.recv()
-                except EOFError:
+                except (EOFError, OSError):  # its end of the pipe closed: it is exiting, say how
+                    self._procs[r].join(timeout=5)
                     self._alive(what)
-                    raise
+                    self.close()
+                    raise RunError(f"trainer process {r} of {self.world} stopped answering during {what}; the run "
+                                   f"ends here ({RESUME})") from None
                 if status == "error":
                     self.close()
                     raise RunError(f"trainer process {r} of {self.world} failed during {what}: {value}")
