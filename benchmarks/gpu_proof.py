@@ -4,6 +4,7 @@ then off. Learning is not the point: memory and speed are.
 
     bash benchmarks/gpu_proof.sh               # one GPU (docs/gpu.md); no network needed
     bash benchmarks/gpu_proof.sh --cpu-smoke   # the same steps on the CPU with a tiny config (a test runs it)
+    bash benchmarks/gpu_proof.sh --gpus 4      # and a data-parallel update on 4 GPUs against 1 (train.processes)
 
 Where vllm imports (the [gpu] extra), the same agent then runs with serve.backend = "vllm" (sleep mode on), with
 LoRA and, where bitsandbytes imports, QLoRA (the trainer's nf4 base against vLLM's bf16 one): per iteration the
@@ -147,6 +148,25 @@ def vllm_runs(model_dir: Path, work: Path, lines: list[str]) -> None:
         print(lines[-1], flush=True)
 
 
+def data_parallel(model_dir: Path, params: int, device: str, n: int, lines: list[str]) -> None:
+    """One update on one device against train.processes = n (benchmarks/data_parallel.py), the same batches."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from data_parallel import compare
+
+    smoke = device == "cpu"
+    r = compare(str(model_dir), n, device, updates=2 if smoke else 3, prompts=4 if smoke else 16, group=4 if smoke
+                else 8, length=32 if smoke else 512, micro_batch_size=8 if smoke else 16, threads=2 if smoke else None)
+
+    def speed(seconds: float, devices: int) -> str:
+        flops = 6 * params * r["tokens"] / seconds / devices
+        return (f"MFU {flops / PEAK_BF16_FLOPS:.2%} per GPU" if device == "cuda" else
+                f"{flops / 1e9:.2f} GFLOP/s per process (CPU: no MFU)")
+    lines.append(f"[data-parallel] update of {r['tokens']:.0f} tokens: 1 {'GPU' if device == 'cuda' else 'process'} "
+                 f"{r['one_s']:.2f} s, {speed(r['one_s'], 1)} | {n} {'GPUs' if device == 'cuda' else 'processes'} "
+                 f"{r['n_s']:.2f} s, {speed(r['n_s'], n)} | speed-up {r['one_s'] / r['n_s']:.2f}x")
+    print(lines[-1], flush=True)
+
+
 def _mib(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0f} MiB"
 
@@ -154,6 +174,8 @@ def _mib(value: float | None) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="the same steps on the CPU with a tiny config")
+    p.add_argument("--gpus", type=int, default=1, help="with N > 1, also a data-parallel update on N GPUs "
+                   "(train.processes = N) against one, on the same batches: speed-up and MFU per GPU")
     args = p.parse_args()
     import torch
 
@@ -161,6 +183,10 @@ def main() -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("gpu_proof: no CUDA GPU is visible to torch; use --cpu-smoke to check the steps on the CPU",
               file=sys.stderr)
+        return 2
+    if args.gpus < 1 or (device == "cuda" and args.gpus > torch.cuda.device_count()):
+        print(f"gpu_proof: --gpus {args.gpus}: expected 1 to the {torch.cuda.device_count() if device == 'cuda' else 1}"
+              f" GPU(s) torch sees", file=sys.stderr)
         return 2
     spec = HERE / ("config-cpu-smoke.json" if args.cpu_smoke else "config.json")
     lines: list[str] = []
@@ -174,6 +200,9 @@ def main() -> int:
         print(lines[-1], flush=True)
         peaks = {ckpt: proof_run(work / "model", params, device, ckpt, args.cpu_smoke, work, lines)
                  for ckpt in (True, False)}
+        # the data-parallel update: 2 gloo processes on the CPU smoke run (CI covers the path), N GPUs here
+        if args.cpu_smoke or args.gpus > 1:
+            data_parallel(work / "model", params, device, 2 if args.cpu_smoke else args.gpus, lines)
         import importlib.util
 
         if device == "cuda" and importlib.util.find_spec("vllm") is not None:

@@ -5,7 +5,9 @@
 # extra), then the same with serve.backend = "vllm": LoRA, and QLoRA where bitsandbytes imports (gpu_proof.py).
 #
 #   bash benchmarks/gpu_proof.sh               # on the GPU machine
-#   bash benchmarks/gpu_proof.sh --cpu-smoke   # the same steps on the CPU, tiny config (tests/test_gpu_proof.py)
+#   bash benchmarks/gpu_proof.sh --cpu-smoke   # the same steps on the CPU, tiny config (tests/test_gpu_proof.py),
+#                                              # with a 2-process (gloo) data-parallel update against one
+#   bash benchmarks/gpu_proof.sh --gpus N      # and a data-parallel update on N GPUs against 1: speed-up, MFU/GPU
 #
 # This package is used from the checkout (PYTHONPATH), never installed with its dependencies. A machine that lacks
 # some of them (it has torch, transformers, peft, accelerate) takes wheels from $WHEELS, a folder made on a machine
@@ -44,7 +46,7 @@ if [[ -n "$lacking" ]]; then
   echo "gpu_proof: missing: $lacking(set WHEELS to a folder of their wheels)" >&2
   exit 2
 fi
-if [[ "${1:-}" != "--cpu-smoke" ]]; then
+if [[ " $* " != *" --cpu-smoke "* ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 fi
 "$PYTHON" -c "import vllm" 2>/dev/null && default_timeout=1200 || default_timeout=480  # vLLM's runs: 2 more starts

@@ -299,6 +299,11 @@ class TrainConfig(_Section):
                                "updates behind the one being trained (train.stale_dropped); the importance weight "
                                "against the sampler's log-probs is then always on")
     device: str = "auto"
+    processes: int = Field(1, ge=1, description="data-parallel trainer processes, launched by the run itself "
+                           "(torch.distributed: gloo on the CPU, NCCL on GPUs; accelerate's num_processes, TRL's "
+                           "world size): each takes a share of every batch's micro-batches, their gradients are "
+                           "summed, every process steps alike and one writes the checkpoints. On GPUs one per "
+                           "training GPU; 1 trains in the run's own process")
 
     @field_validator("device")
     @classmethod
@@ -325,6 +330,13 @@ class TrainConfig(_Section):
             raise ValueError(f"train.max_staleness = {self.max_staleness} trains on samples of older adapters, which "
                              f"only the importance weight corrects: set train.importance_sampling_cap to 'auto' or "
                              f"a number, not 'off'")
+        return self
+
+    @model_validator(mode="after")
+    def _processes_need_a_device_each(self):
+        if self.processes > 1 and self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"train.processes = {self.processes} gives each process a device of its own, so "
+                             f"train.device = {self.device!r} cannot name one: expected 'auto', 'cpu' or 'cuda'")
         return self
 
     @model_validator(mode="after")

@@ -95,6 +95,10 @@ def place(cfg: Config, *, visible: int, backend: str) -> Placement:
     if serve and n * tp > len(serve):
         raise SetupError(f"serve.replicas = {n} x serve.tensor_parallel_size = {tp}: needs {n * tp} GPUs; the "
                          f"servers have {len(serve)} ({list(serve)}); set devices.serve or fewer replicas")
+    procs = cfg.train.processes
+    if train and len(train) < procs:
+        raise SetupError(f"train.processes = {procs} takes one GPU each; the trainer has {len(train)} "
+                         f"({list(train)}): set devices.train to {procs} GPUs or fewer processes")
     replicas = tuple(serve[i * tp:(i + 1) * tp] for i in range(n)) if serve else ((),) * n
     return Placement(replicas, tuple(train), visible)
 

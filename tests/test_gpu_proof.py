@@ -27,4 +27,8 @@ def test_the_gpu_proof_runs_its_steps_on_the_cpu():
     assert all(rows) and [(m.group(1), int(m.group(2))) for m in rows] == [
         ("on ", 1), ("on ", 2), ("on ", 3), ("off", 1), ("off", 2), ("off", 3)], summary
     assert all(int(m.group(3)) > 0 and int(m.group(5)) > int(m.group(4)) and int(m.group(6)) > 0 for m in rows)
+    dp = [line for line in summary if line.startswith("[data-parallel]")]
+    assert len(dp) == 1 and re.fullmatch(  # the 2-process (gloo) update ran against one process
+        r"\[data-parallel\] update of \d+ tokens: 1 process [\d.]+ s, [\d.]+ GFLOP/s per process \(CPU: no MFU\) \| "
+        r"2 processes [\d.]+ s, [\d.]+ GFLOP/s per process \(CPU: no MFU\) \| speed-up [\d.]+x", dp[0]), dp
     assert summary[-1] == "peak GPU memory vs a 24 GB card: n/a (CPU smoke run)"

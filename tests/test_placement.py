@@ -106,3 +106,10 @@ def test_a_vllm_replica_spans_its_gpu_set_with_tensor_parallelism(tmp_path):
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert "--tensor-parallel-size" not in vllm_server(cfg(serve={"backend": "vllm"}), "/models/qwen",
                                                        tmp_path / "s.log").command()
+
+
+def test_data_parallel_trainer_processes_take_one_gpu_each():
+    assert place(cfg(train={"processes": 2}), visible=4, backend="vllm").train == (2, 3)
+    with pytest.raises(SetupError, match=r"train.processes = 2 takes one GPU each; the trainer has 1 \(\[1\]\)"):
+        place(cfg(train={"processes": 2}), visible=2, backend="vllm")
+    assert place(cfg(train={"processes": 2}), visible=0, backend="cpu").train == ()  # CPU ranks: no GPU to count

@@ -8,10 +8,11 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 from lightning_sdk.config import Config, Policy
-from lightning_sdk.placement import Placement, defaults_for
+from lightning_sdk.placement import Placement, defaults_for, gpu_environment
 from lightning_sdk.servers.select import cpu_threads, placement_of, resolved_backend
 
 if TYPE_CHECKING:  # torch comes with the trainer, imported when a run starts
+    from lightning_sdk.train.ranks import TrainerProcesses
     from lightning_sdk.train.trainer import GRPOTrainer
 
 
@@ -35,15 +36,21 @@ def share_cores(stack: ExitStack, cfg: Config) -> None:
         torch.set_num_threads(split[1])
 
 
-def start_trainer(cfg: Config, model_path: str, policies: list[Policy] | None, gpus: tuple[int, ...] = ()) \
-        -> GRPOTrainer:
+def start_trainer(cfg: Config, stack: ExitStack, model_path: str, policies: list[Policy] | None,
+                  gpus: tuple[int, ...] = ()) -> GRPOTrainer | TrainerProcesses:
     """The run's trainer on the base model at `model_path`; `policies`: one adapter each (None: one adapter);
-    `gpus`: the placement's for the trainer (visible indices; () = train.device). One process, on the first."""
-    from lightning_sdk.train.trainer import GRPOTrainer
+    `gpus`: the placement's for the trainer (visible indices; () = train.device). train.processes = 1: in this
+    process, on the first of `gpus`; more: data-parallel processes (train/ranks.py), one GPU each, stopped when
+    `stack` closes."""
+    from lightning_sdk.train.ranks import start_trainer as start_ranks
 
     train = cfg.train
-    if gpus and train.device in ("auto", "cuda"):
-        train = train.model_copy(update={"device": f"cuda:{gpus[0]}"})
-    return GRPOTrainer(model_path, train, quantization=cfg.model.quantization, dtype=cfg.model.dtype,
-                       seed=cfg.run.seed, total_steps=cfg.run.iterations * cfg.train.epochs, policies=policies,
-                       backend=resolved_backend(cfg))
+    devices = None
+    if gpus and train.device in ("auto", "cuda"):  # place() saw to one GPU for each process
+        if train.processes == 1:
+            train = train.model_copy(update={"device": f"cuda:{gpus[0]}"})
+        else:
+            devices = [gpu_environment((g,))["CUDA_VISIBLE_DEVICES"] for g in gpus[:train.processes]]
+    return start_ranks(model_path, train, stack, devices=devices, quantization=cfg.model.quantization,
+                       dtype=cfg.model.dtype, seed=cfg.run.seed, total_steps=cfg.run.iterations * cfg.train.epochs,
+                       policies=policies, backend=resolved_backend(cfg))

@@ -107,7 +107,8 @@ class Runtime:
         metrics.write_outcome("running")
         try:
             with self._opened(agent, gateway, model_path, store, self.run_dir) as session:
-                trainer = start_trainer(cfg, model_path, self.policies if self.multi else None, placement.train)
+                trainer = start_trainer(cfg, stack, model_path, self.policies if self.multi else None,
+                                        placement.train)
                 policy = {p.name: session.base for p in self.policies}  # each policy's served adapter (the base at first)
                 if checkpoint is not None:
                     trainer.load_state(checkpoint / TRAINER)

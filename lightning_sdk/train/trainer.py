@@ -36,6 +36,7 @@ from lightning_sdk.grammar import Grammars, additive_mask
 from lightning_sdk.models.adapter import first_nonfinite
 from lightning_sdk.train.microbatch import Batch, collate
 from lightning_sdk.train.checkpoint import ADAPTER, ADAPTERS
+from lightning_sdk.train.data_parallel import OneProcess, Ranks
 from lightning_sdk.advantage import batch_advantages
 from lightning_sdk.train.grpo import GroupOutcomes, entropy, grpo_loss, sampler_is_weight, token_weights, top_p_keep
 from lightning_sdk.transitions import Transition
@@ -58,7 +59,7 @@ class _Plan:
     zero_variance_frac: float  # share of the groups (of 2+ rollouts) whose outcomes were all equal
     num_masked: int  # transitions cut by max_tokens that train.mask_truncated left out of the loss
     order: list[int]  # indices into ts of the transitions with completion tokens, shortest first
-    batches: list[Batch]
+    batches: list[Batch]  # this process's micro-batches (with train.processes > 1, its share of `order`)
 
 
 @dataclass
@@ -95,14 +96,16 @@ class GRPOTrainer:
 
     def __init__(self, model_path: str, config: TrainConfig, *, quantization: str = "none", dtype: str = "auto",
                  seed: int = 0, total_steps: int | None = None, policies: Sequence[Policy] | None = None,
-                 backend: str = "cpu") -> None:
+                 backend: str = "cpu", ranks: Ranks | None = None) -> None:
         """`total_steps`: optimizer steps of the whole run (iterations x epochs), the horizon of a linear or cosine
         train.lr_schedule. `policies`: one named adapter each (config.policies of a run with [policies]); none =
         one adapter, peft's "default", trained on every transition. `backend`: the inference backend that samples
-        ('cpu' or 'vllm'), which decides train.importance_sampling_cap = 'auto'."""
+        ('cpu' or 'vllm'), which decides train.importance_sampling_cap = 'auto'. `ranks`: the data-parallel
+        processes this one updates with (train.ranks launches them); none = this process alone."""
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         self.config = config
+        self.ranks = ranks or OneProcess()
         self._model_path = model_path
         self._grammars: Grammars | None = None  # made for the first constrained call
         self.importance_sampling_cap = config.sampling_cap(backend)
@@ -145,6 +148,7 @@ class GRPOTrainer:
                                            _lr_scheduler(optimizer, config, total_steps))
         if policies is not None:
             self.model.set_adapter(specs[0][0])
+        self.ranks.broadcast(self._all_params())  # every process starts from process 0's adapter
         # Without dropout a training-mode forward computes exactly the log-probs an eval-mode one does.
         self._train_forward_is_eval = not any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()
@@ -223,7 +227,7 @@ class GRPOTrainer:
         if not self._multi:
             a = self.adapters["default"]
             plan = self._prepare(transitions, scored, masks=masks)
-            m, trained = self._update(a, transitions, plan, t0), bool(plan.batches)
+            m, trained = self._update(a, transitions, plan, t0), bool(plan.order)
         else:
             if not transitions:
                 raise ValueError("GRPOTrainer.step: empty batch, no transitions to train on")
@@ -232,7 +236,7 @@ class GRPOTrainer:
                 self.model.set_adapter(a.name)
                 mine = [t for t in transitions if t.component in a.components]
                 plan = self._prepare(transitions, scored, a.components, masks=masks)
-                trained |= bool(plan.batches)
+                trained |= bool(plan.order)
                 m.update({f"{a.name}.{k}": v for k, v in self._update(a, mine, plan, t0).items()
                           if k not in ("step", "seconds")})
         m.update(num_constrained=float(len(masks)), constraint_mismatch=float(mismatched))
@@ -248,7 +252,7 @@ class GRPOTrainer:
     def _update(self, a: _Adapter, transitions: Sequence[Transition], plan: _Plan, t0: float) -> dict[str, float]:
         """`a`'s update over its plan (its adapter the active one)."""
         cfg = self.config
-        if not plan.batches:  # nothing left to learn from: no update, not an error
+        if not plan.order:  # nothing left to learn from: no update, not an error
             self._advance_schedule(cfg.epochs, a)  # the schedule's horizon counts these steps: it must end on time
             return self._metrics(transitions, plan, Counter(), t0, a)
         clean, refs = self._frozen_logprobs(plan.batches)
@@ -283,6 +287,7 @@ class GRPOTrainer:
                                      level=cfg.importance_sampling_level)
                 loss.backward()  # weights sum to 1 over the whole batch: accumulated grads == full-batch grads
                 totals.update({"loss": loss.item(), **{k: v.item() for k, v in st.items()}})
+            self.ranks.sum_grads(a.params)  # the whole batch's gradient in every process: they all step alike
             norm = float(torch.nn.utils.clip_grad_norm_(a.params, cfg.max_grad_norm))
             totals["lr"] += a.optimizer.param_groups[0]["lr"]
             if math.isfinite(norm):
@@ -294,6 +299,8 @@ class GRPOTrainer:
                             self.global_step + 1, epoch, norm)
             a.optimizer.zero_grad(set_to_none=True)
             self._advance_schedule(1, a)
+        # Sums over micro-batches, over every process's; the step's own figures are the same in each.
+        totals = self.ranks.sum_counts(totals, same=("lr", "grad_norm", "skipped_steps"))
         return self._metrics(transitions, plan, totals, t0, a)
 
     def _advance_schedule(self, steps: int, a: _Adapter | None = None) -> None:
@@ -362,7 +369,8 @@ class GRPOTrainer:
                 return _Plan(ts, adv, frac, sum(masked), [], [])
         order = sorted((i for i in range(len(ts)) if n[i]),
                        key=lambda i: len(ts[i].prompt_ids) + len(ts[i].completion_ids))
-        chunks = [order[k:k + cfg.micro_batch_size] for k in range(0, len(order), cfg.micro_batch_size)]
+        mine = self.ranks.share(order)
+        chunks = [mine[k:k + cfg.micro_batch_size] for k in range(0, len(mine), cfg.micro_batch_size)]
         w = token_weights(n, args[2], cfg.loss_norm, max_completion_length=cfg.max_completion_length,
                           group_ids=args[1])
         return _Plan(ts, adv, frac, sum(masked), order,
@@ -390,7 +398,7 @@ class GRPOTrainer:
         m = {**_EMPTY_METRICS, **_rollout_means(transitions),
              "num_skipped": float(len(transitions) - len(plan.ts)), "zero_variance_frac": plan.zero_variance_frac,
              "num_masked_truncated": float(plan.num_masked)}
-        if plan.batches:  # an lr only where a step used it
+        if plan.order:  # an lr only where a step used it
             m["lr"] = a.optimizer.param_groups[0]["lr"]
             gap, gap_n = totals.pop("gap", 0.0), totals.pop("gap_n", 0)
             ent, ent_w = totals.pop("entropy_sum", 0.0), totals.pop("weight_sum", 0.0)
@@ -486,6 +494,10 @@ class GRPOTrainer:
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.global_step = global_step
+        self.ranks.broadcast(self._all_params())
+
+    def _all_params(self) -> list[torch.nn.Parameter]:
+        return [p for a in self.adapters.values() for p in a.params]
 
     def _apply_config_over_checkpoint(self, saved_lr: float, a: _Adapter) -> None:
         """train.lr and train.weight_decay as configured now, not as the checkpoint's optimizer state has them
