@@ -30,12 +30,14 @@ def rag_path() -> str:
 @pytest.fixture(scope="module")
 def records() -> list[Transition]:
     rows = json.loads((Path(__file__).parent / "rag_transitions.json").read_text())
-    return [Transition(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()}) for r in rows]
+    ts = [Transition(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()}) for r in rows]
+    groups = sorted({t.group_id for t in ts})[:3]  # 3 groups of 4 rollouts: enough chains, cheap on 2 cores
+    return [t for t in ts if t.group_id in groups]
 
 
 def test_the_rag_agent_s_calls_extend_one_another(records):
     rows = pack(records, [True] * len(records))
-    assert len(rows) < len(records) and max(len(r.segments) for r in rows) == 3
+    assert len(rows) < len(records) and max(len(r.segments) for r in rows) == 3, [len(r.segments) for r in rows]
     # every call is in exactly one row, its completion at its place in the row
     seen = sorted(s.index for r in rows for s in r.segments)
     assert seen == list(range(len(records)))
@@ -63,34 +65,35 @@ def update(path: str, ts: list[Transition], packed: bool, **kw) -> tuple[dict, d
     return m, grads
 
 
+# Each loss normaliser once; the KL term, truncated calls, grammar masks and GSPO ride along with one of them.
 VARIANTS = {
-    "rollout": {}, "token": {"loss_norm": "token"}, "sequence": {"loss_norm": "sequence"},
-    "constant": {"loss_norm": "constant", "max_completion_length": 64}, "bnpo": {"loss_norm": "bnpo"},
+    "rollout+kl": {"beta": 0.04}, "token+constrained": {"loss_norm": "token"}, "sequence": {"loss_norm": "sequence"},
+    "constant+truncated": {"loss_norm": "constant", "max_completion_length": 64, "mask_truncated": True},
+    "bnpo": {"loss_norm": "bnpo"},
     "gspo": {"importance_sampling_level": "sequence", "epochs": 2, "clip_eps": 3e-4, "clip_eps_high": 4e-4},
-    "kl": {"beta": 0.04}, "truncated": {"mask_truncated": True}, "constrained": {},
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_packed_rows_train_exactly_as_separate_rows(rag_path, records, variant):
     ts = list(records)
-    if variant == "truncated":  # the middle call of every 3-call chain cut by max_tokens: context, not trained
+    if "truncated" in variant:  # the middle call of every 3-call chain cut by max_tokens: context, not trained
         rows = pack(ts, [True] * len(ts))
         for r in rows:
             if len(r.segments) == 3:
                 i = r.segments[1].index
                 ts[i] = dataclasses.replace(ts[i], finish_reason="length")
-    if variant == "constrained":  # every call sampled under a grammar that allows any text: masks are replayed
+    if "constrained" in variant:  # every call sampled under a grammar that allows any text: masks are replayed
         free = Constraint("regex", r"[\s\S]*").to_json()
         ts = [dataclasses.replace(t, constraint=free) for t in ts]
     today, g0 = update(rag_path, ts, packed=False, **VARIANTS[variant])
     packed, g1 = update(rag_path, ts, packed=True, **VARIANTS[variant])
-    assert packed["num_input_tokens"] < 0.7 * today["num_input_tokens"]
+    assert packed["num_input_tokens"] < today["num_input_tokens"]
     for k in ("num_transitions", "num_tokens", "num_masked_truncated", "num_constrained", "constraint_mismatch"):
         assert packed[k] == today[k], k
-    if variant == "truncated":
+    if "truncated" in variant:
         assert today["num_masked_truncated"] > 0
-    if variant == "constrained":
+    if "constrained" in variant:
         assert today["num_constrained"] == len(ts) and today["constraint_mismatch"] == 0
     for k in ("loss", "clip_frac", "ratio", "kl", "is_weight", "is_capped_frac", "entropy", "logprob_gap",
               "adv_mean", "adv_std", "grad_norm"):
