@@ -280,7 +280,13 @@ class TrainConfig(_Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="after warmup, over run.iterations x train.epochs optimizer steps")
     epochs: int = Field(1, ge=1, description="optimizer passes over each collected batch")
-    micro_batch_size: int = Field(32, ge=1, description="transitions per forward/backward (gradient accumulation)")
+    micro_batch_size: int = Field(32, ge=1, description="rows per forward/backward (gradient accumulation): a row is "
+                                  "one call, or with pack_calls one chain of calls packed together")
+    pack_calls: bool = Field(False, description="train the calls of a rollout (one policy) whose prompts extend the "
+                             "previous call's prompt + completion token for token as one sequence, read once "
+                             "(train.packing); the loss and gradients are those of separate rows. Off by default: "
+                             "a packed row computes vocabulary-wide logits over its observations too, which on small "
+                             "models costs more than the shared prefix saves (benchmarks/packed_update.py)")
     max_grad_norm: float = Field(1.0, gt=0)
     gradient_checkpointing: bool = False
     importance_sampling_cap: Annotated[float, Field(ge=1)] | Literal["auto"] | None = Field(

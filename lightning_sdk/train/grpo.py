@@ -110,6 +110,7 @@ def grpo_loss(
     log_ratio_clamp: float | None = 20.0,
     dual_clip: float | None = None,
     level: str = "token",
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level clipped GRPO objective, weighted: sum(weights * (-is_w * min(r*A, clip(r)*A) + beta*KL)).
 
@@ -123,6 +124,8 @@ def grpo_loss(
     is given), is_weight the mean importance weight (only when given), dual_clip_frac (only with dual_clip).
     level "sequence" (GSPO) gives every token of a row its sequence's ratio, exp(mean log-ratio over the row's
     tokens, those of weight > 0), with the gradient of that mean (TRL's importance_sampling_level="sequence").
+    `segments` (same shape as logp, long) numbers the calls of a packed row (train.packing): the sequence ratio is
+    then each call's own, never one across the calls of a row.
     The k3 term's log-ratio is clamped to +-KL_LOG_RATIO_CLAMP (finite, no NaN); its value is not bounded (TRL;
     verl's low_var_kl also bounds it to +-10, which stops the KL gradient of the tokens furthest from the reference).
     """
@@ -130,8 +133,14 @@ def grpo_loss(
     log_ratio = logp - old_logp
     if level == "sequence":
         real = (weights > 0).to(log_ratio.dtype).expand_as(log_ratio)
-        seq = (log_ratio * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1.0)
-        log_ratio = seq.expand_as(log_ratio)
+        if segments is None:
+            seq = (log_ratio * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1.0)
+            log_ratio = seq.expand_as(log_ratio)
+        else:
+            n = int(segments.max()) + 1
+            sums = log_ratio.new_zeros(*segments.shape[:-1], n).scatter_add(-1, segments, log_ratio * real)
+            counts = real.new_zeros(*segments.shape[:-1], n).scatter_add(-1, segments, real).clamp(min=1.0)
+            log_ratio = (sums / counts).gather(-1, segments)
     elif level != "token":
         raise ValueError(f"level {level!r}: expected 'token' or 'sequence'")
     if log_ratio_clamp is not None:

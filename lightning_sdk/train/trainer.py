@@ -35,6 +35,7 @@ from lightning_sdk.files import atomic_dir
 from lightning_sdk.grammar import Grammars, additive_mask
 from lightning_sdk.models.adapter import first_nonfinite
 from lightning_sdk.train.microbatch import Batch, collate
+from lightning_sdk.train.packing import pack, single
 from lightning_sdk.train.checkpoint import ADAPTER, ADAPTERS
 from lightning_sdk.train.data_parallel import OneProcess, Ranks
 from lightning_sdk.advantage import batch_advantages
@@ -58,8 +59,9 @@ class _Plan:
     adv: torch.Tensor
     zero_variance_frac: float  # share of the groups (of 2+ rollouts) whose outcomes were all equal
     num_masked: int  # transitions cut by max_tokens that train.mask_truncated left out of the loss
-    order: list[int]  # indices into ts of the transitions with completion tokens, shortest first
-    batches: list[Batch]  # this process's micro-batches (with train.processes > 1, its share of `order`)
+    order: list[int]  # indices into ts of the transitions with completion tokens
+    batches: list[Batch]  # this process's micro-batches (with train.processes > 1, its share of the rows)
+    read_tokens: int = 0  # tokens the update's forward passes read (prompts + tails of its rows, every process's)
 
 
 @dataclass
@@ -284,7 +286,7 @@ class GRPOTrainer:
                 loss, st = grpo_loss(logp, olds[i], b.adv, b.weights, clip_eps=cfg.clip_eps,
                                      clip_eps_high=cfg.clip_eps_high, ref_logp=ref, beta=cfg.beta, is_weight=is_w,
                                      log_ratio_clamp=cfg.log_ratio_clamp, dual_clip=cfg.dual_clip,
-                                     level=cfg.importance_sampling_level)
+                                     level=cfg.importance_sampling_level, segments=b.segments)
                 loss.backward()  # weights sum to 1 over the whole batch: accumulated grads == full-batch grads
                 totals.update({"loss": loss.item(), **{k: v.item() for k, v in st.items()}})
             self.ranks.sum_grads(a.params)  # the whole batch's gradient in every process: they all step alike
@@ -367,14 +369,16 @@ class GRPOTrainer:
             args = ([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts])
             if not any(n):
                 return _Plan(ts, adv, frac, sum(masked), [], [])
-        order = sorted((i for i in range(len(ts)) if n[i]),
-                       key=lambda i: len(ts[i].prompt_ids) + len(ts[i].completion_ids))
-        mine = self.ranks.share(order)
-        chunks = [mine[k:k + cfg.micro_batch_size] for k in range(0, len(mine), cfg.micro_batch_size)]
+        order = [i for i in range(len(ts)) if n[i]]
+        # Weights per transition, before packing: a packed row's calls count exactly the tokens they did as rows.
         w = token_weights(n, args[2], cfg.loss_norm, max_completion_length=cfg.max_completion_length,
                           group_ids=args[1])
-        return _Plan(ts, adv, frac, sum(masked), order,
-                     [collate([ts[i] for i in c], adv[c], w[c], self.device, masks) for c in chunks])
+        rows = pack(ts, [k > 0 for k in n]) if cfg.pack_calls else [single(ts, i) for i in order]
+        rows.sort(key=lambda r: r.length)  # similar lengths together: less padding
+        mine = self.ranks.share(rows)
+        chunks = [mine[k:k + cfg.micro_batch_size] for k in range(0, len(mine), cfg.micro_batch_size)]
+        return _Plan(ts, adv, frac, sum(masked), order, [collate(c, ts, adv, w, self.device, masks) for c in chunks],
+                     sum(r.length for r in rows))
 
     def _frozen_logprobs(self, batches: list[Batch]) -> tuple[list, list]:
         """The policy's dropout-free log-probs before this update, and the reference's, each computed only when
@@ -411,9 +415,9 @@ class GRPOTrainer:
             m.update(adv_mean=kept.mean().item(), adv_std=kept.std().item() if len(plan.order) > 1 else 0.0,
                      num_transitions=float(len(plan.order)),
                      num_tokens=float(sum(len(plan.ts[i].completion_ids) for i in plan.order)),
-                     # every token a forward pass reads (prompt + completion): what the update's FLOPs scale with
-                     num_input_tokens=float(sum(len(plan.ts[i].prompt_ids) + len(plan.ts[i].completion_ids)
-                                                for i in plan.order)),
+                     # every token a forward pass reads (packed calls read their shared prefix once): what the
+                     # update's FLOPs scale with
+                     num_input_tokens=float(plan.read_tokens),
                      logprob_gap=gap / gap_n if gap_n else math.nan)
         if self.device.startswith("cuda"):  # this process's peak so far, in bytes
             m["max_memory_allocated"] = float(torch.cuda.max_memory_allocated(self.device))

@@ -1,0 +1,125 @@
+"""Packed calls (train.pack_calls, train/packing.py) vs one row per call: the update of the same batch.
+
+    python benchmarks/packed_update.py --rounds 3                  # rag and sql: one short real run each first
+    python benchmarks/packed_update.py --config /tmp/x/lightning.toml   # the train rollouts of a finished run
+
+Records: each example's own lightning.toml, shrunk to one iteration (8 tasks x groups of 4, 1 eval task), run with
+`lightning run` in a temporary directory; its train rollouts' transitions are the batch. Then, per example, rounds
+alternate the two sides, each in a fresh subprocess: the example's trainer settings with pack_calls off or on, one
+warm-up update, then one timed update of the same batch (`GRPOTrainer.step` seconds), the tokens its forward passes
+read (num_input_tokens) and the process's peak RSS growth over the updates (ru_maxrss minus the RSS before).
+Prints a table per example (median and spread over rounds) and `ratio=` (today's seconds / packed seconds) last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def records(example: str, tmp: Path) -> Path:
+    """A one-iteration run of the example (its own config, fewer tasks); the path of its lightning.toml."""
+    src = ROOT / "cookbook" / example
+    text = (src / "lightning.toml").read_text()
+    for name, n in (("train", 8), ("test", 1)):
+        lines = (src / f"data/{name}.jsonl").read_text().splitlines()[:n]
+        (tmp / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    text = text.replace('module = "agent.py"', f'module = "{src / "agent.py"}"')
+    text = text.replace('name = "tiny:teacher.py"', f'name = "tiny:{src / "teacher.py"}"')
+    text = text.replace('"data/train.jsonl"', '"train.jsonl"').replace('"data/test.jsonl"', '"test.jsonl"')
+    text = re.sub(r"iterations = \d+", "iterations = 1", text)
+    text = re.sub(r"tasks_per_iteration = \d+", "tasks_per_iteration = 8", text)
+    text = re.sub(r"group_size = \d+", "group_size = 4", text)
+    (tmp / "lightning.toml").write_text(text)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "run", "-c", "lightning.toml"], cwd=tmp, env=env,
+                   check=True, capture_output=True, timeout=1800)
+    return tmp / "lightning.toml"
+
+
+def side(config: str, packed: bool) -> dict:
+    """In this (child) process: two updates of the run's batch with pack_calls = `packed`."""
+    import torch
+
+    from lightning_sdk import config as cfgs, models, transitions
+    from lightning_sdk.store import Store
+    from lightning_sdk.train.trainer import GRPOTrainer
+
+    torch.set_num_threads(1)
+    cfg = cfgs.load(Path(config))
+    store = Store(cfg.run.dir / "store.sqlite")
+    ts = [t for r in store.rollouts(phase="train") if r.status == "succeeded"
+          for t in transitions.to_transitions(r, store.spans(r.rollout_id), components=cfg.rollout.components,
+                                              error_reward=cfg.rollout.error_reward)]
+    train = cfg.train.model_copy(update={"pack_calls": packed, "device": "cpu"})
+    tr = GRPOTrainer(models.resolve(cfg.model.name), train, seed=0, dtype=cfg.model.dtype)
+    rss0 = _rss_kib()
+    tr.step(ts)  # warm-up: first-call costs, on both sides alike
+    t0 = time.perf_counter()
+    m = tr.step(ts)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"seconds": seconds, "read": m["num_input_tokens"], "tokens": m["num_tokens"], "calls": len(ts),
+            "peak_mib": (peak - rss0) / 1024}
+
+
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", action="append", help="lightning.toml of a finished run (repeatable)")
+    ap.add_argument("--examples", nargs="+", default=["rag", "sql"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--side", nargs=2, help=argparse.SUPPRESS)  # child: CONFIG on|off
+    a = ap.parse_args()
+    if a.side:
+        print(json.dumps(side(a.side[0], a.side[1] == "on")))
+        return
+    configs = a.config or [str(records(ex, Path(tempfile.mkdtemp(prefix=f"packed-{ex}-")))) for ex in a.examples]
+    ratios = []
+    for config in configs:
+        results: dict[str, list[dict]] = {"today": [], "packed": []}
+        loads = []
+        for k in range(a.rounds):
+            for name in (("today", "packed") if k % 2 == 0 else ("packed", "today")):
+                out = subprocess.run([sys.executable, __file__, "--side", config, "on" if name == "packed" else "off"],
+                                     check=True, capture_output=True, text=True, env={**os.environ,
+                                                                                      "OMP_NUM_THREADS": "1"})
+                results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                loads.append(Path("/proc/loadavg").read_text().split()[0])
+        today, packed = results["today"], results["packed"]
+        ratio = statistics.median(r["seconds"] for r in today) / statistics.median(r["seconds"] for r in packed)
+        ratios.append(ratio)
+        print(f"\n{config}: {today[0]['calls']} calls, {today[0]['tokens']:.0f} completion tokens; load "
+              f"{min(loads)}-{max(loads)}")
+        print("| side | update s (median, min-max) | tokens read | peak RSS growth MiB |")
+        print("| --- | --- | --- | --- |")
+        for name, rs in results.items():
+            print(f"| {name} | {spread([r['seconds'] for r in rs])} | {rs[0]['read']:.0f} | "
+                  f"{spread([r['peak_mib'] for r in rs])} |")
+        print(f"speedup {ratio:.2f}x, tokens read {packed[0]['read'] / today[0]['read']:.2f} of today's")
+    print("ratio=" + " ".join(f"{r:.3f}" for r in ratios))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Calls that extend one another, packed into one row (train.packing), train exactly as separate rows: the rag
+cookbook agent's real records (tests/rag_transitions.json: one iteration of `lightning run` on cookbook/rag, 32
+rollouts of 1-3 calls), every loss normaliser, GSPO, the KL term, grammar-masked calls, truncated calls, and rows
+spread over micro-batches. The update's loss, statistics and gradients are compared with the packing off."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_sdk import models
+from lightning_sdk.config import TrainConfig
+from lightning_sdk.constraint import Constraint
+from lightning_sdk.train.packing import pack
+from lightning_sdk.train.trainer import GRPOTrainer
+from lightning_sdk.transitions import Transition
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def rag_path() -> str:
+    return models.resolve(f"tiny:{ROOT / 'cookbook' / 'rag' / 'teacher.py'}")
+
+
+@pytest.fixture(scope="module")
+def records() -> list[Transition]:
+    rows = json.loads((Path(__file__).parent / "rag_transitions.json").read_text())
+    ts = [Transition(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()}) for r in rows]
+    groups = sorted({t.group_id for t in ts})[:3]  # 3 groups of 4 rollouts: enough chains, cheap on 2 cores
+    return [t for t in ts if t.group_id in groups]
+
+
+def test_the_rag_agent_s_calls_extend_one_another(records):
+    rows = pack(records, [True] * len(records))
+    assert len(rows) < len(records) and max(len(r.segments) for r in rows) == 3, [len(r.segments) for r in rows]
+    # every call is in exactly one row, its completion at its place in the row
+    seen = sorted(s.index for r in rows for s in r.segments)
+    assert seen == list(range(len(records)))
+    for r in rows:
+        for s in r.segments:
+            t = records[s.index]
+            assert (r.prompt_ids + r.tail)[:len(r.prompt_ids) + s.start + s.length] == t.prompt_ids + t.completion_ids
+    assert sum(r.length for r in rows) < 0.7 * sum(len(t.prompt_ids) + len(t.completion_ids) for t in records)
+
+
+def update(path: str, ts: list[Transition], packed: bool, **kw) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One update with plain SGD (lr 1, no clipping): the parameters move by exactly minus the gradient."""
+    cfg = TrainConfig(lr=1.0, lora_r=8, lora_alpha=16, target_modules=["all-linear", "lm_head"], micro_batch_size=5,
+                      max_grad_norm=1e9, importance_sampling_cap=2.0, pack_calls=packed, **kw)
+    tr = GRPOTrainer(path, cfg, seed=0)
+    with torch.no_grad():  # a trained adapter: LoRA's B starts at 0, where A's gradient is 0
+        g = torch.Generator().manual_seed(1)
+        for name, p in tr.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+    tr.optimizer = torch.optim.SGD(tr.params, lr=1.0)
+    m = tr.step(ts)
+    grads = {n: before[n] - p.detach() for n, p in tr.model.named_parameters() if p.requires_grad}
+    return m, grads
+
+
+# Each loss normaliser once; the KL term, truncated calls, grammar masks and GSPO ride along with one of them.
+VARIANTS = {
+    "rollout+kl": {"beta": 0.04}, "token+constrained": {"loss_norm": "token"}, "sequence": {"loss_norm": "sequence"},
+    "constant+truncated": {"loss_norm": "constant", "max_completion_length": 64, "mask_truncated": True},
+    "bnpo": {"loss_norm": "bnpo"},
+    "gspo": {"importance_sampling_level": "sequence", "epochs": 2, "clip_eps": 3e-4, "clip_eps_high": 4e-4},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_packed_rows_train_exactly_as_separate_rows(rag_path, records, variant):
+    ts = list(records)
+    if "truncated" in variant:  # the middle call of every 3-call chain cut by max_tokens: context, not trained
+        rows = pack(ts, [True] * len(ts))
+        for r in rows:
+            if len(r.segments) == 3:
+                i = r.segments[1].index
+                ts[i] = dataclasses.replace(ts[i], finish_reason="length")
+    if "constrained" in variant:  # every call sampled under a grammar that allows any text: masks are replayed
+        free = Constraint("regex", r"[\s\S]*").to_json()
+        ts = [dataclasses.replace(t, constraint=free) for t in ts]
+    today, g0 = update(rag_path, ts, packed=False, **VARIANTS[variant])
+    packed, g1 = update(rag_path, ts, packed=True, **VARIANTS[variant])
+    assert packed["num_input_tokens"] < today["num_input_tokens"]
+    for k in ("num_transitions", "num_tokens", "num_masked_truncated", "num_constrained", "constraint_mismatch"):
+        assert packed[k] == today[k], k
+    if "truncated" in variant:
+        assert today["num_masked_truncated"] > 0
+    if "constrained" in variant:
+        assert today["num_constrained"] == len(ts) and today["constraint_mismatch"] == 0
+    for k in ("loss", "clip_frac", "ratio", "kl", "is_weight", "is_capped_frac", "entropy", "logprob_gap",
+              "adv_mean", "adv_std", "grad_norm"):
+        if k in today:
+            assert packed[k] == pytest.approx(today[k], abs=1e-6), (k, packed[k], today[k])
+    assert max((g1[n] - g0[n]).abs().max().item() for n in g0) <= 1e-6
+    assert max(g.abs().max().item() for g in g0.values()) > 1e-3  # the gradients compared are not all zero
