@@ -12,10 +12,10 @@ CLI; it records nothing). Each proxy runs in a process of its own, so that its C
 
 Per run:
 1. One call at a time (a sequential agent on a kept-alive connection): rounds of one call each way, in rotating
-   order; `hop_ms=<median wall per call through the proxy - direct>` for each proxy, and each proxy process's
-   CPU per call (`cpu_us`).
-2. `--concurrency` calls at once (async clients, one connection each): `--calls` calls each way, the ways
-   alternating; calls/s and `ratio=<through the proxy / direct>`.
+   order; the hop (median wall per call through the proxy - direct) for each proxy, and each proxy process's
+   CPU per call (from /proc: clock ticks summed over its calls).
+2. `--concurrency` calls at once (async clients, one connection each): `--calls` calls each way, the ways in
+   rotating order; calls/s, the ratio to direct, and each proxy process's CPU per call over the burst.
 `--runs` runs; each figure is printed per run and as median [min, max] over runs. Last:
 `hop_ratio=<our hop / LiteLLM's>` and `throughput_ratio=<our calls/s / LiteLLM's>` (medians over runs).
 LiteLLM is installed in a virtual environment of its own, never in the project's: it pins many packages.
@@ -135,9 +135,9 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
         for c in clients.values():
             sync_call(c)
 
-    async def burst(name: str) -> float:
-        """--calls calls at --concurrency at once; calls/s."""
-        url, key, _ = targets[name]
+    async def burst(name: str) -> tuple[float, float]:
+        """--calls calls at --concurrency at once: calls/s, and the proxy process's CPU per call (us)."""
+        url, key, pid = targets[name]
         gate = asyncio.Semaphore(args.concurrency)
         async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0) as client:
             async def one() -> None:
@@ -147,12 +147,14 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
                     assert r.choices[0].message is not None
 
             await asyncio.gather(*(one() for _ in range(args.concurrency)))  # warm: connections open
-            t0 = time.perf_counter()
+            c0, t0 = cpu_s(pid) if pid else 0.0, time.perf_counter()
             await asyncio.gather(*(one() for _ in range(args.calls)))
-            return args.calls / (time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            return args.calls / dt, ((cpu_s(pid) - c0) / args.calls * 1e6) if pid else 0.0
 
     hop = {"ours": [], "litellm": []}
     cpu = {"ours": [], "litellm": []}
+    cpu_hi = {"ours": [], "litellm": []}
     rate = {"direct": [], "ours": [], "litellm": []}
     names = list(targets)
     for run in range(args.runs):
@@ -172,14 +174,18 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
             hop[name].append(med[name] - med["direct"])
             cpu[name].append(used[name] / args.calls * 1e6)
         order = names[run % 3:] + names[:run % 3]
-        run_rate = {name: asyncio.run(burst(name)) for name in order}
+        run_burst = {name: asyncio.run(burst(name)) for name in order}
+        run_rate = {name: r for name, (r, _) in run_burst.items()}
         for name in names:
             rate[name].append(run_rate[name])
+        for name in ("ours", "litellm"):
+            cpu_hi[name].append(run_burst[name][1])
         load1 = Path("/proc/loadavg").read_text().split()[0]
         print(f"run {run + 1} (load average {load0} -> {load1}): one at a time, median ms per call: direct "
               f"{med['direct']:.2f}, ours {med['ours']:.2f} (cpu {cpu['ours'][-1]:.0f} us), litellm "
               f"{med['litellm']:.2f} (cpu {cpu['litellm'][-1]:.0f} us); at {args.concurrency}: direct "
-              f"{run_rate['direct']:.1f} calls/s, ours {run_rate['ours']:.1f}, litellm {run_rate['litellm']:.1f}",
+              f"{run_rate['direct']:.1f} calls/s, ours {run_rate['ours']:.1f} (cpu {cpu_hi['ours'][-1]:.0f} us), litellm "
+              f"{run_rate['litellm']:.1f} (cpu {cpu_hi['litellm'][-1]:.0f} us)",
               flush=True)
 
     ours_proc.stdin.close()
@@ -195,6 +201,8 @@ print(f"| proxy process CPU per call at 1, us | - | {spread(cpu['ours'], '.0f')}
 print(f"| calls/s at {args.concurrency} concurrent | {spread(rate['direct'], '.1f')} | {spread(rate['ours'], '.1f')} | "
       f"{spread(rate['litellm'], '.1f')} |")
 ratio = {k: [r / d for r, d in zip(rate[k], rate["direct"])] for k in ("ours", "litellm")}
+print(f"| proxy process CPU per call at {args.concurrency}, us | - | {spread(cpu_hi['ours'], '.0f')} | "
+      f"{spread(cpu_hi['litellm'], '.0f')} |")
 print(f"| ratio to direct at {args.concurrency} | 1 | {spread(ratio['ours'], '.3f')} | {spread(ratio['litellm'], '.3f')} |")
 print(f"recorded by ours: {recorded} calls")
 print(f"hop_ratio={statistics.median(hop['ours']) / statistics.median(hop['litellm']):.3f}  (our hop / LiteLLM's, "

@@ -9,6 +9,7 @@ opens with `stream=True`, so the routes read a backend's reply one way.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import AsyncIterator, Mapping
 
 import aiohttp
@@ -65,5 +66,9 @@ class BackendClient:
         return Upstream(await self._session.post(url, data=content, headers=headers))
 
     def close_from_thread(self, timeout_s: float = 5.0) -> None:
+        """Close the pool's connections, waiting at most `timeout_s` (a loop that is gone closes them with it)."""
         if self._loop.is_running() and not self._session.closed:
-            asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(timeout_s)
+            try:
+                asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(timeout_s)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                pass
