@@ -65,10 +65,14 @@ class BackendClient:
         """The backend's reply to a POST of `content`, once its headers are in; raises one of `BackendError`."""
         return Upstream(await self._session.post(url, data=content, headers=headers))
 
+    async def aclose(self) -> None:
+        """Close the pool's connections (on the client's loop)."""
+        await self._session.close()
+
     def close_from_thread(self, timeout_s: float = 5.0) -> None:
-        """Close the pool's connections, waiting at most `timeout_s` (a loop that is gone closes them with it)."""
+        """`aclose` from another thread, waiting at most `timeout_s` (a loop that is gone closes them with it)."""
         if self._loop.is_running() and not self._session.closed:
             try:
-                asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(timeout_s)
+                asyncio.run_coroutine_threadsafe(self.aclose(), self._loop).result(timeout_s)
             except (concurrent.futures.TimeoutError, RuntimeError):
                 pass
