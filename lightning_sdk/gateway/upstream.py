@@ -33,10 +33,13 @@ class Upstream:
     async def aiter_lines(self) -> AsyncIterator[str]:
         """The body's lines, without their line ends. Split here, not by aiohttp's readline, which refuses a line
         over its buffer's limit: a streamed chunk carrying a long prompt's token ids is one long line."""
-        pending = b""
+        pending = bytearray()
         async for data in self._response.content.iter_any():
             pending += data
-            *lines, pending = pending.split(b"\n")
+            if b"\n" not in data:  # a long line's middle: kept, not searched again
+                continue
+            *lines, rest = pending.split(b"\n")
+            pending = bytearray(rest)
             for line in lines:
                 yield line.rstrip(b"\r").decode()
         if pending:
