@@ -14,7 +14,9 @@
    Printed: wall time per call both ways, `gateway_ratio=<wall per call, recording off / on>`, and the writer's
    CPU per record (`Call.record` and the store write, timed on the recorded calls afterwards: `record_us`). A third
    phase calls the server directly, one call at a time as a sequential agent does: `hop_ms=<median wall per call
-   through the gateway (recording on) - straight to the server>` is the hop's latency.
+   through the gateway (recording on) - straight to the server>` is the hop's latency, and `hop_cpu_us` the CPU
+   it costs this process per call (the gateway's threads, the records' writing included): on a loaded machine
+   the wall-clock hop is mostly waiting for a core, the CPU is not.
 """
 
 import argparse
@@ -128,10 +130,15 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
     per_phase = max(1, args.calls // args.phases)
     rounds(args.warmup, ask, ask_server)
     gw: dict[str, list[float]] = {"on": [], "off": [], "direct": []}
+    cpu_s = {"on": 0.0, "off": 0.0, "direct": 0.0}  # this process's CPU (the client's thread and the gateway's)
     for phase in range(args.phases * 3):
         mode = ("on", "off", "direct")[phase % 3]
         gateway.capture.record_to(store if mode == "on" else None)
+        c0 = time.process_time()
         gw[mode] += [timed(ask_server if mode == "direct" else ask)[1] for _ in range(per_phase)]
+        if mode == "on":
+            gateway.capture.flush()  # the records' writing counts against the phase that made them
+        cpu_s[mode] += time.process_time() - c0
     gateway.capture.record_to(store)
     assert gateway.capture.flush()
     # a reply as the backend sends it to the gateway, for the writer's part below
@@ -164,6 +171,8 @@ print(f"server, direct         : {statistics.mean(gw['direct']) * 1e6:8.1f} us w
       f"{statistics.median(gw['direct']) * 1e6:.1f})")
 print(f"hop_ms={(statistics.median(gw['on']) - statistics.median(gw['direct'])) * 1e3:.2f}  (median wall per call, "
       f"through the gateway recording - straight to the server)")
+print(f"hop_cpu_us={(cpu_s['on'] - cpu_s['direct']) / (per_phase * args.phases) * 1e6:.0f}  (this process's CPU per "
+      f"call, through the gateway recording - straight to the server: the gateway's own work, whatever the load)")
 print(f"record_us={record_us:.1f}  (the gateway writer's CPU per record: Call.record + the batched store write)")
 print(f"gateway_ratio={off / on:.3f}  (wall per call through the gateway, recording off / on)")
 print(f"agent_us={cpu['traced'] - cpu['untraced']:.1f}  (calling-thread CPU per call, in a rollout - outside one)")

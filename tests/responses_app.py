@@ -3,13 +3,15 @@ server on 127.0.0.1; it records the chat requests the router sent."""
 
 from __future__ import annotations
 
-import httpx
+import json
+
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from lightning_sdk.gateway.proxy import Gateway, Sent
 from lightning_sdk.servers.process import auth_headers
 from lightning_sdk.gateway.responses import responses_router
+from lightning_sdk.gateway.upstream import BackendClient
 
 BREAK_MIDSTREAM = "break-midstream"  # a request with this `user` goes to a backend that fails mid-stream
 
@@ -30,9 +32,15 @@ class ResponsesApp:
         if body.get("user") != BREAK_MIDSTREAM:
             return sent
         await sent.response.aclose()  # the gateway's record of it stays; the reply comes from the broken backend
-        broken = self._client.build_request("POST", f"{self.gateway.url}/broken/v1/chat/completions", json=body,
-                                            headers=self.auth)
-        return Sent(await self._client.send(broken, stream=True), sent.call, logprobs=False, token_ids=False)
+        broken = await self._client().post(f"{self.gateway.url}/broken/v1/chat/completions", json.dumps(body).encode(),
+                                           {**self.auth, "Content-Type": "application/json"})
+        return Sent(broken, sent.call, logprobs=False, token_ids=False)
+
+    def _client(self) -> BackendClient:
+        """One client, made on the gateway's event loop (where these routes run)."""
+        if self._backend is None:
+            self._backend = BackendClient(idle_s=2.0)
+        return self._backend
 
     @property
     def chat_calls(self) -> int:
@@ -40,7 +48,7 @@ class ResponsesApp:
         return sum(self.gateway.backends.served)
 
     def start(self) -> "ResponsesApp":
-        self._client = httpx.AsyncClient(timeout=60)
+        self._backend: BackendClient | None = None
         broken = APIRouter()
 
         @broken.post("/broken/v1/chat/completions")
@@ -48,9 +56,9 @@ class ResponsesApp:
             """A backend that fails after its first token, reporting it in the stream as vLLM does: the server's
             own chunks up to the first piece of text, then an error chunk."""
             body = {**await request.json(), "model": self.server.served_model_name}
-            upstream = await self._client.send(self._client.build_request(
-                "POST", f"{self.server.base_url}/chat/completions", json=body,
-                headers=auth_headers(self.server.api_key)), stream=True)
+            upstream = await self._client().post(f"{self.server.base_url}/chat/completions", json.dumps(body).encode(),
+                                                 {**auth_headers(self.server.api_key),
+                                                  "Content-Type": "application/json"})
 
             async def relay():
                 try:
@@ -73,4 +81,6 @@ class ResponsesApp:
         return self
 
     def stop(self) -> None:
+        if self._backend is not None:
+            self._backend.close_from_thread()
         self.gateway.stop()

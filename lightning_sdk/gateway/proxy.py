@@ -30,7 +30,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -40,6 +39,7 @@ from lightning_sdk.gateway.guard import (MAX_BODY_BYTES, PARSE_INLINE_BYTES, Bod
 from lightning_sdk.gateway.listen import ThreadedServer, bind, url_of
 from lightning_sdk.gateway.responses import responses_router
 from lightning_sdk.gateway.routing import Backends
+from lightning_sdk.gateway.upstream import BackendClient, BackendError, Refused, Upstream
 
 log = logging.getLogger("lightning_sdk")  # the runtime's logger: which names the agent asked for is part of a run
 
@@ -72,7 +72,7 @@ class Gateway:
         self.url = url_of(self._sock)
         self._routers: list[APIRouter] = []
         self._server: ThreadedServer | None = None
-        self._client: httpx.AsyncClient | None = None
+        self._client: BackendClient | None = None  # made on the server's event loop, by its first call
         self._backend_headers: dict[str, str] = {}
 
     @property
@@ -102,6 +102,9 @@ class Gateway:
         return self._server is not None and self._server.is_alive()
 
     def stop(self) -> None:
+        if self._client is not None:
+            self._client.close_from_thread()
+            self._client = None
         if self._server is not None:
             self._server.stop()
             self._server = None
@@ -139,12 +142,6 @@ class Gateway:
         # No /docs or /openapi.json: they would list every route (the work routes too) to whoever holds a key.
         app = FastAPI(title="lightning-sdk gateway", telemetry={"tracing": False}, docs_url=None, redoc_url=None,
                       openapi_url=None)
-        # An idle connection is dropped before the backend's own keep-alive (uvicorn's and vLLM's: 5 s) can close
-        # it under a request reusing it, which would fail that call with a ReadError.
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10),
-                                         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
-                                                             keepalive_expiry=BACKEND_IDLE_S))
-
         @app.exception_handler(GatewayError)
         async def _gateway_error(request: Request, e: GatewayError) -> JSONResponse:
             if e.status >= 500:
@@ -178,11 +175,13 @@ class Gateway:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
-            return await self._relay(await self.send_chat(await _json_body(request), request, "chat.completions"))
+            body, size = await _json_body(request)
+            return await self._relay(await self.send_chat(body, request, "chat.completions", body_bytes=size))
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
-            return await self._relay(await self.send_chat(await _json_body(request), request, "completions"))
+            body, size = await _json_body(request)
+            return await self._relay(await self.send_chat(body, request, "completions", body_bytes=size))
 
         for router in self._routers:  # before the Responses route: an added /v1/responses (a test's) wins
             app.include_router(router)
@@ -201,7 +200,7 @@ class Gateway:
         if "text/event-stream" not in upstream.headers.get("content-type", ""):
             try:
                 content = await upstream.aread()
-            except httpx.HTTPError as e:
+            except BackendError as e:
                 call.fail(502, f"the backend's reply broke off: {type(e).__name__}")
                 call.end()
                 raise GatewayError(502, f"the backend's reply broke off ({type(e).__name__})") from None
@@ -241,7 +240,7 @@ class Gateway:
                                 data = json.dumps(chunk)
                     yield f"data: {data}\n\n"
                 finished = True
-            except (httpx.HTTPError, ValueError, TypeError, AttributeError, KeyError) as e:
+            except (*BackendError, ValueError, TypeError, AttributeError, KeyError) as e:
                 call.fail(502, f"the backend's stream failed: {type(e).__name__}: {e}")
                 raise
             finally:  # also when the client goes away mid-stream
@@ -252,11 +251,13 @@ class Gateway:
 
         return StreamingResponse(relay(), upstream.status_code, headers=headers)
 
-    async def send_chat(self, body: Any, request: Request, api: str = "chat.completions") -> Sent:
+    async def send_chat(self, body: Any, request: Request, api: str = "chat.completions", *,
+                        body_bytes: int | None = None) -> Sent:
         """Send a chat-completions (or completions) request to the least-loaded backend, served by the policy and
         asking for token ids and log-probs, with the call's record begun (`Sent.call`: the caller feeds it the
         reply and ends it). The backend's response is opened as a stream (the caller reads it, then `aclose()`s
-        it, which also counts the request done). The `ChatSender` of gateway/responses.py."""
+        it, which also counts the request done). The `ChatSender` of gateway/responses.py. `body_bytes`: the size
+        of the request as received, when known; a small one is serialised on the loop."""
         if not isinstance(body, dict):
             raise GatewayError(400, "the request body must be a JSON object")
         asked = body.get("model")
@@ -288,20 +289,23 @@ class Gateway:
         call = self.capture.begin(where, api, {k: v for k, v in sent_body.items() if k not in
                                                ("return_token_ids", "logprobs", "top_logprobs", "include_reasoning")},
                                   asked=asked, policy=served)
-        # In a thread: a long conversation is megabytes of JSON, and serialising it must not stall the loop (the
-        # hop costs tens of microseconds, next to a generation's milliseconds).
-        content = (await asyncio.to_thread(json.dumps, sent_body)).encode()
+        # A long conversation is megabytes of JSON, serialised in a thread so as not to stall the loop; a small one on
+        # the loop, as it was parsed: handing it to a thread and back costs more than the work, in wake-ups.
+        content = _dumps(sent_body) if body_bytes is not None and body_bytes <= PARSE_INLINE_BYTES else \
+            await asyncio.to_thread(_dumps, sent_body)
         backends = self.backends
         path = "/v1/completions" if api == "completions" else "/v1/chat/completions"
+        if self._client is None:
+            # An idle connection is dropped before the backend's own keep-alive (uvicorn's and vLLM's: 5 s) can
+            # close it under a request reusing it, which would fail that call.
+            self._client = BackendClient(idle_s=BACKEND_IDLE_S)
         while True:
             i = backends.pick()
             try:
-                req = self._client.build_request("POST", f"{backends.urls[i]}{path}", content=content,
-                                                 headers=self._backend_headers)
-                upstream = await self._client.send(req, stream=True)
-            except httpx.HTTPError as e:
+                upstream = await self._client.post(f"{backends.urls[i]}{path}", content, self._backend_headers)
+            except BackendError as e:
                 backends.done(i)
-                if isinstance(e, httpx.ConnectError) and backends.refused(i):
+                if isinstance(e, Refused) and backends.refused(i):
                     continue  # nothing reached that replica: another takes the call
                 message = f"the inference server at {backends.urls[i]} is unreachable ({type(e).__name__})"
                 call.fail(502, message)
@@ -330,7 +334,7 @@ class Gateway:
 class Sent:
     """A request on its way: the backend's response (opened as a stream) and the call's record being made."""
 
-    response: httpx.Response
+    response: Upstream
     call: Call
     logprobs: bool  # the agent asked for log-probs
     token_ids: bool  # the agent asked for token ids (vLLM's `return_token_ids`)
@@ -384,10 +388,11 @@ def _dumps(value: Any) -> bytes:
     return json.dumps(value).encode()
 
 
-async def _json_body(request: Request) -> Any:
+async def _json_body(request: Request) -> tuple[Any, int]:
+    """The request's JSON body and its size in bytes."""
     raw = await request.body()
     try:
-        return await parse_off_loop(raw, json.loads)
+        return await parse_off_loop(raw, json.loads), len(raw)
     except (ValueError, UnicodeDecodeError):
         raise GatewayError(400, "the request body is not valid JSON") from None
     except RecursionError as e:

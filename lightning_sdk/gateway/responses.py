@@ -27,7 +27,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Literal
 
-import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError
@@ -35,6 +34,7 @@ from pydantic import Field, ValidationError
 from lightning_sdk.console import printable
 from lightning_sdk.gateway.capture import CALL_ID_HEADER, Call
 from lightning_sdk.gateway.guard import INT64, GatewayError, Lenient, error_body, parse_off_loop, text_size
+from lightning_sdk.gateway.upstream import BackendError, Upstream
 
 log = logging.getLogger("lightning_sdk.servers")
 
@@ -545,7 +545,7 @@ def responses_router(chat: ChatSender, *, max_kept: int = MAX_KEPT,
         except GatewayError as e:
             log.warning("POST /v1/responses -> %d: %s", e.status, printable(e.message, 300))
             return _error(e)
-        except httpx.HTTPError as e:
+        except BackendError as e:
             return _error(GatewayError(502, f"the backend is unreachable: {type(e).__name__}: {e}"))
         upstream, record = sent.response, sent.call
         headers = {CALL_ID_HEADER: record.call_id}
@@ -553,7 +553,7 @@ def responses_router(chat: ChatSender, *, max_kept: int = MAX_KEPT,
         if upstream.status_code >= 400 or not streamed:
             try:
                 content = await upstream.aread()
-            except httpx.HTTPError as e:
+            except BackendError as e:
                 record.fail(502, f"the backend's reply broke off: {type(e).__name__}")
                 record.end()
                 return _error(GatewayError(502, f"the backend's reply broke off: {type(e).__name__}: {e}"))
@@ -623,7 +623,7 @@ class _Events:
         return f"event: {kind}\ndata: {data}\n\n"
 
 
-async def _stream(call: _Call, upstream: httpx.Response, kept: _Kept, record: Call) -> AsyncIterator[str]:
+async def _stream(call: _Call, upstream: Upstream, kept: _Kept, record: Call) -> AsyncIterator[str]:
     """The backend's chat chunks -> response.created, response.in_progress, the items' events, then
     response.completed (or response.incomplete). A failure after the first byte is an `error` event, as OpenAI's."""
     event, reply, finished = _Events(), _Reply(call), False
@@ -655,7 +655,7 @@ async def _stream(call: _Call, upstream: httpx.Response, kept: _Kept, record: Ca
             kept.put(call.response_id, reply.entry(response))
         yield event(f"response.{response['status']}", response=response)
         finished = True
-    except (httpx.HTTPError, ValueError, TypeError, AttributeError, KeyError) as e:
+    except (*BackendError, ValueError, TypeError, AttributeError, KeyError) as e:
         log.warning("POST /v1/responses: the backend's stream failed: %s: %s", type(e).__name__, e)
         record.fail(502, f"the backend's stream failed: {type(e).__name__}: {e}")
         yield event("error", code="server_error", message=f"the backend's stream failed: {type(e).__name__}: {e}",
