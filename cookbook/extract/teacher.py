@@ -4,8 +4,10 @@ It answers the agent's exact request (its system message, the note) with the com
 writes for `Person`, like a careless student: the name always right; the age copied only 40% of the time,
 otherwise rounded down to its decade (41 -> 40); the city right only 25% of the time, otherwise the city the
 person moved away from. The untrained model then scores about half (the name, and now and then the age or the
-city), and RL lifts it by teaching it to copy both digits and which of the two cities to copy: the skill is
-there, the habit is not (like the calc example's teacher). A real instruct model needs none of this.
+city), and RL lifts it by teaching it to copy the age's second digit: the skill is there, the habit is not (like
+the calc example's teacher). After 600 steps the model has not learned to copy the cities: it names a city of
+neither place in the note most of the time, and RL does not lift that field (cookbook/README.md). A real instruct
+model needs none of this.
 """
 
 import hashlib
