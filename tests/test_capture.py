@@ -246,11 +246,16 @@ def test_a_litellm_agent_is_recorded(gw, store, tiny_model_path, monkeypatch):
 
 
 def test_a_dspy_agent_is_recorded(gw, store, monkeypatch):
+    """`dspy.LM(api_base=llm.base_url)` as an agent writes it. DSPy 3.4 sends such a call through its own socket
+    transport, which no trace context reaches: the rollout's base URL (what a run's `llm.base_url` is) attributes
+    it, as it does through LiteLLM (DSPy 3.0-3.3)."""
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)  # DSPy 3.4 hands such an LM to LiteLLM
+    monkeypatch.delenv("OPENAI_API_BASE", raising=False)
     dspy = pytest.importorskip("dspy")
-    lm = dspy.LM("openai/gpt-4o-mini", api_base=gw.base_url, api_key=gw.api_key, max_tokens=8, cache=False,
-                 num_retries=0)
-    with in_rollout(gw, "r-dspy"):
+    with in_rollout(gw, "r-dspy") as ctx:
+        lm = dspy.LM("openai/gpt-4o-mini", api_base=gw.rollout_base_url(ctx.trace_id), api_key=gw.api_key,
+                     max_tokens=8, cache=False, num_retries=0)
         with dspy.context(lm=lm):
             lm(messages=MESSAGES)
     (call,) = recorded_calls(gw, store, "r-dspy")

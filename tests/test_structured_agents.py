@@ -8,6 +8,9 @@ run each (embedded runtime, tiny model, real server and trainer)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +19,10 @@ from lightning_sdk.dashboard.runs import RunReader
 from lightning_sdk.errors import RunError
 from lightning_sdk.store import Store
 
+from .remote_harness import start_remote_run
 from .test_zero_change import openai_elsewhere, project  # noqa: F401  (a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ANSWER = '''
 from pydantic import BaseModel, Field
@@ -102,8 +108,8 @@ AGENTS = {"openai-parse": OPENAI_PARSE, "langchain": LANGCHAIN, "agents-sdk": AG
 @pytest.mark.parametrize("name", list(AGENTS))
 def test_a_structured_output_agent_trains_exactly(tmp_path, openai_elsewhere, name, monkeypatch):  # noqa: F811
     if name == "instructor":
-        # instructor 1.17 (the latest) pins jiter<0.15, which openai 3.6x's jiter>=0.19 rules out: it lives in an
-        # environment of its own (the test runs where it imports), not in the cookbook extra
+        # instructor (every release, 1.17 the latest) pins jiter<0.15, which openai 3.6x's jiter>=0.19 rules out:
+        # it lives in an environment of its own (test_instructor_trains_from_a_worker_in_its_own_environment)
         pytest.importorskip("instructor")
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     monkeypatch.setenv("HOME", str(tmp_path))  # DSPy's cache directory: the user's, left as it is
@@ -156,3 +162,40 @@ def test_dspy_react_is_served_and_recorded_under_its_constraint(tmp_path, openai
              if "lightning.llm.constraint" in s.attributes}
     assert kinds == {"json_object"}
 
+
+
+def test_instructor_trains_from_a_worker_in_its_own_environment(tmp_path):
+    """instructor's default mode (a forced tool call) as a `lightning worker` in an environment of its own: this
+    project without extras plus instructor, which brings its own openai (CI: .venv-instructor, named by
+    LIGHTNING_TEST_INSTRUCTOR). The trainer runs here and never imports instructor."""
+    python = os.environ.get("LIGHTNING_TEST_INSTRUCTOR")
+    if not python:
+        pytest.skip("LIGHTNING_TEST_INSTRUCTOR names no Python with instructor")
+    d = tmp_path
+    toml = project(d, INSTRUCTOR)
+    toml.write_text(toml.read_text().replace('dir = "run"', 'dir = "run"\nruntime = "remote"')
+                    + "[remote]\nworker_timeout = 120\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    env.pop("LIGHTNING_TOKEN", None)
+    trainer, url = start_remote_run(d, env)
+    light = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    worker = subprocess.Popen([python, "-m", "lightning_sdk.cli", "worker", "agent.py", "--server", url,
+                               "--token-file", str(d / "run/worker.token"), "--concurrency", "4"], cwd=d, env=light,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = trainer.communicate(timeout=400)
+        said, _ = worker.communicate(timeout=60)
+    finally:
+        trainer.kill()
+        worker.kill()
+    assert trainer.returncode == 0, out
+    assert "run 'zero' is over: worker" in said, said
+    metrics = [json.loads(line) for line in (d / "run/metrics.jsonl").read_text().splitlines()]
+    train = [m for m in metrics if m.get("phase") != "eval" and "transitions" in m]
+    assert [m["iteration"] for m in train] == [1, 2] and all(m["transitions"] > 0 for m in train)
+    assert sum(m.get("train.num_constrained", 0) for m in metrics) > 0
+    assert all(m.get("train.constraint_mismatch", 0) == 0 for m in metrics)
+    store = Store(d / "run/store.sqlite")
+    calls = [s for r in store.rollouts(phase="train") for s in store.spans(r.rollout_id) if s.source == "gateway"]
+    assert calls and all(s.attributes["lightning.llm.completion_token_ids"] for s in calls)
+    assert all(json.loads(s.attributes["lightning.llm.constraint"])["kind"] for s in calls)

@@ -79,6 +79,11 @@ class Gateway:
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
+    def rollout_base_url(self, key: str) -> str:
+        """The base URL of the open rollout `key` (RolloutPath): its calls are attributed to it whatever transport
+        sends them, with or without the trace context tracing/propagation.py injects."""
+        return f"{self.url}/rollouts/{key}/v1"
+
     def add_routes(self, router: APIRouter, *, api_key: str | None = None) -> None:
         """More routes on the same address (the remote runtime's work and OTLP routes), behind `api_key` if given
         (a key that then opens those routes only), else behind the gateway's."""

@@ -79,7 +79,6 @@ class EmbeddedCollector:
             self._adapters.pop(previous, None)
 
     def collect(self, jobs: list[RolloutJob], policy: str, *, label: str) -> list[RolloutResult]:
-        llm = LLM(base_url=self.gateway.base_url, api_key=self.gateway.api_key, model=policy)
         timeout = self.cfg.rollout.timeout
 
         async def go() -> list[RolloutResult]:
@@ -99,6 +98,10 @@ class EmbeddedCollector:
             async def attempt(job: RolloutJob) -> RolloutResult:
                 async with gate:
                     self.gateway.rollouts.open(job.trace_id, job.rollout_id, job.attempt, job.phase, seed=job.seed)
+                    # The rollout's own base URL: a client whose transport no trace context reaches (DSPy 3.4's
+                    # native one) is attributed all the same.
+                    llm = LLM(base_url=self.gateway.rollout_base_url(job.trace_id), api_key=self.gateway.api_key,
+                              model=policy)
                     try:
                         return await run_rollout(job, rollout_fn=self.agent.rollout_fn,
                                                  reward_fn=self.agent.reward_fn, llm=llm, store=self.store,

@@ -300,7 +300,7 @@ class RayCollector:
         results: dict[int, RolloutResult] = {}
         pending: dict[Any, tuple[int, RolloutJob, Any]] = {}
         turn = itertools.count()
-        base_url, api_key = self.gateway.base_url, self.gateway.api_key
+        api_key = self.gateway.api_key
 
         def submit(i: int, job: RolloutJob, avoid: Any = None) -> None:
             choices = [w for w, _ in live if w is not avoid] or [w for w, _ in live]
@@ -308,6 +308,7 @@ class RayCollector:
                 raise RunError("every rollout worker has died")
             w = choices[next(turn) % len(choices)]
             self.gateway.rollouts.open(job.trace_id, job.rollout_id, job.attempt, job.phase, seed=job.seed)
+            base_url = self.gateway.rollout_base_url(job.trace_id)  # attributed whatever transport the agent's is
             pending[w.run.remote(job, base_url, api_key, policy)] = (i, job, w)
 
         with progress_bar(self.console, label, len(jobs)) as advance:
