@@ -141,3 +141,13 @@ def rollouts_to_collector(gateway, store, endpoint: str, jobs: list, agent, scor
         tracing.install(store)  # no collector for later tests
     assert tracing.export_errors() == [] and tracing.writer_errors() == []
     return results
+
+
+@pytest.fixture()
+def receiver():
+    """A real OTLP/HTTP trace receiver on 127.0.0.1 (tests/otlp_receiver.py)."""
+    from .otlp_receiver import Receiver
+
+    r = Receiver()
+    yield r
+    r.close()

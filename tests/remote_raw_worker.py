@@ -63,15 +63,16 @@ call_id = headers.get("x-lightning-call-id") or headers.get("X-Lightning-Call-Id
 
 # Token ids a worker sends are never training data: the gateway's record is. These would crash a trainer.
 trace_id, span_id, reward_id = claim["trace_id"], os.urandom(8).hex(), os.urandom(8).hex()
+root = claim["span_id"]  # the rollout's own span, which the server exports: our spans' parent
 ours = [attr("lightning.rollout.id", rid), attr("lightning.rollout.attempt", attempt), attr("lightning.claim", secret)]
 spans = [
-    {"traceId": trace_id, "spanId": span_id, "name": "chat any-model-name", "kind": 3,
+    {"traceId": trace_id, "spanId": span_id, "parentSpanId": root, "name": "chat any-model-name", "kind": 3,
      "startTimeUnixNano": str(end - 10), "endTimeUnixNano": str(end), "status": {"code": 1},
      "attributes": ours + [
          attr("gen_ai.operation.name", "chat"),
          attr("lightning.llm.prompt_token_ids", [10**9, -5]),
          attr("lightning.llm.completion_token_ids", "abc")]},
-    {"traceId": trace_id, "spanId": reward_id, "name": "lightning.reward", "kind": 1,
+    {"traceId": trace_id, "spanId": reward_id, "parentSpanId": root, "name": "lightning.reward", "kind": 1,
      "startTimeUnixNano": str(end + 1000), "endTimeUnixNano": str(end + 2000),
      "attributes": ours + [attr("lightning.reward.value", 0.25), attr("lightning.reward.name", "format"),
                            attr("lightning.after_call", call_id)]},

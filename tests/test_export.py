@@ -9,78 +9,19 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import openai
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                      ExportTraceServiceResponse)
 
 import lightning_sdk as ls
 from lightning_sdk.rollouts.job import RolloutJob
 from lightning_sdk.store import Store
-from lightning_sdk.tracing import COMPLETION_IDS, REWARD_SPAN, REWARD_VALUE, ROLLOUT_ID
+from lightning_sdk.tracing import COMPLETION_IDS, REWARD_SPAN, REWARD_VALUE
 
 from .conftest import SERVED, rollouts_to_collector
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _value(v):
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    return getattr(v, kind) if kind else None
-
-
-class Receiver:
-    """An OTLP/HTTP trace receiver: POST /v1/traces with an ExportTraceServiceRequest (protobuf)."""
-
-    def __init__(self):
-        self.spans: list[dict] = []
-        self.paths: list[str] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                request = ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                receiver.paths.append(self.path)
-                for rs in request.resource_spans:
-                    for ss in rs.scope_spans:
-                        for s in ss.spans:
-                            receiver.spans.append({"name": s.name, "span_id": s.span_id.hex(),
-                                                   "trace_id": s.trace_id.hex(), "parent_id": s.parent_span_id.hex(),
-                                                   "attributes": {a.key: _value(a.value) for a in s.attributes}})
-                out = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def by_rollout(self) -> dict[str, list[dict]]:
-        out: dict[str, list[dict]] = {}
-        for s in self.spans:
-            out.setdefault(s["attributes"].get(ROLLOUT_ID), []).append(s)
-        return out
-
-
-@pytest.fixture()
-def receiver():
-    r = Receiver()
-    yield r
-    r.httpd.shutdown()
 
 
 def test_rollout_spans_go_to_an_otlp_receiver_with_their_rollout_ids(gateway_server, tmp_path, receiver):

@@ -81,11 +81,9 @@ def test_a_rollout_with_only_raw_http_and_otlp_json(api, tmp_path):
     assert (t.component, t.shaping, t.episode_reward) == ("solver", 0.25, sent["reward"])
 
 
-def test_spans_from_workers_also_reach_the_run_s_otlp_collector(api, tmp_path):
-    """run.otlp_endpoint (or OTEL_EXPORTER_OTLP_ENDPOINT) gets a remote worker's spans as it gets local ones."""
-    from .test_export import Receiver
-
-    receiver = Receiver()
+def test_spans_from_workers_also_reach_the_run_s_otlp_collector(api, tmp_path, receiver):
+    """run.otlp_endpoint (or OTEL_EXPORTER_OTLP_ENDPOINT) gets a remote worker's spans as it gets local ones, and
+    the rollout's root: the span its claim named, exported by the server from the result it accepted."""
     tracing.install(Store(tmp_path / "trainer-side.sqlite"), otlp_endpoint=receiver.url)  # the trainer's tracing
     api.queue([job(0, {"question": "What is 2 + 3?", "answer": "5"})])
     out = subprocess.run([sys.executable, str(HERE / "remote_raw_worker.py"), api.url, KEY], capture_output=True,
@@ -95,7 +93,14 @@ def test_spans_from_workers_also_reach_the_run_s_otlp_collector(api, tmp_path):
     tracing.flush(exporters=True)
     stored = [s for s in api.store.spans("r-0") if not tracing.is_llm_call(s)]  # the worker's own spans
     got = receiver.by_rollout()["r-0"]
-    assert sorted(s["span_id"] for s in got) == sorted(s.span_id for s in stored) and len(stored) == 2
+    (root,) = [s for s in got if not s["parent_id"]]
+    assert sorted(s["span_id"] for s in got) == sorted([s.span_id for s in stored] + [root["span_id"]])
+    assert len(stored) == 2 and all(s["parent_id"] == root["span_id"] for s in got if s is not root)
+    # one trace; "rollout": this worker sends no agent name
+    assert root["name"] == "invoke_agent rollout" and {s["trace_id"] for s in got} == {root["trace_id"]}
+    sent = json.loads(out.stdout)
+    assert root["attributes"]["lightning.reward.value"] == sent["reward"] and root["status"] == 1  # OK
+    assert (root["attributes"]["lightning.rollout.status"], root["attributes"]["lightning.task.id"]) == ("succeeded", "t0")
     assert not any("lightning.claim" in s["attributes"] for s in got)  # the claim's secret goes nowhere
     reward = next(s for s in got if s["name"] == "lightning.reward")
     assert reward["attributes"]["lightning.reward.value"] == 0.25

@@ -72,7 +72,7 @@ def test_the_run_prints_where_the_token_is_never_the_token(tmp_path):
     assert f"The token is in {token_file} (readable by this user only)" in out, out
 
 
-def test_two_workers_train_the_default_task_through_the_remote_runtime(tmp_path, light_venv):
+def test_two_workers_train_the_default_task_through_the_remote_runtime(tmp_path, light_venv, receiver):
     d = tmp_path
     # The agent refuses to be imported anywhere but in a worker: the trainer must never import it.
     (d / "agent.py").write_text('import os\nassert os.environ.get("AGENT_SIDE") == "1", "imported by the trainer"\n'
@@ -86,6 +86,7 @@ name = "remote"
 dir = "run"
 iterations = 2
 runtime = "remote"
+otlp_endpoint = "%s"
 [agent]
 module = "agent.py"
 [data]
@@ -97,8 +98,9 @@ group_size = 4
 name = "builtin:tiny-arith"
 [remote]
 worker_timeout = 120
-""")
+""" % receiver.url)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
     trainer, url = start_remote_run(d, env)
     workers = []
     try:
@@ -135,4 +137,19 @@ worker_timeout = 120
     assert len(rollouts) == 32 + 2 * 4 and {r.status for r in rollouts} == {"succeeded"}
     assert store.call_counts([r.rollout_id for r in rollouts]) == {r.rollout_id: 1 for r in rollouts}
     assert {r.model for r in rollouts if r.phase == "train" and r.iteration == 2} == {"remote-iter1"}
+    # The run's collector (run.otlp_endpoint) holds one tree per rollout though the workers ran them: the root (the
+    # rollout's own span, exported by the server from the result it accepted, with task, reward and status), every
+    # other span of the trace beneath it, and exactly the spans the store keeps besides.
+    got = receiver.by_rollout()
+    assert set(got) == {r.rollout_id for r in rollouts}
+    for r in rollouts:
+        spans = got[r.rollout_id]
+        (root,) = [s for s in spans if not s["parent_id"]]
+        a = root["attributes"]
+        assert root["name"] == "invoke_agent solve" and a["lightning.task.id"] == r.task_id
+        assert a["lightning.rollout.status"] == "succeeded" and a["lightning.reward.value"] == r.reward
+        assert {s["trace_id"] for s in spans} == {root["trace_id"]}
+        ids = {s["span_id"] for s in spans}
+        assert all(s["parent_id"] in ids for s in spans if s["parent_id"])
+        assert ids == {s.span_id for s in store.spans(r.rollout_id)} | {root["span_id"]}
     shutil.rmtree(d / "run/checkpoints")  # the adapters: the largest files of the test

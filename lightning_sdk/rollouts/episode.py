@@ -105,15 +105,16 @@ def _describe(e: BaseException, job: RolloutJob) -> str:
 
 
 async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Callable, llm: LLM, store: RolloutSink,
-                      timeout: float, claim: str | None = None) -> RolloutResult:
-    """Run one episode in the job's rollout context (its trace id, and a remote worker's `claim` secret) and score
-    it; the rollout's row goes to `store`."""
+                      timeout: float, claim: str | None = None, span_id: str | None = None) -> RolloutResult:
+    """Run one episode in the job's rollout context (its trace id; a remote worker's `claim` secret and the root
+    `span_id` its claim gave) and score it; the rollout's row goes to `store`."""
     store.start_rollout(job.rollout_id, task_id=job.task_id, group_id=job.group_id, iteration=job.iteration,
                         phase=job.phase, attempt=job.attempt, model=llm.model)
     output, stage, ctx, start_ns = None, "rollout", None, time.time_ns()
     no_reply_cache()
     try:
-        with rollout_context(job.rollout_id, job.attempt, trace_id=job.trace_id, claim=claim) as ctx:
+        with rollout_context(job.rollout_id, job.attempt, trace_id=job.trace_id, claim=claim,
+                             span_id=span_id) as ctx:
             # its own copy of the task: an agent that edits it must not change it for the rest of its group
             args = rollout_args(rollout_fn, copy.deepcopy(job.task), llm)
             try:
@@ -139,11 +140,18 @@ async def run_rollout(job: RolloutJob, *, rollout_fn: Callable, reward_fn: Calla
 
 
 def _exported(result: RolloutResult, ctx: RolloutContext | None, rollout_fn: Callable, start_ns: int) -> RolloutResult:
+    if ctx is not None:
+        export_root(result, span_id=ctx.span_id, agent=getattr(rollout_fn, "__name__", "rollout"), start_ns=start_ns)
+    return result
+
+
+def export_root(result: RolloutResult, *, span_id: str, agent: str, start_ns: int) -> None:
     """The rollout's own span, the root of its trace, to the user's tools (when a collector is set): the agent
-    invoked on the task, with the reward and status it ended with (gen_ai's `invoke_agent` operation)."""
-    if ctx is None or not exporting():
-        return result
-    job, agent = result.job, getattr(rollout_fn, "__name__", "rollout")
+    invoked on the task, with the reward and status it ended with (gen_ai's `invoke_agent` operation). Made where
+    the episode ran, or by the run's server from a remote worker's accepted result (rollouts/remote/dispatch.py)."""
+    if not exporting():
+        return
+    job = result.job
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": agent, TASK_ID: job.task_id,
         GROUP_ID: job.group_id, ITERATION: job.iteration, PHASE: job.phase, ROLLOUT_STATUS: result.status,
@@ -152,6 +160,6 @@ def _exported(result: RolloutResult, ctx: RolloutContext | None, rollout_fn: Cal
     }
     if result.reward is not None:
         attributes[REWARD_VALUE] = result.reward
+    ctx = RolloutContext(job.rollout_id, job.attempt, job.trace_id, span_id=span_id)
     export_rollout(ctx, name=f"invoke_agent {agent}", attributes=attributes, start_ns=start_ns,
                    end_ns=time.time_ns(), error=result.error)
-    return result

@@ -22,6 +22,7 @@ from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.rollouts.collector import Agent
 from lightning_sdk.rollouts.remote.collect import RemoteCollector
 from lightning_sdk.store import Store
+from lightning_sdk.tracing.export import ENDPOINT_ENV
 
 WORKERS_LOG = "workers.log"
 STOP_S = 10.0  # how long a worker gets to stop on SIGTERM before it is killed
@@ -44,8 +45,10 @@ class ProcessesCollector(RemoteCollector):
                    "--concurrency", "1"]
         command += ["--rollout", a.rollout] if a.rollout else []
         command += ["--reward", a.reward] if a.reward else []
-        # this process's import path (an agent module found through it, an editable checkout) goes to the workers
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # this process's import path (an agent module found through it, an editable checkout) goes to the workers;
+        # the collector the environment names does not: the run exports the workers' spans there, roots included
+        env = {**{k: v for k, v in os.environ.items() if k not in ENDPOINT_ENV},
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         with self.log_path.open("ab") as log:
             self.procs = [subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            env=env, cwd=Path(a.module).parent if a.module.endswith(".py") else None)

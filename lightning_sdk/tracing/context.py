@@ -47,18 +47,24 @@ class RolloutContext:
         self.last_call = call_id
 
 
+def new_span_id() -> str:
+    """16 hex digits from the OS's CSPRNG (never 0, the invalid span id)."""
+    return format(secrets.randbits(64) or 1, "016x")
+
+
 _rollout: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar("lightning_rollout", default=None)
 _component: contextvars.ContextVar[str | None] = contextvars.ContextVar("lightning_component", default=None)
 _provider: Any = None  # what reward spans are made with: see use_provider
 
 
 @contextlib.contextmanager
-def rollout_context(rollout_id: str, attempt: int = 1, *, trace_id: str | None = None,
-                    claim: str | None = None) -> Iterator[RolloutContext]:
+def rollout_context(rollout_id: str, attempt: int = 1, *, trace_id: str | None = None, claim: str | None = None,
+                    span_id: str | None = None) -> Iterator[RolloutContext]:
     """Everything inside belongs to this rollout (the runtime wraps each episode in one): spans, and LLM calls
-    toward the gateway, which know it by `trace_id`."""
+    toward the gateway, which know it by `trace_id`. `span_id` is the rollout's own span (the root of its trace):
+    a remote worker is given it with its claim, so that the run's server exports the root its spans name."""
     ctx = RolloutContext(rollout_id, attempt, trace_id or secrets.token_hex(16), claim,
-                         span_id=format(secrets.randbits(64) or 1, "016x"))
+                         span_id=span_id or new_span_id())
     # The rollout's span is current while the agent runs, so its calls and spans name it as their parent; it is
     # exported (with the reward) once the rollout is scored.
     span = NonRecordingSpan(SpanContext(int(ctx.trace_id, 16), int(ctx.span_id, 16), is_remote=False,

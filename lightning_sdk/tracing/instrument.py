@@ -131,7 +131,7 @@ def export_rollout(ctx: RolloutContext, *, name: str, attributes: dict[str, Any]
                    error: str | None) -> None:
     """The rollout's own span, the root of its trace (`ctx.span_id`, the parent its calls and spans name), to this
     run's collector and the application's provider once the rollout is scored. The store keeps the rollout as its
-    row, not as a span; a remote worker's root stays with the worker's own collector, if it has one."""
+    row, not as a span; a remote worker's root is exported by the run's server from the result it accepted."""
     processor = _state.processor
     if processor is None or not processor.exporters.processors:
         return

@@ -25,6 +25,8 @@ from lightning_sdk.agent import RewardError, reward_value
 from lightning_sdk.gateway.capture import OpenRollouts
 from lightning_sdk.store import Store
 from lightning_sdk.rollouts.remote.otlp import Decoded
+from lightning_sdk.rollouts.episode import export_root
+from lightning_sdk.tracing.context import new_span_id
 from lightning_sdk.tracing.records import CLAIM, REWARD_SPAN, REWARD_VALUE
 
 
@@ -39,6 +41,9 @@ class Claimed:
     generation: int  # the collector's inference-server generation when it was claimed (see remote.py)
     secret: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     fault: str | None = None  # what a worker sent wrong for it: it fails with this line when its result comes
+    # The rollout's own span, drawn here (so the root the run exports is the one its spans name) and when it started
+    span_id: str = field(default_factory=new_span_id)
+    start_ns: int = field(default_factory=time.time_ns)
 
     def holds(self, secret: object) -> bool:
         return isinstance(secret, str) and hmac.compare_digest(secret.encode(), self.secret.encode())
@@ -227,6 +232,10 @@ class Dispatch:
                                       error=result.error, traceback=result.traceback)
             done = RolloutResult(claim.job, result.status, result.reward, result.output, result.error,
                                  failed_in=result.failed_in)
+        # The root of the rollout's trace in the run's collector, from what was accepted here: its spans came before
+        # the result (the worker reports only once they are stored), so the tree is whole once the root is out.
+        export_root(done, span_id=claim.span_id, start_ns=claim.start_ns,
+                    agent=result.agent if isinstance(result, Result) and result.agent else "rollout")
         with self._changed:
             self._finished.append(Finished(claim, done))
             self._changed.notify_all()

@@ -72,6 +72,9 @@ class Claim(BaseModel):
     llm: Endpoint
     trace_id: str  # the rollout's OpenTelemetry trace id: its LLM calls carry it (W3C traceparent)
     secret: str  # the claim's own key: its spans (`lightning.claim`) and result (CLAIM_HEADER) need it
+    # The rollout's own span (16 hex digits), the parent of its calls and spans: the server exports it, the root of
+    # the rollout's trace, to the run's collector when the result comes (the worker's own collector gets it too).
+    span_id: str | None = Field(None, pattern=r"^[0-9a-f]{16}$")
 
     def job(self) -> RolloutJob:
         return RolloutJob(rollout_id=self.rollout_id, task_id=self.task_id, group_id=self.group_id, task=self.task,
@@ -86,8 +89,10 @@ class Result(_Body):
     error: str | None = None
     traceback: str | None = None
     failed_in: Literal["rollout", "reward"] | None = Field(None, description="which user function failed")
+    agent: str | None = Field(None, min_length=1, max_length=200,
+                              description="the @rollout function's name: the root span's `invoke_agent <agent>`")
 
-    _plain = field_validator("worker")(_plain_name)
+    _plain = field_validator("worker", "agent")(_plain_name)
 
     @field_validator("reward")
     @classmethod

@@ -76,7 +76,7 @@ def work_router(dispatch: Dispatch, *, run_name: str, api_key: str, redirect_ope
             # The rollout's URL holds its claim's secret: only the claim holder's calls train under it.
             llm=Endpoint(base_url=f"{root}/rollouts/{job.trace_id}.{claimed.secret}/v1", api_key=api_key,
                          model=dispatch.policy or ""),
-            trace_id=job.trace_id, secret=claimed.secret,
+            trace_id=job.trace_id, secret=claimed.secret, span_id=claimed.span_id,
         ).model_dump(mode="json"))
 
     @router.post(protocol.RESULT)

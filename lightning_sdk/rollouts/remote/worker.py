@@ -279,7 +279,8 @@ class Worker:
                                highlight=False)
         llm = LLM(base_url=claim.llm.base_url, api_key=claim.llm.api_key, model=claim.llm.model)
         result = await run_rollout(job, rollout_fn=self.rollout_fn, reward_fn=self.reward_fn, llm=llm,
-                                   store=self.rows, timeout=claim.timeout, claim=claim.secret)
+                                   store=self.rows, timeout=claim.timeout, claim=claim.secret,
+                                   span_id=claim.span_id)
         row = self.rows.finished.pop(job.rollout_id, {})
         left = deadline - time.monotonic()
         try:  # the writer hands the rollout's spans to the shipper
@@ -293,7 +294,7 @@ class Worker:
             return
         body = Result(worker=name, status=result.status, output=json.loads(output_json(result.output)),
                       reward=result.reward, error=result.error, traceback=row.get("traceback"),
-                      failed_in=result.failed_in)
+                      failed_in=result.failed_in, agent=(getattr(self.rollout_fn, "__name__", "") or "rollout")[:200])
         r = await self._request("POST", protocol.RESULT.format(rollout_id=quote(job.rollout_id, safe="")),
                                 content=body.model_dump_json(), until=deadline, what="report",
                                 headers={protocol.CLAIM_HEADER: claim.secret})
