@@ -25,7 +25,6 @@ def main() -> None:
                          "log-ratio still clamped for finiteness")
     args = ap.parse_args()
     bound = 10.0  # the share reported: tokens at or past verl's bound, whether it acts or not
-    grpo.KL_CLAMP = bound if args.bound == "on" else None
     seen = {"clamped": 0.0, "weight": 0.0, "max_k3": 0.0}
     loss = grpo.grpo_loss
 
@@ -39,7 +38,8 @@ def main() -> None:
                 seen["weight"] += float(weights.sum())
                 real = weights > 0
                 seen["max_k3"] = max(seen["max_k3"], float(k3[real].max()) if real.any() else 0.0)
-        return loss(logp, old_logp, adv, weights, ref_logp=ref_logp, **kw)
+        return loss(logp, old_logp, adv, weights, ref_logp=ref_logp, kl_bound=bound if args.bound == "on" else None,
+                    **kw)
 
     trainer.grpo_loss = counting
     from lightning_sdk.models import load_tokenizer, resolve

@@ -135,8 +135,9 @@ def nothing_to_train(rollouts: list[str], skipped: Counter, unattributed: int, c
             why += (f"; the gateway served {unattributed} call(s) of no rollout: a client that sends no W3C "
                     f"traceparent, or a call made outside the rollout's context (docs/remote.md: the per-rollout "
                     f"base URL serves such clients)")
-        return (f"no transitions from {len(rollouts)} rollouts: {why} (left out: {seen}). "
-                f"`lightning check` shows each rollout")
-    why, fix = cannot_train(skipped, components, [])
-    return (f"no transitions from {len(rollouts)} rollouts: {why} (left out: {seen}). Fix: {fix}. "
+        fix = ""
+    else:
+        why, fix = cannot_train(skipped, components, [])
+        fix = f" Fix: {fix}."
+    return (f"no transitions from {len(rollouts)} rollouts: {why} (left out: {seen}).{fix} "
             f"`lightning check` shows each rollout")

@@ -19,8 +19,7 @@ from lightning_sdk.advantage import (STD_EPS, GroupOutcomes, group_outcomes, sin
 
 # The k3 term's log-ratio is clamped (verl's low_var_kl bound) so it stays finite; its value is not bounded (TRL):
 # a bound releases the KL gradient of exactly the tokens that drifted furthest (docs/credit.md, measured).
-# KL_CLAMP = 10.0 restores verl's value bound (benchmarks/kl_clamp.py --bound on).
-KL_LOG_RATIO_CLAMP, KL_CLAMP = 20.0, None
+KL_LOG_RATIO_CLAMP = 20.0
 
 
 def _floats(v: Sequence[float] | torch.Tensor) -> list[float]:
@@ -109,6 +108,7 @@ def grpo_loss(
     is_weight: torch.Tensor | None = None,
     log_ratio_clamp: float | None = 20.0,
     dual_clip: float | None = None,
+    kl_bound: float | None = None,
     level: str = "token",
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -126,8 +126,9 @@ def grpo_loss(
     tokens, those of weight > 0), with the gradient of that mean (TRL's importance_sampling_level="sequence").
     `segments` (same shape as logp, long) numbers the calls of a packed row (train.packing): the sequence ratio is
     then each call's own, never one across the calls of a row.
-    The k3 term's log-ratio is clamped to +-KL_LOG_RATIO_CLAMP (finite, no NaN); its value is not bounded (TRL;
-    verl's low_var_kl also bounds it to +-10, which stops the KL gradient of the tokens furthest from the reference).
+    The k3 term's log-ratio is clamped to +-KL_LOG_RATIO_CLAMP (finite, no NaN); its value is not bounded (TRL)
+    unless `kl_bound` is given (verl's low_var_kl: +-10, which stops the KL gradient of the tokens furthest from the
+    reference; the trainer leaves it unbounded).
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = logp - old_logp
@@ -166,8 +167,8 @@ def grpo_loss(
     if ref_logp is not None:
         d = (ref_logp - logp).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
         kl = torch.exp(d) - d - 1.0
-        if KL_CLAMP is not None:
-            kl = kl.clamp(-KL_CLAMP, KL_CLAMP)
+        if kl_bound is not None:  # verl's bound of the value (benchmarks/kl_clamp.py --bound on compares it)
+            kl = kl.clamp(-kl_bound, kl_bound)
         per_token = per_token + beta * kl
         stats["kl"] = (weights * kl).sum().detach()
     return (weights * per_token).sum(), stats
