@@ -98,6 +98,8 @@ def test_calls_spread_over_both_replicas_each_holding_the_one_adapter_version_se
             records = recorded_calls(gateway, store, f"r-{version}")
             assert len(records) == 8 and {r.attributes[POLICY] for r in records} == {name}
             assert all(r.attributes[COMPLETION_IDS] for r in records)  # the record, whichever replica served it
+            ports = {r.attributes["server.port"] for r in records}  # and which replica that was
+            assert ports == {int(u.rsplit(":", 1)[1]) for u in gateway.backends.urls}, ports
     finally:
         gateway.capture.record_to(None)
         gateway.policy = base

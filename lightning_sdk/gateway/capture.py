@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
+from urllib.parse import urlsplit
 
 from opentelemetry import baggage, trace
 
@@ -155,6 +156,7 @@ class Call:
         self.choices: dict[int, _Choice] = {}
         self.response_id: str | None = None
         self.usage: dict | None = None
+        self.server: str | None = None  # the backend (replica) that served it, its base URL
         self._ended = False
 
     def whole(self, reply: dict) -> None:
@@ -237,6 +239,11 @@ class Call:
             constraint = None
         if constraint is not None:  # by value: the trainer replays this grammar over the completion ids
             a[CONSTRAINT] = constraint.to_json()
+        if self.server is not None:  # which replica served it (OpenTelemetry's server.* attributes)
+            where = urlsplit(self.server)
+            a["server.address"] = where.hostname or ""
+            if where.port is not None:
+                a["server.port"] = where.port
         if o.rollout is not None:
             a[ROLLOUT_ID], a[ATTEMPT] = o.rollout.rollout_id, o.rollout.attempt
         if o.component is not None:

@@ -317,6 +317,7 @@ class Gateway:
                 call.end()
                 raise GatewayError(502, message)
             backends.reached(i)
+            call.server = backends.urls[i]
             break
         close, done = upstream.aclose, False
 
