@@ -2,7 +2,8 @@
 learning.
 
 The agent-side surface is all here and imports no torch: mark the episode with `@rollout`, its score with
-`@reward`, tag roles with `component(...)`, add intermediate rewards with `emit_reward(...)`.
+`@reward`, tag roles with `component(...)`, add intermediate rewards with `emit_reward(...)`; a deployed app
+sends late rewards to `lightning serve` with `feedback(...)`.
 Training is started by `lightning run`, or from Python (a script or a notebook) by `run(...)` (lightning_sdk.api,
 imported on first use so that importing the agent side stays light).
 """
@@ -13,8 +14,9 @@ from lightning_sdk.agent import LLM, reward, rollout
 from lightning_sdk.distribution import VERSION as __version__  # noqa: F401 - the package version
 from lightning_sdk.distribution import conflict_line as _conflict_line
 from lightning_sdk.tracing import component, emit_reward
+from lightning_sdk.tracing.feedback import FeedbackRefused, feedback
 
-__all__ = ["LLM", "RunResult", "component", "emit_reward", "reward", "rollout", "run"]
+__all__ = ["LLM", "FeedbackRefused", "RunResult", "component", "emit_reward", "feedback", "reward", "rollout", "run"]
 
 if (_line := _conflict_line()) is not None:
     print(_line, file=_sys.stderr)

@@ -1,11 +1,14 @@
 """`lightning`: the command line. `lightning run` trains, `lightning check` says whether a run would train before
 it does, `lightning eval` scores a policy on the eval tasks, `lightning traces` shows what the store holds,
-`lightning worker` runs the agent for a remote run."""
+`lightning worker` runs the agent for a remote run, `lightning serve` serves the model to a deployed app."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -214,6 +217,48 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
                   f"{score.failed_words}", highlight=False, soft_wrap=True, markup=False)
     console.print(f"eval rollouts: {done.store} (lightning traces --run-dir {run} --phase eval)" if done.store else
                   f"eval rollouts not kept: {run} holds no run", highlight=False, soft_wrap=True)
+
+
+@main.command(short_help="Serve the model to a deployed app: every call recorded, rewards taken late (docs/serve.md).")
+@click.option("-c", "--config", "config_path", default="lightning.toml", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path), help="The configuration ([model], [serve]).")
+@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path),
+              help="Where calls, rewards and the key are kept (serve.sqlite, serve.key); default: run.dir/serve.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
+@click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
+@click.option("--retention-days", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Feedback for calls older than this is refused (410).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+def serve(config_path: Path, directory: Path | None, host: str, port: int, retention_days: float,
+          sets: tuple[str, ...]) -> None:
+    """Serve the model behind an OpenAI-compatible address until Ctrl-C or SIGTERM; the key is
+    LIGHTNING_SERVE_KEY, else serve.api_key, else the one kept in the directory's serve.key."""
+    console = make_console()
+    try:
+        cfg = _load(config_path, sets)
+    except config_mod.ConfigError as e:
+        _fail(console, str(e))
+    from lightning_sdk.errors import ServerError
+    from lightning_sdk.production import deployment
+
+    directory = directory or cfg.run.dir / "serve"
+    try:
+        served = deployment.start(cfg, directory, host=host, port=port, api_key=os.environ.get("LIGHTNING_SERVE_KEY"),
+                                  retention_s=retention_days * 86400)
+    except OSError as e:
+        _fail(console, f"--host/--port: cannot listen on {host}:{port} ({e.strerror or e})")
+    except ServerError as e:
+        _fail(console, f"the inference server did not start: {e}")
+    console.print(f"serving {cfg.model.name} at {served.url}/v1 (key: LIGHTNING_SERVE_KEY or "
+                  f"{directory / deployment.KEY_FILE}); feedback: POST {served.url}/v1/feedback; "
+                  f"calls and rewards: {served.store.path}", highlight=False, soft_wrap=True, markup=False)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    served.close()
 
 
 @main.command(short_help="List recent rollouts with reward and LLM calls, or one rollout's spans.")

@@ -25,7 +25,7 @@ HEIGHT = {
     "store": 4, "credit": 5, "transitions": 6, "models": 5,
     "grammar": 6,                                  # a constraint compiled: the sampler's mask and the trainer's replay
     "train": 7, "engine": 7, "servers": 7, "metrics": 7,
-    "rollouts": 8, "pipeline": 8, "runtime": 9, "check": 10, "cli": 10, "dashboard": 10, "api": 11,
+    "rollouts": 8, "pipeline": 8, "runtime": 9, "production": 9, "check": 10, "cli": 10, "dashboard": 10, "api": 11,
 }
 AGENT_SIDE = {"agent", "tracing"}
 

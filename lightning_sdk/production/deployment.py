@@ -1,0 +1,90 @@
+"""`lightning serve`: the policy served to a deployed app by the code a run serves it with (servers.select's
+backend, gateway.proxy's Gateway and its capture into the store), plus the feedback route.
+
+Everything lives in one directory: `serve.sqlite` (every call's record and every reward: the same store a run
+writes, so kill -9 loses nothing written, and a restart carries on in the same file), `serve.key` (the app's key,
+made once and kept, 0600, unless one is given) and `server.log` (the backend's log).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_sdk import models
+from lightning_sdk.config import Config
+from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.production.episodes import TraceEpisodes
+from lightning_sdk.production.intake import feedback_router
+from lightning_sdk.production.ledger import FeedbackLedger
+from lightning_sdk.servers.select import make_server
+from lightning_sdk.store import Store
+
+STORE_FILE = "serve.sqlite"
+KEY_FILE = "serve.key"
+
+
+def app_key(directory: Path, given: str | None) -> str:
+    """The key the app presents: `given`, else the one kept in the directory (made on first start)."""
+    if given:
+        return given
+    path = directory / KEY_FILE
+    if path.exists():
+        key = path.read_text().strip()
+        if key:
+            return key
+    key = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
+@dataclass
+class Deployment:
+    """A started `lightning serve`: `url` (the app's base URL is `url + "/v1"`), `api_key`; `close()` stops it."""
+
+    gateway: Gateway
+    store: Store
+    ledger: FeedbackLedger
+    stack: ExitStack
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    @property
+    def api_key(self) -> str:
+        return self.gateway.api_key
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | None,
+          retention_s: float) -> Deployment:
+    """Bind, start the backend, then serve; OSError if host:port cannot be listened on (nothing started)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stack = ExitStack()
+    try:
+        gateway = Gateway(host=host, port=port, api_key=app_key(directory, api_key or cfg.serve.api_key),
+                          model_names=cfg.serve.model_names, rollouts=TraceEpisodes())
+        stack.callback(gateway.stop)
+        store = stack.enter_context(Store(directory / STORE_FILE))
+        ledger = FeedbackLedger(store.path, retention_s=retention_s)
+        stack.callback(ledger.close)
+        server = make_server(cfg, models.resolve(cfg.model.name), directory / "server.log")
+        stack.callback(server.stop)
+        server.start()
+        gateway.capture.record_to(store)
+        stack.callback(gateway.capture.record_to, None)  # flushes: every answered call is written before close
+        gateway.add_routes(feedback_router(ledger, gateway.capture.flush))
+        gateway.start(server.urls, backend_key=server.api_key)
+        gateway.policy = cfg.model.name
+    except BaseException:
+        stack.close()
+        raise
+    return Deployment(gateway, store, ledger, stack)

@@ -1,0 +1,199 @@
+"""`lightning serve`: the run's backend and gateway in front of a deployed app, on 127.0.0.1 with the tiny model;
+every call recorded in SQLite, traced calls grouped into episodes, late feedback by reference (each fault one
+answer naming its field), episode rewards shared by the credit rule, and kill -9 losing no call or reward."""
+
+import json
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import lightning_sdk as ls
+from lightning_sdk import config
+from lightning_sdk.credit import last_call, lightning_rl
+from lightning_sdk.production import deployment
+from lightning_sdk.production.episodes import episode_id
+from lightning_sdk.production.ledger import FeedbackError, FeedbackLedger
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = "ab" * 16
+
+
+def traced(trace_id: str, span: str = "cd" * 8) -> dict:
+    return {"traceparent": f"00-{trace_id}-{span}-01"}
+
+
+def write_project(directory: Path) -> Path:
+    (directory / "train.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    config = directory / "lightning.toml"
+    config.write_text('[data]\ntrain = "train.jsonl"\n[model]\nname = "builtin:tiny-arith"\n'
+                      '[agent]\nmodule = "app"\n[serve]\nmax_batch_size = 4\n')
+    return config
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One `lightning serve` (in process, the command's own start) shared by the tests below."""
+    d = tmp_path_factory.mktemp("serve")
+    cfg = config.load(write_project(d))
+    dep = deployment.start(cfg, d / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600)
+    yield dep
+    dep.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.api_key, max_retries=0)
+
+
+def ask(client, headers=None, text="What is 2 + 2?"):
+    raw = client.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": text}], max_tokens=4, extra_headers=headers or {})
+    return raw.parse().id, raw.headers["x-lightning-call-id"]
+
+
+def gateway_calls(path: Path) -> list[dict]:
+    db = sqlite3.connect(path)
+    db.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in db.execute("SELECT span_id, rollout_id, attributes FROM spans "
+                                            "WHERE source = 'gateway' ORDER BY start_ns")]
+    finally:
+        db.close()
+
+
+def test_an_unchanged_openai_client_is_served_recorded_and_grouped_by_trace_id(served, client):
+    trace = "12" * 16
+    first = ask(client, traced(trace))
+    second = ask(client, traced(trace, "ef" * 8))
+    alone = ask(client)
+    served.gateway.capture.flush()
+    calls = {c["span_id"]: c for c in gateway_calls(served.store.path)}
+    assert calls[first[1]]["rollout_id"] == calls[second[1]]["rollout_id"] == episode_id(trace)
+    assert calls[alone[1]]["rollout_id"] == ""  # no trace id: a call of no episode, still recorded
+    attrs = json.loads(calls[first[1]]["attributes"])
+    assert attrs["lightning.llm.completion_token_ids"] and len(attrs["lightning.llm.completion_logprobs"]) == len(
+        attrs["lightning.llm.completion_token_ids"])
+    assert attrs["gen_ai.response.id"] == first[0]
+    wrong = openai.OpenAI(base_url=f"{served.url}/v1", api_key="not-the-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert httpx.post(f"{served.url}/v1/feedback", json={"call_id": first[1], "value": 1}).status_code == 401
+    assert served.url.startswith("http://127.0.0.1:")
+
+
+def test_feedback_by_response_call_or_episode_and_each_fault_named(served, client):
+    response_id, call_id = ask(client, traced(TRACE))
+    _, second_call = ask(client, traced(TRACE, "ef" * 8))
+    where = {"base_url": f"{served.url}/v1", "api_key": served.api_key}
+    assert ls.feedback(1.0, response_id=response_id, name="thumbs", **where).calls == 1
+    assert ls.feedback(0.5, call_id=call_id, **where).duplicate is False
+    got = ls.feedback(2.0, episode_id=TRACE, name="ticket", **where)
+    assert (got.calls, got.duplicate) == (2, False)
+    assert ls.feedback(2.0, episode_id=TRACE, name="ticket", **where).duplicate is True  # a retry: counted once
+    before = served.ledger.count()
+
+    def refused(expected_status, field, value=1.0, **kw):
+        with pytest.raises(ls.FeedbackRefused) as e:
+            ls.feedback(value, **kw, **where)
+        assert (e.value.status, e.value.field) == (expected_status, field), e.value.message
+        assert field in e.value.message
+        return e.value
+
+    refused(409, "feedback_id", 3.0, episode_id=TRACE, name="ticket")  # the same reward with another value
+    refused(404, "call_id", call_id="0" * 16)
+    refused(404, "episode_id", episode_id="9" * 32)
+    refused(404, "response_id", response_id="chatcmpl-unknown")
+    refused(422, "id", call_id=call_id, episode_id=TRACE)
+    refused(422, "name", call_id=call_id, name="")
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ValueError, match="value: expected a finite number"):
+            ls.feedback(bad, call_id=second_call, **where)
+    for bad in (b"NaN", b"Infinity", b"-Infinity", b'"1"', b"true", b"null"):  # what other clients may send
+        reply = httpx.post(f"{served.url}/v1/feedback", content=b'{"call_id": "' + second_call.encode() + b'", '
+                           b'"value": ' + bad + b"}", headers={"Authorization": f"Bearer {served.api_key}"})
+        assert reply.status_code == 422 and reply.json()["error"]["param"] == "value", (bad, reply.text)
+        assert reply.json()["error"]["message"].startswith("value: expected a finite number")
+    assert served.ledger.count() == before  # nothing written by any refusal
+
+
+def test_feedback_for_calls_older_than_the_retention_window_is_refused(served, client):
+    _, call_id = ask(client)
+    served.gateway.capture.flush()
+    ledger = FeedbackLedger(served.store.path, retention_s=60)
+    try:
+        with pytest.raises(FeedbackError) as e:
+            ledger.give({"call_id": call_id, "value": 1.0}, now=time.time() + 61)
+        assert (e.value.status, e.value.field) == (410, "call_id")
+        assert ledger.give({"call_id": call_id, "value": 1.0, "name": "fresh"}).calls == 1
+    finally:
+        ledger.close()
+
+
+def test_an_episode_reward_is_shared_over_its_calls_by_the_credit_rule(served, client):
+    trace = "34" * 16
+    _, a = ask(client, traced(trace))
+    _, b = ask(client, traced(trace, "ef" * 8))
+    where = {"base_url": f"{served.url}/v1", "api_key": served.api_key}
+    ls.feedback(0.8, episode_id=trace, name="solved", **where)
+    ls.feedback(0.25, call_id=a, name="solved", **where)
+    assert {k: v for k, v in served.ledger.call_rewards(served.store, lightning_rl, "solved").items()
+            if k in (a, b)} == {a: 0.8 + 0.25, b: 0.8}
+    assert {k: v for k, v in served.ledger.call_rewards(served.store, last_call, "solved").items()
+            if k in (a, b)} == {a: 0.0 + 0.25, b: 0.8}
+
+
+def start_serve(project: Path, directory: Path) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400", "LIGHTNING_SERVE_KEY": "app-key"}
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "serve", "-c", str(project), "--dir",
+                             str(directory)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=project.parent)
+    deadline = time.monotonic() + 180
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("serving "):
+            return proc, line.split(" at ", 1)[1].split()[0]
+    proc.kill()
+    raise AssertionError("lightning serve did not start: " + "".join(lines))
+
+
+def test_kill_9_loses_no_answered_call_or_reward_and_a_retry_is_not_counted_twice(tmp_path):
+    project = write_project(tmp_path)
+    directory = tmp_path / "served"
+    proc, base = start_serve(project, directory)
+    try:
+        client = openai.OpenAI(base_url=base, api_key="app-key", max_retries=0)
+        ids = [ask(client, traced("56" * 16, f"{i + 1:016x}"))[1] for i in range(3)]
+        receipt = ls.feedback(1.0, episode_id="56" * 16, base_url=base, api_key="app-key")
+        assert receipt.calls == 3  # the route writes the calls answered before it: all three are found
+        ls.feedback(0.5, call_id=ids[0], name="late", base_url=base, api_key="app-key")
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    stored = gateway_calls(directory / deployment.STORE_FILE)
+    assert {c["span_id"] for c in stored} == set(ids)
+    proc, base = start_serve(project, directory)  # the same directory: the same store and key
+    try:
+        again = ls.feedback(1.0, episode_id="56" * 16, base_url=base, api_key="app-key")
+        assert again.duplicate and again.calls == 3
+        ask(openai.OpenAI(base_url=base, api_key="app-key", max_retries=0))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    db = sqlite3.connect(directory / deployment.STORE_FILE)
+    rows = db.execute("SELECT kind, name, value FROM feedback ORDER BY received_at").fetchall()
+    assert rows == [("episode_id", "reward", 1.0), ("call_id", "late", 0.5)]
+    assert db.execute("SELECT COUNT(*) FROM spans WHERE source = 'gateway'").fetchone()[0] == 4
+    db.close()
