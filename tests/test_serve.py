@@ -197,3 +197,43 @@ def test_kill_9_loses_no_answered_call_or_reward_and_a_retry_is_not_counted_twic
     assert rows == [("episode_id", "reward", 1.0), ("call_id", "late", 0.5)]
     assert db.execute("SELECT COUNT(*) FROM spans WHERE source = 'gateway'").fetchone()[0] == 4
     db.close()
+
+
+def test_the_traffic_advantage_matches_a_hand_computation():
+    from lightning_sdk.production.traffic_advantage import Rewarded, estimate
+
+    eps = [Rewarded("p1-a", "P1", "solver", 1.0), Rewarded("s-1", "S1", "solver", 1.0),
+           Rewarded("p1-b", "P1", "solver", 0.0), Rewarded("s-2", "S2", "solver", 0.0),
+           Rewarded("p1-c", "P1", "solver", 0.5), Rewarded("s-3", "S3", "solver", 0.5),
+           Rewarded("j-1", "J1", "judge", 3.0)]
+    got = {e.episode: (e.advantage, e.baseline, e.how) for e in estimate(eps, alpha=0.5)}
+    # P1 (n = 3): leave-one-out means (0 + 0.5)/2, (1 + 0.5)/2, (1 + 0)/2.
+    assert got["p1-a"] == (0.75, 0.25, "group")
+    assert got["p1-b"] == (-0.75, 0.75, "group")
+    assert got["p1-c"] == (0.0, 0.5, "group")
+    # The solver's running baseline, alpha 0.5, over arrivals 1, 1, 0, 0, 0.5, 0.5:
+    # b = 1 (first) -> 1 -> 0.5 -> 0.25 -> 0.375 -> 0.4375; S1 sees 1, S2 sees 0.5, S3 sees 0.375.
+    assert got["s-1"] == (0.0, 1.0, "running")
+    assert got["s-2"] == (-0.5, 0.5, "running")
+    assert got["s-3"] == (0.125, 0.375, "running")
+    assert got["j-1"] == (None, None, "none")  # the judge's first episode: no baseline yet
+    with pytest.raises(ValueError, match="reward is not a finite number"):
+        estimate([Rewarded("x", "P", "c", math.nan)])
+
+
+def test_advantages_from_the_log_group_repeated_prompts_and_share_episodes_by_credit(served, client):
+    from lightning_sdk.production.rewarded import call_advantages
+
+    where = {"base_url": f"{served.url}/v1", "api_key": served.api_key}
+    same = "What is 7 + 1?"
+    a1, a2 = ask(client, traced("71" * 16), same)[1], ask(client, traced("71" * 16, "ef" * 8), "and then?")[1]
+    b1 = ask(client, traced("72" * 16), same)[1]
+    lone = ask(client, text="What is 9 + 9?")[1]
+    ls.feedback(1.0, episode_id="71" * 16, name="adv", **where)
+    ls.feedback(0.0, episode_id="72" * 16, name="adv", **where)
+    ls.feedback(0.3, call_id=lone, name="adv", **where)
+    got = call_advantages(served.ledger, served.store, last_call, "adv", alpha=0.5)
+    # Both episodes began with the same prompt: leave-one-out, +1 and -1, on the last call of each (last_call).
+    assert (got.by_call[a1], got.by_call[a2], got.by_call[b1]) == (0.0, 1.0, -1.0)
+    # The lone call (component "") after running baseline 1 -> 0.5: 0.3 - 0.5.
+    assert got.by_call[lone] == pytest.approx(-0.2) and got.no_baseline == 0

@@ -155,14 +155,17 @@ class FeedbackLedger:
         with self._lock:
             return self._db.execute("SELECT COUNT(*) AS n FROM feedback").fetchone()["n"]
 
+    def rows(self, name: str = "reward") -> list[sqlite3.Row]:
+        """The rewards named `name`, in the order they arrived."""
+        with self._lock:
+            return self._db.execute("SELECT * FROM feedback WHERE name=? ORDER BY received_at, feedback_id",
+                                    (name,)).fetchall()
+
     def call_rewards(self, store: Store, rule: CreditRule, name: str = "reward") -> dict[str, float]:
         """Each rewarded call's reward for `name`: its own feedback (by call or response id), plus its share of
         its episode's (`weight_k * R`, the weights of the credit rule over the episode's calls in order)."""
-        with self._lock:
-            rows = self._db.execute("SELECT kind, rollout_id, call_id, value FROM feedback WHERE name=? "
-                                    "ORDER BY received_at, feedback_id", (name,)).fetchall()
         out: dict[str, float] = {}
-        for r in rows:
+        for r in self.rows(name):
             if r["kind"] != "episode_id":
                 out[r["call_id"]] = out.get(r["call_id"], 0.0) + r["value"]
                 continue
