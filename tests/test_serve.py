@@ -75,9 +75,12 @@ def test_an_unchanged_openai_client_is_served_recorded_and_grouped_by_trace_id(s
     first = ask(client, traced(trace))
     second = ask(client, traced(trace, "ef" * 8))
     alone = ask(client)
+    by_url = openai.OpenAI(base_url=f"{served.url}/rollouts/{trace}/v1", api_key=served.api_key, max_retries=0)
+    third = ask(by_url)  # a client with no OpenTelemetry: the per-episode URL
     served.gateway.capture.flush()
     calls = {c["span_id"]: c for c in gateway_calls(served.store.path)}
-    assert calls[first[1]]["rollout_id"] == calls[second[1]]["rollout_id"] == episode_id(trace)
+    assert calls[first[1]]["rollout_id"] == calls[second[1]]["rollout_id"] == calls[third[1]]["rollout_id"] \
+        == episode_id(trace)
     assert calls[alone[1]]["rollout_id"] == ""  # no trace id: a call of no episode, still recorded
     attrs = json.loads(calls[first[1]]["attributes"])
     assert attrs["lightning.llm.completion_token_ids"] and len(attrs["lightning.llm.completion_logprobs"]) == len(
