@@ -240,3 +240,29 @@ def test_advantages_from_the_log_group_repeated_prompts_and_share_episodes_by_cr
     assert (got.by_call[a1], got.by_call[a2], got.by_call[b1]) == (0.0, 1.0, -1.0)
     # The lone call (component "") after running baseline 1 -> 0.5: 0.3 - 0.5.
     assert got.by_call[lone] == pytest.approx(-0.2) and got.no_baseline == 0
+
+
+def test_the_gate_promotes_only_a_candidate_not_worse_by_the_margin_and_stores_why(tmp_path):
+    from lightning_sdk.production import gate
+
+    serving = [0.5, 0.5, 0.5, 0.5]
+    # d = [0.1, 0.0, 0.1, 0.0]: mean 0.05, stdev sqrt(1/300) = 0.0577, se 0.0289, lower 0.05 - 1.645 * 0.0289
+    better = gate.decide("v2", [0.6, 0.5, 0.6, 0.5], "v1", serving, margin=0.0)
+    assert better.promoted and better.mean_difference == pytest.approx(0.05)
+    assert better.stderr == pytest.approx(math.sqrt(1 / 300) / 2)
+    assert better.lower_bound == pytest.approx(0.0025, abs=1e-4)  # 0.05 - 1.645 * 0.0289 >= -0
+    # Equal on average but noisy: d = [0.2, -0.2, 0.2, -0.2], se = 0.1155, lower bound -0.19.
+    noisy = [0.7, 0.3, 0.7, 0.3]
+    assert not gate.decide("v2b", noisy, "v1", serving, margin=0.1).promoted
+    assert gate.decide("v2b", noisy, "v1", serving, margin=0.2).promoted
+    # Poisoned: d = [-0.3, -0.2, -0.3, -0.2]: mean -0.25, worse by more than any margin below it.
+    worse = gate.decide("v3", [0.2, 0.3, 0.2, 0.3], "v1", serving, margin=0.1)
+    assert not worse.promoted and "< -margin" in worse.reason
+    assert not gate.decide("v4", [1.0], "v1", [0.0], margin=0.1).promoted  # one task: no standard error
+    assert not gate.decide("v5", [math.nan, 1.0], "v1", [0.0, 0.0], margin=0.1).promoted
+    with pytest.raises(ValueError, match="candidate_scores"):
+        gate.decide("v6", [1.0], "v1", [0.0, 0.0], margin=0.1)
+    db = tmp_path / "serve.sqlite"
+    gate.record(db, better)
+    gate.record(db, worse)
+    assert gate.decisions(db) == [better, worse]
