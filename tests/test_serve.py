@@ -266,3 +266,13 @@ def test_the_gate_promotes_only_a_candidate_not_worse_by_the_margin_and_stores_w
     gate.record(db, better)
     gate.record(db, worse)
     assert gate.decisions(db) == [better, worse]
+
+
+def test_the_key_is_kept_private_and_a_taken_port_writes_nothing(served, tmp_path):
+    kept = Path(served.store.path).parent / deployment.KEY_FILE
+    assert deployment.kept_key(kept.parent) == served.api_key and kept.stat().st_mode & 0o777 == 0o600
+    port = int(served.url.rsplit(":", 1)[1])
+    cfg = config.load(write_project(tmp_path))
+    with pytest.raises(OSError):
+        deployment.start(cfg, tmp_path / "other", host="127.0.0.1", port=port, api_key=None, retention_s=60)
+    assert not (tmp_path / "other").exists()

@@ -27,20 +27,18 @@ STORE_FILE = "serve.sqlite"
 KEY_FILE = "serve.key"
 
 
-def app_key(directory: Path, given: str | None) -> str:
-    """The key the app presents: `given`, else the one kept in the directory (made on first start)."""
-    if given:
-        return given
+def kept_key(directory: Path) -> str | None:
+    """The app's key kept in the directory by an earlier start, if any."""
     path = directory / KEY_FILE
-    if path.exists():
-        key = path.read_text().strip()
-        if key:
-            return key
-    key = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    key = path.read_text().strip() if path.exists() else ""
+    return key or None
+
+
+def keep_key(directory: Path, key: str) -> None:
+    """Keep the key for the next start, readable by this user only."""
+    fd = os.open(directory / KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
-    return key
 
 
 @dataclass
@@ -66,13 +64,18 @@ class Deployment:
 
 def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | None,
           retention_s: float) -> Deployment:
-    """Bind, start the backend, then serve; OSError if host:port cannot be listened on (nothing started)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Bind, start the backend, then serve; OSError if host:port cannot be listened on (nothing started or
+    written). The app's key: `api_key`, else serve.api_key, else the one kept in the directory (made once)."""
+    given = api_key or cfg.serve.api_key
+    key = given or (kept_key(directory) if directory.is_dir() else None)
     stack = ExitStack()
     try:
-        gateway = Gateway(host=host, port=port, api_key=app_key(directory, api_key or cfg.serve.api_key),
+        gateway = Gateway(host=host, port=port, api_key=key or secrets.token_urlsafe(32),
                           model_names=cfg.serve.model_names, rollouts=TraceEpisodes())
         stack.callback(gateway.stop)
+        directory.mkdir(parents=True, exist_ok=True)  # only once the address is ours: a refusal writes nothing
+        if key is None:
+            keep_key(directory, gateway.api_key)
         store = stack.enter_context(Store(directory / STORE_FILE))
         ledger = FeedbackLedger(store.path, retention_s=retention_s)
         stack.callback(ledger.close)
