@@ -28,8 +28,8 @@ class Api:
         g.add_routes(work_router(self.dispatch, run_name="test", api_key=AGENTS_KEY, redirect_openai=True,
                                  max_body_bytes=self.max_body_bytes), api_key=KEY)
         g.capture.record_to(self.store)  # the calls' records, as a run's gateway writes them
+        g.policy = self.server.served_model_name  # before it listens: a worker's first call may come at once
         g.start([self.server.url], backend_key=self.server.api_key)
-        g.policy = self.server.served_model_name
         return g
 
     def restart(self, down_s: float) -> None:
