@@ -178,15 +178,18 @@ class Gateway:
             return {"policy": self.policy, "by_component": self.by_component, "base_served": dict(self.base_served),
                     "asked": dict(self.asked), "backends": b.urls, "in_flight": b.in_flight, "served": b.served}
 
-        @app.post("/v1/chat/completions")
+        # The two routes every call takes, as plain Starlette routes: FastAPI's dependency and validation machinery
+        # has nothing to do for a handler that reads the request itself, and costs the loop on every call.
         async def chat(request: Request) -> Response:
             body, size = await _json_body(request)
             return await self._relay(await self.send_chat(body, request, "chat.completions", body_bytes=size))
 
-        @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             body, size = await _json_body(request)
             return await self._relay(await self.send_chat(body, request, "completions", body_bytes=size))
+
+        app.add_route("/v1/chat/completions", chat, methods=["POST"])
+        app.add_route("/v1/completions", completions, methods=["POST"])
 
         for router in self._routers:  # before the Responses route: an added /v1/responses (a test's) wins
             app.include_router(router)
