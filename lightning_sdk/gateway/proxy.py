@@ -234,10 +234,15 @@ class Gateway:
             finished = False
             try:
                 async for line in upstream.aiter_lines():
-                    if not line.startswith("data:"):
+                    if finished or not line.startswith("data:"):  # after [DONE]: read to the end, for reuse
                         continue
                     data = line[5:].strip()
-                    if data != "[DONE]":
+                    if data == "[DONE]":
+                        # The stream is whole: the record goes to the writer before the agent sees its end, so a
+                        # client that leaves at [DONE] (as OpenAI's does) neither fails the call nor outruns its record.
+                        finished = True
+                        call.end()
+                    else:
                         chunk = json.loads(data)
                         if isinstance(chunk, dict) and chunk.get("error") is not None:
                             err = chunk["error"]
@@ -249,7 +254,8 @@ class Gateway:
                     yield f"data: {data}\n\n"
                 finished = True
             except (*BackendError, ValueError, TypeError, AttributeError, KeyError) as e:
-                call.fail(502, f"the backend's stream failed: {type(e).__name__}: {e}")
+                if not finished:  # after [DONE] the record is whole, and the writer's
+                    call.fail(502, f"the backend's stream failed: {type(e).__name__}: {e}")
                 raise
             finally:  # also when the client goes away mid-stream
                 if not finished and call.status < 400:
