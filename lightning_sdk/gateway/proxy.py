@@ -178,15 +178,18 @@ class Gateway:
             return {"policy": self.policy, "by_component": self.by_component, "base_served": dict(self.base_served),
                     "asked": dict(self.asked), "backends": b.urls, "in_flight": b.in_flight, "served": b.served}
 
-        @app.post("/v1/chat/completions")
+        # The two routes every call takes, as plain Starlette routes: FastAPI's dependency and validation machinery
+        # has nothing to do for a handler that reads the request itself, and costs the loop on every call.
         async def chat(request: Request) -> Response:
             body, size = await _json_body(request)
             return await self._relay(await self.send_chat(body, request, "chat.completions", body_bytes=size))
 
-        @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             body, size = await _json_body(request)
             return await self._relay(await self.send_chat(body, request, "completions", body_bytes=size))
+
+        app.add_route("/v1/chat/completions", chat, methods=["POST"])
+        app.add_route("/v1/completions", completions, methods=["POST"])
 
         for router in self._routers:  # before the Responses route: an added /v1/responses (a test's) wins
             app.include_router(router)
@@ -231,10 +234,15 @@ class Gateway:
             finished = False
             try:
                 async for line in upstream.aiter_lines():
-                    if not line.startswith("data:"):
+                    if finished or not line.startswith("data:"):  # after [DONE]: read to the end, for reuse
                         continue
                     data = line[5:].strip()
-                    if data != "[DONE]":
+                    if data == "[DONE]":
+                        # The stream is whole: the record goes to the writer before the agent sees its end, so a
+                        # client that leaves at [DONE] (as OpenAI's does) neither fails the call nor outruns its record.
+                        finished = True
+                        call.end()
+                    else:
                         chunk = json.loads(data)
                         if isinstance(chunk, dict) and chunk.get("error") is not None:
                             err = chunk["error"]
@@ -246,7 +254,8 @@ class Gateway:
                     yield f"data: {data}\n\n"
                 finished = True
             except (*BackendError, ValueError, TypeError, AttributeError, KeyError) as e:
-                call.fail(502, f"the backend's stream failed: {type(e).__name__}: {e}")
+                if not finished:  # after [DONE] the record is whole, and the writer's
+                    call.fail(502, f"the backend's stream failed: {type(e).__name__}: {e}")
                 raise
             finally:  # also when the client goes away mid-stream
                 if not finished and call.status < 400:
