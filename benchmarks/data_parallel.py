@@ -15,9 +15,9 @@ On a CPU the N processes share the cores one process already used: the arithmeti
 all-reduce of the adapter's gradients, so the ratio stays near 1 there; it measures the mechanics, not a gain.
 Compare with `--threads 1` on a shared machine: a torch pool of several threads on busy cores waits at every op's
 barrier for a thread that has no core, which slows the one process far more than N single-threaded ones and reads
-as a speed-up that is not data parallelism's. GPUs, each with its own memory and compute, are where it pays. train.shard = 'fsdp' adds, to every forward and
-backward pass, an all-gather of each layer's weights (and a reduce-scatter of the adapter's gradients): it buys
-memory, never speed.
+as a speed-up that is not data parallelism's. GPUs, each with its own memory and compute, are where it pays.
+train.shard = 'fsdp' adds, to every forward and backward pass, an all-gather of each layer's weights (and a
+reduce-scatter of the adapter's gradients): it buys memory, never speed.
 """
 
 from __future__ import annotations

@@ -192,7 +192,8 @@ def rank_main(rank: int, world: int, port: int, devices: str | None, threads: in
         store = dist.TCPStore("127.0.0.1", port, None, False, timeout=JOIN_TIMEOUT)
         dist.init_process_group("nccl" if gpu else "gloo", store=store, rank=rank, world_size=world,
                                 timeout=JOIN_TIMEOUT)
-        trainer = GRPOTrainer(model_path, config, ranks=process_group(config.shard, "cuda" if gpu else "cpu"), **trainer_kwargs)
+        ranks = process_group(config.shard, "cuda" if gpu else "cpu")
+        trainer = GRPOTrainer(model_path, config, ranks=ranks, **trainer_kwargs)
         conn.send(("ok", None))
     except Exception as e:  # noqa: BLE001 - told to the run, which stops
         conn.send(("error", f"{type(e).__name__}: {e}"))

@@ -447,10 +447,10 @@ class GRPOTrainer:
                 self._save_adapters(tmp, state)
 
     def _named(self, a: _Adapter) -> list[tuple[str, torch.nn.Parameter]]:
-        """`a`'s parameters by name (the model's own names, e.g. `...lora_A.default.weight`)."""
-        if self._multi:
-            return _adapter_params(self.model, a.name, named=True)
-        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        """`a`'s parameters by name (the model's own names, e.g. `...lora_A.default.weight`): the ones its optimizer
+        steps, whatever requires_grad says now (peft's disable_adapter flips it)."""
+        mine = {id(p) for p in a.params}
+        return [(n, p) for n, p in self.model.named_parameters() if id(p) in mine]
 
     def _adapter_state(self) -> dict[str, torch.Tensor]:
         """Every adapter's parameters by name, whole (gathered where sharded: every process calls this)."""
