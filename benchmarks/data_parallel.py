@@ -2,18 +2,22 @@
 
     python benchmarks/data_parallel.py                    # the CPU: 2 gloo processes vs 1, the tiny model
     python benchmarks/data_parallel.py --device cuda --processes 4 --model DIR   # N GPUs vs 1 (gpu_proof.sh --gpus)
+    python benchmarks/data_parallel.py --shard none fsdp  # also N processes with the base sharded (train.shard)
 
 One update = GRPOTrainer.step on a fixed batch of `--prompts` x `--group` random completions (lengths in [L/2, L]),
 rewards 0/1, one epoch, LoRA on every linear layer. One process runs in this interpreter with every thread this
 process has (or on GPU 0); the N processes are the run's own (train.ranks.TrainerProcesses), those threads shared
-between them (or one GPU each). The first update of each is a warm-up. Prints seconds per update of each, the
-update's model FLOPs per second per device, `loadavg` at the time and `speedup=<one / N>` last.
+between them (or one GPU each), once per `--shard` value. The first update of each is a warm-up. Prints seconds per
+update of each, the base parameters each process holds, `loadavg` at the time and `speedup=<one / N>` last (N
+processes with the first `--shard` value).
 
 On a CPU the N processes share the cores one process already used: the arithmetic is the same, split, plus one
 all-reduce of the adapter's gradients, so the ratio stays near 1 there; it measures the mechanics, not a gain.
 Compare with `--threads 1` on a shared machine: a torch pool of several threads on busy cores waits at every op's
 barrier for a thread that has no core, which slows the one process far more than N single-threaded ones and reads
 as a speed-up that is not data parallelism's. GPUs, each with its own memory and compute, are where it pays.
+train.shard = 'fsdp' adds, to every forward and backward pass, an all-gather of each layer's weights (and a
+reduce-scatter of the adapter's gradients): it buys memory, never speed.
 """
 
 from __future__ import annotations
@@ -59,8 +63,10 @@ def timed(trainer, batch: list, updates: int) -> list[float]:
 
 
 def compare(model_path: str, processes: int, device: str, *, updates: int, prompts: int, group: int, length: int,
-            micro_batch_size: int, threads: int | None = None) -> dict[str, float]:
-    """Seconds per update of one process and of `processes`, and the update's input tokens."""
+            micro_batch_size: int, threads: int | None = None, shards: tuple[str, ...] = ("none",)) -> dict:
+    """Seconds per update of one process ('one_s') and of `processes` with each train.shard of `shards`
+    ('<shard>_s'; 'n_s' the first's), the base parameters each of those processes held ('<shard>_held') and the
+    update's input tokens."""
     import torch
 
     from lightning_sdk.config import TrainConfig
@@ -78,11 +84,15 @@ def compare(model_path: str, processes: int, device: str, *, updates: int, promp
     del one
     if device != "cpu":
         torch.cuda.empty_cache()
-    with TrainerProcesses(model_path, TrainConfig(processes=processes, **settings), threads=threads, seed=0,
-                          dtype=dtype) as ranks:
-        multi = timed(ranks, batch, updates)
-    return {"one_s": statistics.median(single), "n_s": statistics.median(multi),
-            "tokens": float(sum(len(t.prompt_ids) + len(t.completion_ids) for t in batch))}
+    out = {"one_s": statistics.median(single),
+           "tokens": float(sum(len(t.prompt_ids) + len(t.completion_ids) for t in batch))}
+    for shard in shards:
+        with TrainerProcesses(model_path, TrainConfig(processes=processes, shard=shard, **settings), threads=threads,
+                              seed=0, dtype=dtype) as ranks:
+            out[f"{shard}_s"] = statistics.median(timed(ranks, batch, updates))
+            out[f"{shard}_held"] = [h["held"] for h in ranks.held_parameters()]
+    out["n_s"] = out[f"{shards[0]}_s"]
+    return out
 
 
 def main() -> int:
@@ -95,6 +105,8 @@ def main() -> int:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--shard", nargs="+", default=["none"], choices=["none", "fsdp"],
+                   help="train.shard of the N processes, each measured in turn")
     p.add_argument("--threads", type=int, default=None, help="torch threads of the one process (default torch's); "
                    "the N processes share them, at least 1 each")
     args = p.parse_args()
@@ -102,10 +114,14 @@ def main() -> int:
 
     path = models.resolve(args.model)
     r = compare(path, args.processes, args.device, updates=args.updates, prompts=args.prompts, group=args.group,
-                length=args.length, micro_batch_size=args.micro_batch_size, threads=args.threads)
+                length=args.length, micro_batch_size=args.micro_batch_size, threads=args.threads,
+                shards=tuple(args.shard))
     load = Path("/proc/loadavg").read_text().strip() if Path("/proc/loadavg").exists() else "n/a"
-    print(f"one process ({args.threads or 'default'} threads): {r['one_s']:.3f} s/update | {args.processes} "
-          f"processes: {r['n_s']:.3f} s/update | {r['tokens']:.0f} tokens/update | loadavg {load}")
+    each = " | ".join(f"{args.processes} processes, train.shard = {s}: {r[f'{s}_s']:.3f} s/update "
+                      f"(one/this {r['one_s'] / r[f'{s}_s']:.3f}), base parameters held {r[f'{s}_held']}"
+                      for s in args.shard)
+    print(f"one process ({args.threads or 'default'} threads): {r['one_s']:.3f} s/update | {each} | "
+          f"{r['tokens']:.0f} tokens/update | loadavg {load}")
     print(f"speedup={r['one_s'] / r['n_s']:.3f}")
     return 0
 

@@ -310,6 +310,10 @@ class TrainConfig(_Section):
                            "world size): each takes a share of every batch's micro-batches, their gradients are "
                            "summed, every process steps alike and one writes the checkpoints. On GPUs one per "
                            "training GPU; 1 trains in the run's own process")
+    shard: Literal["none", "fsdp"] = Field(
+        "none", description="'none': every process holds the whole base model; 'fsdp': each holds 1/processes of "
+                            "every parameter (torch's FSDP2), for a base that does not fit one device, at the cost of "
+                            "gathering each layer's weights for every forward and backward pass (docs/scaling.md)")
 
     @field_validator("device")
     @classmethod
@@ -343,6 +347,13 @@ class TrainConfig(_Section):
         if self.processes > 1 and self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.processes = {self.processes} gives each process a device of its own, so "
                              f"train.device = {self.device!r} cannot name one: expected 'auto', 'cpu' or 'cuda'")
+        return self
+
+    @model_validator(mode="after")
+    def _shard_needs_processes(self):
+        if self.shard == "fsdp" and self.processes < 2:
+            raise ValueError(f"train.shard = 'fsdp' splits the base model over the trainer processes: expected "
+                             f"train.processes >= 2 (it is {self.processes}), or train.shard = 'none'")
         return self
 
     @model_validator(mode="after")
@@ -516,6 +527,21 @@ class Config(_Section):
                     raise ValueError(f"policies.{name}.components: {c!r} is already in policies.{owner[c]}; a "
                                      f"component's calls are served and trained by one policy")
                 owner[c] = name
+        return self
+
+    @model_validator(mode="after")
+    def _sharding(self):
+        if self.train.shard != "fsdp":
+            return self
+        if self.model.quantization == "4bit":
+            # FSDP shards 4-bit weights only with bnb_4bit_quant_storage set to the float dtype, which the loader
+            # does not set and no machine here can test (bitsandbytes needs a GPU).
+            raise ValueError("model.quantization = '4bit' with train.shard = 'fsdp': sharding a 4-bit base is not "
+                             "supported; set train.shard = 'none' (QLoRA on each process) or model.quantization = "
+                             "'none'")
+        if self.policies:
+            raise ValueError(f"[policies] ({', '.join(self.policies)}) with train.shard = 'fsdp': a sharded base "
+                             f"trains one adapter; set train.shard = 'none' or keep one policy")
         return self
 
     @model_validator(mode="after")

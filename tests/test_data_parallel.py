@@ -1,6 +1,7 @@
 """The data-parallel trainer (train.processes = 2) on the CPU with gloo: real processes, real all-reduce, the tiny
-builtin model. Two processes make the same update as one on the same batch; a killed process stops the next call
-with one line, not a hang."""
+builtin model. Two processes make the same update as one on the same batch, with the base whole in each or sharded
+over them (train.shard = 'fsdp'), and resume from the checkpoint process 0 wrote; a killed process stops the next
+call with one line, not a hang."""
 
 from __future__ import annotations
 
@@ -37,26 +38,62 @@ def two(model_path):
         yield ranks
 
 
-def test_two_processes_make_the_same_update_as_one(two, model_path, tok, tmp_path):
+@pytest.fixture(scope="module")
+def sharded(model_path):
+    with TrainerProcesses(model_path, TrainConfig(processes=2, shard="fsdp", **SETTINGS), threads=2, seed=0) as ranks:
+        yield ranks
+
+
+def _worst(one: GRPOTrainer, checkpoint: Path) -> float:
+    """The largest difference between `one`'s adapter and the one the processes wrote to `checkpoint`."""
+    saved = load_file(checkpoint / ADAPTER / "adapter_model.safetensors")
+    mine = {n: p.detach() for n, p in one.model.named_parameters() if p.requires_grad}
+    assert len(saved) == len(mine) > 0
+    assert any("lora_B" in n and mine[n].abs().max() > 0 for n in mine)  # moved: two untouched adapters prove nothing
+    return max((saved[k] - mine[n]).abs().max().item() for n in mine for k in saved if k == n.replace(".default", ""))
+
+
+@pytest.mark.parametrize("ranks", ["two", "sharded"])
+def test_two_processes_make_the_same_update_as_one_and_resume(ranks, request, model_path, tok, tmp_path):
+    """The same update as one process, whether each process holds the whole base or half of it; then the checkpoint
+    process 0 wrote (the adapter and Adam's moments whole, as one process writes them) resumes: a step taken after
+    it is undone by the load, and the next equals one process's second step."""
+    two = request.getfixturevalue(ranks)
     one = GRPOTrainer(model_path, TrainConfig(**SETTINGS), seed=0)
     expected = one.step(mixed_batch(tok))
     got = two.step(mixed_batch(tok))
     two.save_state(tmp_path / "ckpt")  # rank 0 writes it
-    saved = load_file(tmp_path / "ckpt" / ADAPTER / "adapter_model.safetensors")
-    mine = {n: p.detach() for n, p in one.model.named_parameters() if p.requires_grad}
-    assert len(saved) == len(mine) > 0
-    worst = max((saved[k] - mine[n]).abs().max().item()
-                for n in mine for k in saved if k == n.replace(".default", ""))
-    print("largest adapter difference, 2 processes vs 1:", worst)
-    assert worst <= 1e-6, worst
-    changed = [n for n in mine if "lora_B" in n and mine[n].abs().max() > 0]
-    assert changed  # the update moved the adapter: an equality of two untouched adapters would prove nothing
-    for key in ("loss", "grad_norm", "kl", "clip_frac", "entropy", "logprob_gap", "num_transitions", "num_tokens"):
-        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7, nan_ok=True), key
-    assert got["step"] == expected["step"] == 1.0
-    # the second process loads the checkpoint rank 0 wrote, and both continue from it
-    two.load_state(tmp_path / "ckpt")
     assert not (tmp_path / "ckpt.tmp").exists()
+    worst = _worst(one, tmp_path / "ckpt")
+    print(f"largest adapter difference, 2 processes ({ranks}) vs 1:", worst)
+    assert worst <= 1e-6, worst
+    # Sharded, the gradient norm is a sum over shards in another order: epoch 2's loss (a small sum of terms near 1,
+    # after a step clipped by that norm) moves in its 7th digit.
+    for key in ("loss", "grad_norm", "kl", "clip_frac", "entropy", "logprob_gap", "num_transitions", "num_tokens"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6, nan_ok=True), key
+    assert got["step"] == expected["step"] == 1.0
+    ours = torch.load(tmp_path / "ckpt" / "optimizer.pt")["state"]
+    theirs = one.optimizer.state_dict()["state"]
+    assert ours.keys() == theirs.keys() and all(
+        (ours[i][k] - theirs[i][k]).abs().max() <= 1e-6 for i in theirs for k in ("exp_avg", "exp_avg_sq"))
+
+    two.step(mixed_batch(tok)[:4])  # moves the adapter away from the checkpoint's
+    two.load_state(tmp_path / "ckpt")  # every process loads the checkpoint rank 0 wrote
+    expected = one.step(mixed_batch(tok))
+    got = two.step(mixed_batch(tok))
+    assert got["step"] == expected["step"] == 2.0
+    two.save_state(tmp_path / "ckpt2")
+    worst = _worst(one, tmp_path / "ckpt2")
+    assert worst <= 1e-6, worst
+
+
+def test_sharded_processes_each_hold_half_the_base(sharded, two):
+    whole, halves = two.held_parameters(), sharded.held_parameters()
+    total = whole[0]["total"]
+    assert [h["held"] for h in whole] == [total, total] and all(h["total"] == total for h in halves)
+    print("base parameters held by each sharded process:", [h["held"] for h in halves], "of", total)
+    assert sum(h["held"] for h in halves) == total  # each parameter held once
+    assert all(abs(h["held"] - total / 2) <= 0.01 * total for h in halves), halves
 
 
 def test_a_killed_process_stops_the_next_update_with_one_line(two, tok):
@@ -128,6 +165,21 @@ def test_a_two_process_run_a_killed_process_and_its_resume(tmp_path):
 def test_processes_is_validated_once_in_the_config():
     assert TrainConfig().processes == 1  # the single-process path, in the run's own process
     for bad, words in (({"processes": 0}, "greater than or equal to 1"),
-                       ({"processes": 2, "device": "cuda:1"}, "train.device = 'cuda:1' cannot name one")):
+                       ({"processes": 2, "device": "cuda:1"}, "train.device = 'cuda:1' cannot name one"),
+                       ({"shard": "fsdp"}, r"train.shard = 'fsdp' .* expected train.processes >= 2 \(it is 1\)"),
+                       ({"processes": 2, "shard": "zero3"}, "'none' or 'fsdp'")):
         with pytest.raises(ValueError, match=words):
             TrainConfig(**bad)
+
+
+def test_a_sharded_4bit_base_is_refused_with_one_line(tmp_path):
+    """QLoRA under FSDP needs bitsandbytes' bnb_4bit_quant_storage, untestable without a GPU: refused, exit 2."""
+    project = arith_project(tmp_path)
+    toml = (project / "lightning.toml").read_text()
+    (project / "lightning.toml").write_text(toml.replace("[train]\n", "[train]\nprocesses = 2\nshard = \"fsdp\"\n")
+                                            .replace("[model]\n", "[model]\nquantization = \"4bit\"\n"))
+    out = lightning("run", cwd=project, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if "train.shard" in line]
+    assert len(lines) == 1 and "model.quantization = '4bit'" in lines[0], out.stdout + out.stderr
+    assert not (project / "run").exists()

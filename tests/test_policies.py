@@ -57,6 +57,8 @@ def test_policies_take_train_and_their_own_keys(tmp_path):
     ('[rollout]\ncomponents = ["a"]\n[policies.w]\ncomponents = ["a"]\n',
      "rollout.components and [policies] both choose the components to train: keep one of them"),
     ('[policies.default]\ncomponents = ["a"]\n', "policies.default: expected"),
+    ('[train]\nprocesses = 2\nshard = "fsdp"\n[policies.w]\ncomponents = ["a"]\n',
+     "[policies] (w) with train.shard = 'fsdp': a sharded base trains one adapter"),
 ])
 def test_bad_policies_are_one_line(tmp_path, extra, line):
     with pytest.raises(config.ConfigError) as e:

@@ -93,7 +93,12 @@ class TrainerProcesses:
         return self._call(range(self.world), "step", "an update", list(transitions), scored)[0]
 
     def save_state(self, path: str | Path) -> None:
-        self._call([0], "save_state", "a checkpoint write", str(path))
+        # Every rank takes part (a sharded adapter is gathered whole first); rank 0 alone writes.
+        self._call(range(self.world), "save_state", "a checkpoint write", str(path))
+
+    def held_parameters(self) -> list[dict[str, int]]:
+        """Each rank's GRPOTrainer.held_parameters, in rank order."""
+        return self._call(range(self.world), "held_parameters", "a count")
 
     def load_state(self, path: str | Path) -> None:
         self._call(range(self.world), "load_state", "the resume", str(path))
@@ -175,7 +180,7 @@ def rank_main(rank: int, world: int, port: int, devices: str | None, threads: in
     import torch
     import torch.distributed as dist
 
-    from lightning_sdk.train.data_parallel import ProcessGroup
+    from lightning_sdk.train.data_parallel import process_group
     from lightning_sdk.train.trainer import GRPOTrainer
 
     torch.set_num_threads(threads)
@@ -187,7 +192,8 @@ def rank_main(rank: int, world: int, port: int, devices: str | None, threads: in
         store = dist.TCPStore("127.0.0.1", port, None, False, timeout=JOIN_TIMEOUT)
         dist.init_process_group("nccl" if gpu else "gloo", store=store, rank=rank, world_size=world,
                                 timeout=JOIN_TIMEOUT)
-        trainer = GRPOTrainer(model_path, config, ranks=ProcessGroup(), **trainer_kwargs)
+        ranks = process_group(config.shard, "cuda" if gpu else "cpu")
+        trainer = GRPOTrainer(model_path, config, ranks=ranks, **trainer_kwargs)
         conn.send(("ok", None))
     except Exception as e:  # noqa: BLE001 - told to the run, which stops
         conn.send(("error", f"{type(e).__name__}: {e}"))

@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -114,7 +114,8 @@ class GRPOTrainer:
         self.device = resolve_device(config.device)
         self.global_step = 0
         torch.manual_seed(seed)  # the LoRA init
-        base = models.load_causal_lm(model_path, dtype=dtype, quantization=quantization, device=self.device)
+        base = models.load_causal_lm(model_path, dtype=dtype, quantization=quantization,
+                                     device=self.ranks.load_device(self.device))
         ckpt = {"use_reentrant": False}  # non-reentrant: works with frozen inputs, no enable_input_require_grads
         with warnings.catch_warnings():
             # peft still calls transformers' v5-deprecated *gradient_checkpointing* names; nothing for a user to fix
@@ -140,6 +141,7 @@ class GRPOTrainer:
                     self.model = get_peft_model(base, lora, adapter_name=name)
                 else:
                     self.model.add_adapter(name, lora)
+        self.model = self.ranks.shard(self.model)  # before the optimizers: they step the parameters it holds
         self.adapters: dict[str, _Adapter] = {}
         self._multi = policies is not None  # named adapters, metrics and checkpoint files per policy
         for name, c, components in specs:
@@ -179,6 +181,13 @@ class GRPOTrainer:
     @property
     def scheduler(self) -> Any:
         return self._single().scheduler
+
+    def held_parameters(self) -> dict[str, int]:
+        """The base model's parameters this process holds ('held') of all of them ('total'): all without sharding,
+        about 1/train.processes of them with train.shard = 'fsdp'."""
+        adapters = {id(p) for p in self._all_params()}
+        base = [p for p in self.model.parameters() if id(p) not in adapters]
+        return {"held": sum(self.ranks.held(p) for p in base), "total": sum(p.numel() for p in base)}
 
     def _single(self) -> _Adapter:
         if self._multi:
@@ -377,8 +386,12 @@ class GRPOTrainer:
         rows.sort(key=lambda r: r.length)  # similar lengths together: less padding
         mine = self.ranks.share(rows)
         chunks = [mine[k:k + cfg.micro_batch_size] for k in range(0, len(mine), cfg.micro_batch_size)]
-        return _Plan(ts, adv, frac, sum(masked), order, [collate(c, ts, adv, w, self.device, masks) for c in chunks],
-                     sum(r.length for r in rows))
+        batches = [collate(c, ts, adv, w, self.device, masks) for c in chunks]
+        for _ in range(self.ranks.lockstep(len(batches)) - len(batches)):  # passes that weigh 0 (data_parallel)
+            b = collate(rows[:1], ts, adv, w, self.device, masks)
+            batches.append(replace(b, weights=torch.zeros_like(b.weights),
+                                   has_sampler_logp=torch.zeros_like(b.has_sampler_logp)))
+        return _Plan(ts, adv, frac, sum(masked), order, batches, sum(r.length for r in rows))
 
     def _frozen_logprobs(self, batches: list[Batch]) -> tuple[list, list]:
         """The policy's dropout-free log-probs before this update, and the reference's, each computed only when
@@ -427,24 +440,32 @@ class GRPOTrainer:
 
     def save_adapter(self, path: str | Path) -> None:
         """A PEFT adapter dir (adapter_config.json + adapter_model.safetensors) for PeftModel.from_pretrained; with
-        several policies, one such dir per policy under `path`."""
-        with atomic_dir(path) as tmp:
-            self._save_adapters(tmp)
+        several policies, one such dir per policy under `path`. Every process calls it; process 0 writes."""
+        state = self._adapter_state()
+        if self.ranks.rank == 0:
+            with atomic_dir(path) as tmp:
+                self._save_adapters(tmp, state)
 
+    def _named(self, a: _Adapter) -> list[tuple[str, torch.nn.Parameter]]:
+        """`a`'s parameters by name (the model's own names, e.g. `...lora_A.default.weight`): the ones its optimizer
+        steps, whatever requires_grad says now (peft's disable_adapter flips it)."""
+        mine = {id(p) for p in a.params}
+        return [(n, p) for n, p in self.model.named_parameters() if id(p) in mine]
 
-    def _save_adapters(self, path: Path) -> None:
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        """Every adapter's parameters by name, whole (gathered where sharded: every process calls this)."""
+        return {n: self.ranks.whole(p) for a in self.adapters.values() for n, p in self._named(a)}
+
+    def _save_adapters(self, path: Path, state: dict[str, torch.Tensor]) -> None:
         # An adapter with a nan or inf is never written, so it is never served or published either.
-        for a in self.adapters.values():
-            named = _adapter_params(self.model, a.name, named=True) if self._multi else \
-                [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-            bad = first_nonfinite((n, p.detach()) for n, p in named)
-            if bad is not None:
-                raise RunError(f"the adapter after update {self.global_step} holds nan or inf (first in {bad}); it is "
-                               f"not saved, served or published. The previous checkpoint is intact: lower train.lr "
-                               f"or train.max_grad_norm and --resume")
+        bad = first_nonfinite(state.items())
+        if bad is not None:
+            raise RunError(f"the adapter after update {self.global_step} holds nan or inf (first in {bad}); it is "
+                           f"not saved, served or published. The previous checkpoint is intact: lower train.lr "
+                           f"or train.max_grad_norm and --resume")
         # The adapter only: with lm_head targeted peft would also copy the frozen head (vocab x hidden), which
         # the base model already has. peft writes a named adapter to `path/<name>/`.
-        self.model.save_pretrained(path, save_embedding_layers=False,
+        self.model.save_pretrained(path, save_embedding_layers=False, state_dict=state,
                                    **({"selected_adapters": list(self.adapters)} if self._multi else {}))
 
     def _files(self, path: Path, a: _Adapter) -> tuple[Path, Path, Path]:
@@ -454,12 +475,17 @@ class GRPOTrainer:
         return path / ADAPTERS / a.name, path / f"optimizer-{a.name}.pt", path / f"scheduler-{a.name}.pt"
 
     def save_state(self, path: str | Path) -> None:
-        """Everything needed to resume: adapters, optimizers, step counter, RNG. Appears only once complete."""
+        """Everything needed to resume: adapters, optimizers, step counter, RNG. Appears only once complete. Every
+        process calls it (a sharded adapter and its optimizer state are gathered first); process 0 writes."""
+        state = self._adapter_state()
+        optimizers = {a.name: self._optimizer_state(a) for a in self.adapters.values()}
+        if self.ranks.rank != 0:
+            return
         with atomic_dir(path) as tmp:
-            self._save_adapters(tmp / ADAPTERS if self._multi else tmp / ADAPTER)
+            self._save_adapters(tmp / ADAPTERS if self._multi else tmp / ADAPTER, state)
             for a in self.adapters.values():
                 _, opt, sched = self._files(tmp, a)
-                torch.save(a.optimizer.state_dict(), opt)
+                torch.save(optimizers[a.name], opt)
                 torch.save(a.scheduler.state_dict(), sched)
             # Not Python's `random`: the trainer does not draw from it, and restoring it on resume replayed the
             # span ids OpenTelemetry draws from it. (Older checkpoints' "python" entry is ignored on load.)
@@ -471,8 +497,37 @@ class GRPOTrainer:
                      **({"policies": shape} if self._multi else {"adapter": shape["default"]})}
             (tmp / "trainer_state.json").write_text(json.dumps(state))
 
+    def _optimizer_state(self, a: _Adapter) -> dict:
+        """`a`'s optimizer state as one process holds it, whole (the same file whatever train.shard wrote it)."""
+        sd = a.optimizer.state_dict()
+        sd["state"] = {i: {k: self.ranks.whole(v) if torch.is_tensor(v) else v for k, v in st.items()}
+                       for i, st in sd["state"].items()}
+        return sd
+
+    def _load_optimizer_state(self, a: _Adapter, sd: dict) -> None:
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        params = dict(zip(ids, (p for g in a.optimizer.param_groups for p in g["params"])))
+        sd["state"] = {i: {k: self.ranks.part(params[i], v) if torch.is_tensor(v) and v.dim() else v
+                           for k, v in st.items()} for i, st in sd["state"].items()}
+        a.optimizer.load_state_dict(sd)
+
+    def _load_adapter(self, a: _Adapter, weights: dict[str, torch.Tensor], path: Path) -> None:
+        """`a`'s parameters from a peft adapter file's `weights` (each process its shard of them)."""
+        from peft.utils import get_peft_model_state_dict
+
+        named = self._named(a)
+        # peft's names in the file for the model's parameters: the same objects under the names it saves them by.
+        saved = get_peft_model_state_dict(self.model, state_dict=dict(named), adapter_name=a.name,
+                                          save_embedding_layers=False)
+        key = {id(p): k for k, p in saved.items()}
+        missing = [n for n, p in named if key.get(id(p)) not in weights]
+        if missing:
+            raise ValueError(f"{path}: adapter does not match this model (missing {missing[:3]}...)")
+        with torch.no_grad():
+            for _, p in named:
+                p.copy_(self.ranks.part(p, weights[key[id(p)]]))
+
     def load_state(self, path: str | Path) -> None:
-        from peft.utils import set_peft_model_state_dict
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -481,12 +536,8 @@ class GRPOTrainer:
         global_step = json.loads((path / "trainer_state.json").read_text())["global_step"]
         for a in self.adapters.values():
             adapter, opt, sched = self._files(path, a)
-            weights = load_file(adapter / "adapter_model.safetensors", device=self.device)
-            result = set_peft_model_state_dict(self.model, weights, adapter_name=a.name)
-            missing = [k for k in result.missing_keys if "lora_" in k and f".{a.name}." in k]
-            if missing:
-                raise ValueError(f"{path}: adapter does not match this model (missing {missing[:3]}...)")
-            a.optimizer.load_state_dict(torch.load(opt, map_location=self.device))
+            self._load_adapter(a, load_file(adapter / "adapter_model.safetensors", device=self.device), path)
+            self._load_optimizer_state(a, torch.load(opt, map_location=self.device))
             saved_lr = a.optimizer.param_groups[0].get("initial_lr", a.optimizer.param_groups[0]["lr"])
             if sched.exists():
                 a.scheduler.load_state_dict(torch.load(sched))
