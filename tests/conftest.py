@@ -1,9 +1,15 @@
 """Shared fixtures: one real built-in server on 127.0.0.1 for the tracing tests, and a fresh traced store."""
 
 import contextlib
+import os
 import secrets
 
 import pytest
+
+# Under pytest-xdist (the README's `-n 2`), each worker and what it starts (servers, `lightning run`s) gets one torch
+# thread: two pools of every core on the same cores slow each other several times over (servers/select.py).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from lightning_sdk import models, tracing
 from lightning_sdk.store import Store
