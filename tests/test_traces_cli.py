@@ -45,7 +45,7 @@ def runs(tmp_path, gateway_server):
 
 
 def traces(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}  # a wide table: no id cut short
     return subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "traces", *args], capture_output=True,
                           text=True, timeout=120, env=env)
 
