@@ -42,7 +42,7 @@ def start_trainer(cfg: Config, stack: ExitStack, model_path: str, policies: list
     `gpus`: the placement's for the trainer (visible indices; () = train.device). train.processes = 1: in this
     process, on the first of `gpus`; more: data-parallel processes (train/ranks.py), one GPU each, stopped when
     `stack` closes."""
-    from lightning_sdk.train.ranks import start_trainer as start_ranks
+    from lightning_sdk.train.ranks import one_or_more_processes
 
     train = cfg.train
     devices = None
@@ -51,6 +51,7 @@ def start_trainer(cfg: Config, stack: ExitStack, model_path: str, policies: list
             train = train.model_copy(update={"device": f"cuda:{gpus[0]}"})
         else:
             devices = [gpu_environment((g,))["CUDA_VISIBLE_DEVICES"] for g in gpus[:train.processes]]
-    return start_ranks(model_path, train, stack, devices=devices, quantization=cfg.model.quantization,
-                       dtype=cfg.model.dtype, seed=cfg.run.seed, total_steps=cfg.run.iterations * cfg.train.epochs,
-                       policies=policies, backend=resolved_backend(cfg))
+    return one_or_more_processes(model_path, train, stack, devices=devices, quantization=cfg.model.quantization,
+                                 dtype=cfg.model.dtype, seed=cfg.run.seed,
+                                 total_steps=cfg.run.iterations * cfg.train.epochs, policies=policies,
+                                 backend=resolved_backend(cfg))

@@ -218,8 +218,8 @@ def rank_main(rank: int, world: int, port: int, devices: str | None, threads: in
         dist.destroy_process_group()
 
 
-def start_trainer(model_path: str, config: TrainConfig, stack: ExitStack, *, devices: Sequence[str] | None = None,
-                  **trainer_kwargs: Any) -> Any:
+def one_or_more_processes(model_path: str, config: TrainConfig, stack: ExitStack, *,
+                          devices: Sequence[str] | None = None, **trainer_kwargs: Any) -> Any:
     """The run's trainer: a GRPOTrainer in this process with train.processes = 1 (the single-process path, as it
     always was), else TrainerProcesses, stopped when `stack` closes. `devices`: each rank's CUDA_VISIBLE_DEVICES
     (a placement's; default rank_devices)."""
