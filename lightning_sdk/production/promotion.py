@@ -18,8 +18,8 @@ from lightning_sdk.production.learner import Update
 from lightning_sdk.servers import InferenceServer
 from lightning_sdk.train.checkpoint import ADAPTER
 
-# A PEFT adapter directory (None: the base model) -> one score per eval task, in the same task order every time.
-Scorer = Callable[[Path | None], list[float]]
+# (a PEFT adapter directory or None for the base model, its version) -> one score per eval task, in task order.
+Scorer = Callable[[Path | None, int], list[float]]
 
 
 def eval_scorer(cfg) -> Scorer:
@@ -32,20 +32,21 @@ def eval_scorer(cfg) -> Scorer:
     tasks = data.load(cfg.data.eval, cfg.data.required_fields)
     rule = credit.resolve(cfg.rollout.credit)
     quiet = Console(quiet=True)
-    return lambda adapter: evaluate(cfg, quiet, rule, tasks, adapter).scores
+    # The eval serves version n as `<run>-iter<n>` and stores its rollouts at iteration n, as `lightning eval` does.
+    return lambda adapter, version: evaluate(cfg, quiet, rule, tasks, adapter, iteration=version).scores
 
 
-def last_promoted(path: str | Path) -> tuple[str, Path] | None:
-    """The adapter promoted last (its served name and PEFT directory), if any."""
+def last_promoted(path: str | Path) -> tuple[str, Path, int] | None:
+    """The adapter promoted last (its served name, PEFT directory and version), if any."""
     promoted = [d for d in gate.decisions(path) if d.promoted]
     if not promoted:
         return None
     db = sqlite3.connect(path, timeout=30)
     try:
-        row = db.execute("SELECT checkpoint FROM learn_updates WHERE adapter=?", (promoted[-1].candidate,)).fetchone()
+        row = db.execute("SELECT checkpoint, version FROM learn_updates WHERE adapter=?", (promoted[-1].candidate,)).fetchone()
     finally:
         db.close()
-    return (promoted[-1].candidate, Path(row[0]) / ADAPTER) if row else None
+    return (promoted[-1].candidate, Path(row[0]) / ADAPTER, row[1]) if row else None
 
 
 class Promoter:
@@ -55,26 +56,26 @@ class Promoter:
                  margin: float, z: float):
         self.path, self.server, self.gateway, self.scorer = store_path, server, gateway, scorer
         self.margin, self.z = margin, z
-        self.serving: tuple[str, Path | None] = (gateway.policy, None)  # the base model until a promotion
+        self.serving: tuple[str, Path | None, int] = (gateway.policy, None, 0)  # the base model until a promotion
         kept = last_promoted(store_path)
         if kept is not None:
             self.serve(*kept)
 
-    def serve(self, name: str, adapter: Path) -> None:
+    def serve(self, name: str, adapter: Path, version: int) -> None:
         """The adapter into the backend, then every call routed to it (the previous one stays loaded: calls
         already routed to it finish)."""
         self.server.load_adapter(name, str(adapter))
         self.gateway.retired.add(self.gateway.policy)
         self.gateway.policy = name
-        self.serving = (name, adapter)
+        self.serving = (name, adapter, version)
 
     def consider(self, update: Update) -> gate.Decision:
-        name, adapter = self.serving
-        candidate = self.scorer(update.adapter_path)
-        serving = self.scorer(adapter)
+        name, adapter, version = self.serving
+        candidate = self.scorer(update.adapter_path, update.version)
+        serving = self.scorer(adapter, version)
         decision = gate.decide(update.adapter, candidate, name, serving, margin=self.margin, z=self.z)
         gate.record(self.path, decision)
         if decision.promoted:
-            self.serve(update.adapter, update.adapter_path)
+            self.serve(update.adapter, update.adapter_path, update.version)
         return decision
 
