@@ -57,6 +57,8 @@ class Promoter:
         self.path, self.server, self.gateway, self.scorer = store_path, server, gateway, scorer
         self.margin, self.z = margin, z
         self.serving: tuple[str, Path | None, int] = (gateway.policy, None, 0)  # the base model until a promotion
+        # The serving adapter's scores on the same tasks and seeds: from its own promotion, or scored once here.
+        self.serving_scores: list[float] | None = None
         kept = last_promoted(store_path)
         if kept is not None:
             self.serve(*kept)
@@ -68,14 +70,18 @@ class Promoter:
         self.gateway.retired.add(self.gateway.policy)
         self.gateway.policy = name
         self.serving = (name, adapter, version)
+        self.serving_scores = None
 
     def consider(self, update: Update) -> gate.Decision:
         name, adapter, version = self.serving
         candidate = self.scorer(update.adapter_path, update.version)
-        serving = self.scorer(adapter, version)
+        if self.serving_scores is None:
+            self.serving_scores = self.scorer(adapter, version)
+        serving = self.serving_scores
         decision = gate.decide(update.adapter, candidate, name, serving, margin=self.margin, z=self.z)
         gate.record(self.path, decision)
         if decision.promoted:
             self.serve(update.adapter, update.adapter_path, update.version)
+            self.serving_scores = candidate
         return decision
 
