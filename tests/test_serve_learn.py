@@ -5,6 +5,7 @@ parts throughout: the tiny model's CPU server and the gateway on 127.0.0.1, SQLi
 
 import json
 import sqlite3
+import uuid
 from pathlib import Path
 
 import openai
@@ -48,8 +49,8 @@ def traffic(dep, n: int, prompt: str = "What is 2 + 2?") -> list[str]:
     """n calls of n episodes (one each), all with the same prompt, and a reward for each: 1 for the even ones."""
     client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key=dep.api_key, max_retries=0)
     ids = []
-    for i in range(n):
-        trace = f"{len(ids) + 1:02d}" * 16
+    for _ in range(n):
+        trace = uuid.uuid4().hex  # one new episode per call
         client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": prompt}],
                                        max_tokens=4, temperature=1.0,
                                        extra_headers={"traceparent": f"00-{trace}-{'cd' * 8}-01"})
@@ -82,7 +83,7 @@ def test_learn_is_validated_at_the_edge(tmp_path):
             config.load(tmp_path / "l.toml")
 
 
-def test_the_trainer_consumes_rewarded_calls_and_a_restart_repeats_no_update(tmp_path):
+def test_the_trainer_consumes_rewarded_calls_a_restart_repeats_no_update_and_stale_calls_are_counted(tmp_path):
     cfg = project(tmp_path)
     d = tmp_path / "serve"
     dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key=None, retention_s=3600, scorer=no_gate)
@@ -123,28 +124,18 @@ def test_the_trainer_consumes_rewarded_calls_and_a_restart_repeats_no_update(tmp
         dep.schedule.run_once()
         assert [u["version"] for u in learner.updates()] == [1, 2]
         ev = json.loads(learner.updates()[1]["evidence"])
-        assert ev["rewards"] == 4 and learner.trainer().global_step == 2
-    finally:
-        dep.close()
-
-
-def test_calls_of_an_adapter_more_than_k_versions_old_are_left_out_and_counted(tmp_path):
-    cfg = project(tmp_path, every=2, behind=0)
-    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
-                           scorer=no_gate)
-    try:
-        learner = dep.schedule.learner
-        old = traffic(dep, 4)  # served by the base model (version 0)
+        # the base model (version 0) served these calls, read by the update after version 1: 1 <= K old, kept
+        assert (ev["rewards"], ev["calls"], ev["stale"]) == (4, 4, 0) and learner.trainer().global_step == 2
+        # Calls of an adapter more than K versions old are left out and counted: the base model served these too
+        # (nothing was promoted), and the update after version 2 reads them 2 > K = 1 versions old.
+        late = traffic(dep, 4, prompt="What is 3 + 3?")
         dep.gateway.capture.flush()
-        reward_all(dep, old[:2])
-        dep.schedule.run_once()  # update 1
-        assert learner.version == 1
-        reward_all(dep, old[2:])  # rewards for version-0 calls, read when update 2 trains from version 1
-        dep.schedule.run_once()
-        assert learner.version == 1  # both calls stale with K = 0: nothing trained, no adapter made
-        rows = sqlite3.connect(dep.store.path).execute(
-            "SELECT version FROM learn_consumed ORDER BY rowid").fetchall()
-        assert [r[0] for r in rows] == [1, 1, None, None]  # read once (never again), trained by no update
+        reward_all(dep, late, salt="d")
+        left = dep.schedule.run_once()
+        assert (left.version, left.rewards, left.calls, left.stale) == (None, 4, 0, 4)
+        assert learner.version == 2 and learner.trainer().global_step == 2  # nothing trained, no adapter made
+        rows = sqlite3.connect(dep.store.path).execute("SELECT version FROM learn_consumed ORDER BY rowid")
+        assert [r[0] for r in rows] == [1] * 4 + [2] * 4 + [None] * 4  # each read once, by the update it names
     finally:
         dep.close()
 

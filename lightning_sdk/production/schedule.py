@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from lightning_sdk.production.learner import Learner
+from lightning_sdk.production.learner import Learner, Update
 from lightning_sdk.production.promotion import Promoter
 
 log = logging.getLogger("lightning_sdk")
@@ -31,18 +31,19 @@ class Schedule:
         self._stop.set()
         self._thread.join()
 
-    def run_once(self) -> None:
-        """One update and its gate, if due."""
+    def run_once(self) -> Update | None:
+        """One update and its gate, if due; what the update read, trained and left out."""
         if not self.learner.due():
-            return
+            return None
         update = self.learner.update()
         if update.version is None:
             log.info("learn: %d reward(s) read, nothing could train (%d stale, %d without a baseline)",
                      update.rewards, update.stale, update.no_baseline)
-            return
+            return update
         decision = self.promoter.consider(update)
         log.info("learn: update %d on %d call(s) (%d stale left out): %s, %s", update.version, update.calls,
                  update.stale, "promoted" if decision.promoted else "rejected", decision.reason)
+        return update
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_seconds):
