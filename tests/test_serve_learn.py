@@ -5,6 +5,7 @@ parts throughout: the tiny model's CPU server and the gateway on 127.0.0.1, SQLi
 
 import json
 import sqlite3
+import time
 import uuid
 from pathlib import Path
 
@@ -63,6 +64,13 @@ def reward_all(dep, traces: list[str], salt: str = "") -> None:
         dep.ledger.give({"episode_id": t, "value": float(i % 2), "feedback_id": f"{salt}{t}"})
 
 
+def wait_for(condition, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "the background trainer did not get there in time"
+        time.sleep(0.05)
+
+
 def lora_b(checkpoint: Path) -> float:
     from safetensors.torch import load_file
     w = load_file(checkpoint / "adapter" / "adapter_model.safetensors")
@@ -113,6 +121,7 @@ def test_the_trainer_consumes_rewarded_calls_a_restart_repeats_no_update_and_sta
     finally:
         dep.close()
     assert step == 1
+    cfg.learn.poll_seconds = 0.2  # from here the background thread runs the updates on its schedule
     dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key=None, retention_s=3600, scorer=no_gate)
     try:
         learner = dep.schedule.learner
@@ -121,7 +130,7 @@ def test_the_trainer_consumes_rewarded_calls_a_restart_repeats_no_update_and_sta
         more = traffic(dep, 2, prompt="What is 3 + 3?")
         dep.gateway.capture.flush()
         reward_all(dep, more, salt="c")
-        dep.schedule.run_once()
+        wait_for(lambda: learner.version == 2)
         assert [u["version"] for u in learner.updates()] == [1, 2]
         ev = json.loads(learner.updates()[1]["evidence"])
         # the base model (version 0) served these calls, read by the update after version 1: 1 <= K old, kept
@@ -131,8 +140,10 @@ def test_the_trainer_consumes_rewarded_calls_a_restart_repeats_no_update_and_sta
         late = traffic(dep, 4, prompt="What is 3 + 3?")
         dep.gateway.capture.flush()
         reward_all(dep, late, salt="d")
-        left = dep.schedule.run_once()
+        wait_for(lambda: not learner.pending())
+        left = dep.schedule.last
         assert (left.version, left.rewards, left.calls, left.stale) == (None, 4, 0, 4)
+        assert dep.schedule.failures == 0
         assert learner.version == 2 and learner.trainer().global_step == 2  # nothing trained, no adapter made
         rows = sqlite3.connect(dep.store.path).execute("SELECT version FROM learn_consumed ORDER BY rowid")
         assert [r[0] for r in rows] == [1] * 4 + [2] * 4 + [None] * 4  # each read once, by the update it names

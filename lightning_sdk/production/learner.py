@@ -86,6 +86,7 @@ class Learner:
         self.version = self._db.execute("SELECT COALESCE(MAX(version), 0) AS v FROM learn_updates").fetchone()["v"]
         self._last = time.monotonic()
         self._trainer = None
+        self._making = threading.Lock()
 
     def close(self) -> None:
         with self._lock:
@@ -114,14 +115,15 @@ class Learner:
 
     def trainer(self):
         """The GRPO trainer, made on first use and resumed from the newest committed update."""
-        if self._trainer is None:
-            from lightning_sdk.train.trainer import GRPOTrainer  # torch: only a serve that learns loads it
+        with self._making:  # made once, whichever thread asks first
+            if self._trainer is None:
+                from lightning_sdk.train.trainer import GRPOTrainer  # torch: only a serve that learns loads it
 
-            t = GRPOTrainer(models.resolve(self.cfg.model.name), self.cfg.train, seed=self.cfg.run.seed)
-            t.importance_sampling_cap = sampling_cap(self.cfg)
-            if self.version:
-                t.load_state(self.checkpoint(self.version))
-            self._trainer = t
+                t = GRPOTrainer(models.resolve(self.cfg.model.name), self.cfg.train, seed=self.cfg.run.seed)
+                t.importance_sampling_cap = sampling_cap(self.cfg)
+                if self.version:
+                    t.load_state(self.checkpoint(self.version))
+                self._trainer = t
         return self._trainer
 
     def transitions(self, rows: list[sqlite3.Row]) -> tuple[list[Transition], list[float], int, Counter]:

@@ -20,6 +20,7 @@ class Schedule:
     def __init__(self, learner: Learner, promoter: Promoter, poll_seconds: float):
         self.learner, self.promoter, self.poll_seconds = learner, promoter, poll_seconds
         self.failures = 0
+        self.last: Update | None = None  # what the latest update read, trained and left out
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="lightning-learn", daemon=True)
 
@@ -36,6 +37,7 @@ class Schedule:
         if not self.learner.due():
             return None
         update = self.learner.update()
+        self.last = update
         if update.version is None:
             log.info("learn: %d reward(s) read, nothing could train (%d stale, %d without a baseline)",
                      update.rewards, update.stale, update.no_baseline)
