@@ -241,6 +241,13 @@ def serve(config_path: Path, directory: Path | None, host: str, port: int, reten
     from lightning_sdk.errors import ServerError
     from lightning_sdk.production import deployment
 
+    if cfg.learn is not None:  # the gate's tasks, checked before anything starts or is written
+        from lightning_sdk import data
+
+        try:
+            data.load(cfg.data.eval, cfg.data.required_fields)
+        except data.DatasetError as e:
+            _fail(console, f"data.eval: {e}")
     directory = directory or cfg.run.dir / "serve"
     try:
         served = deployment.start(cfg, directory, host=host, port=port, api_key=os.environ.get("LIGHTNING_SERVE_KEY"),
@@ -252,6 +259,10 @@ def serve(config_path: Path, directory: Path | None, host: str, port: int, reten
     console.print(f"serving {cfg.model.name} at {served.url}/v1 (key: LIGHTNING_SERVE_KEY or "
                   f"{directory / deployment.KEY_FILE}); feedback: POST {served.url}/v1/feedback; "
                   f"calls and rewards: {served.store.path}", highlight=False, soft_wrap=True, markup=False)
+    if served.schedule is not None:
+        console.print(f"learning: an update every {cfg.learn.every_rewarded} rewards, each candidate gated on "
+                      f"{cfg.data.eval}; serving now: {served.gateway.policy}", highlight=False, soft_wrap=True,
+                      markup=False)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

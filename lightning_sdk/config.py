@@ -374,6 +374,25 @@ class TrainConfig(_Section):
 POLICY_KEYS = ("lr", "lora_r", "lora_alpha", "target_modules")
 
 
+class LearnConfig(_Section):
+    """[learn]: `lightning serve` trains an adapter from the rewarded calls it recorded, in the background, and
+    promotes it past the gate (docs/serve.md). [train] sets the update itself (lr, beta, LoRA shape, ...)."""
+
+    every_rewarded: int = Field(16, ge=1, description="an update once this many rewards arrived since the last one")
+    every_minutes: float | None = Field(None, gt=0, description="also an update once this many minutes passed since "
+                                        "the last one with at least one new reward; none: by count only")
+    max_versions_behind: int = Field(2, ge=0, description="K: a call served by an adapter more than K updates older "
+                                     "than the one being trained is left out (counted: stale); the importance "
+                                     "weight against its sampler log-probs corrects the ones kept")
+    reward_name: str = Field("reward", min_length=1, description="the feedback name trained on (ls.feedback name)")
+    alpha: float = Field(0.1, gt=0, le=1, description="weight of the per-component running baseline "
+                         "(production.traffic_advantage)")
+    gate_margin: float = Field(0.0, ge=0, description="a candidate is promoted only if, on data.eval's tasks, its "
+                               "lower bound (mean difference - gate_z x standard error) is >= -gate_margin")
+    gate_z: float = Field(1.645, ge=0, description="z of the gate's one-sided bound (1.645: 95%)")
+    poll_seconds: float = Field(2.0, gt=0, description="how often the trainer looks for new rewards")
+
+
 class PolicyConfig(_Section):
     """`[policies.NAME]`: one LoRA adapter, trained on the calls of `components` only, with its own optimizer."""
 
@@ -504,9 +523,21 @@ class Config(_Section):
     devices: DevicesConfig = Field(default_factory=DevicesConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
+    learn: LearnConfig | None = Field(None, description="[learn]: `lightning serve` trains from its rewarded calls "
+                                      "and promotes past the gate; none = it serves only")
     policies: dict[str, PolicyConfig] = Field(
         default_factory=dict, description="one LoRA adapter per role: [policies.NAME] components = [...]; none = "
         "one policy, named after the run, for rollout.components (docs: README, 'One policy per component')")
+
+    @model_validator(mode="after")
+    def _learn_needs_evals(self):
+        if self.learn is not None and self.policies:
+            raise ValueError("[learn] trains one adapter from served traffic; [policies] (an adapter per role) is "
+                             "not supported with it: remove one of them")
+        if self.learn is not None and self.data.eval is None:
+            raise ValueError("[learn] promotes a candidate only past the gate, which scores it on data.eval's tasks: "
+                             "set data.eval")
+        return self
 
     @model_validator(mode="after")
     def _policies_partition(self):

@@ -19,7 +19,11 @@ from lightning_sdk.config import Config
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.production.episodes import TraceEpisodes
 from lightning_sdk.production.intake import feedback_router
+from lightning_sdk.production.learner import Learner
 from lightning_sdk.production.ledger import FeedbackLedger
+from lightning_sdk.production.promotion import Promoter, Scorer, eval_scorer
+from lightning_sdk.production.schedule import Schedule
+from lightning_sdk.servers import InferenceServer
 from lightning_sdk.servers.select import make_server
 from lightning_sdk.store import Store
 
@@ -49,6 +53,8 @@ class Deployment:
     store: Store
     ledger: FeedbackLedger
     stack: ExitStack
+    server: InferenceServer
+    schedule: Schedule | None  # [learn]: the background trainer and its gate; None: serving only
 
     @property
     def url(self) -> str:
@@ -63,9 +69,11 @@ class Deployment:
 
 
 def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | None,
-          retention_s: float) -> Deployment:
+          retention_s: float, scorer: Scorer | None = None) -> Deployment:
     """Bind, start the backend, then serve; OSError if host:port cannot be listened on (nothing started or
-    written). The app's key: `api_key`, else serve.api_key, else the one kept in the directory (made once)."""
+    written). The app's key: `api_key`, else serve.api_key, else the one kept in the directory (made once).
+    With [learn], the adapter promoted last is served again and the background trainer starts; `scorer`: how the
+    gate scores an adapter (default: data.eval's tasks through the agent, production.promotion.eval_scorer)."""
     given = api_key or cfg.serve.api_key
     key = given or (kept_key(directory) if directory.is_dir() else None)
     stack = ExitStack()
@@ -87,7 +95,16 @@ def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | 
         gateway.add_routes(feedback_router(ledger, gateway.capture.flush))
         gateway.start(server.urls, backend_key=server.api_key)
         gateway.policy = cfg.model.name
+        schedule = None
+        if cfg.learn is not None:
+            learner = Learner(cfg, directory, store, ledger, base=cfg.model.name)
+            stack.callback(learner.close)
+            promoter = Promoter(store.path, server, gateway, scorer or eval_scorer(cfg), margin=cfg.learn.gate_margin,
+                                z=cfg.learn.gate_z)
+            schedule = Schedule(learner, promoter, cfg.learn.poll_seconds)
+            schedule.start()
+            stack.callback(schedule.stop)
     except BaseException:
         stack.close()
         raise
-    return Deployment(gateway, store, ledger, stack)
+    return Deployment(gateway, store, ledger, stack, server, schedule)

@@ -30,6 +30,7 @@ class Evaluated:
     score: EvalScore
     policy: str
     store: Path | None
+    scores: list[float]  # each task's score, in the order of the tasks given (what a paired comparison reads)
 
 
 def score(session: Session, tasks: list[dict], policy: dict[str, str], label: str, split: tuple[str, int],
@@ -87,6 +88,12 @@ def evaluate(cfg: Config, console: Console, credit_rule: Any, tasks: list[dict],
             scored = score(session, tasks, policy, "trained" if adapter is not None else "untrained", split,
                            iteration=0 if adapter is None else iteration or 0, say=False)
             served = session.label(policy)
+            per_task = task_scores(session.store.rollouts(phase="eval"))
         if keep is not None:
             seal(db)  # before it appears: readers of it then write nothing beside it
-    return Evaluated(scored, served, kept.path if keep is not None else None)
+    return Evaluated(scored, served, kept.path if keep is not None else None, per_task)
+
+
+def task_scores(rollouts: list) -> list[float]:
+    """The eval rollouts' scores in task order (their group ids end in the task's index: `score` names them)."""
+    return [eval_score(r.reward) for r in sorted(rollouts, key=lambda r: int(r.group_id.rsplit(":", 1)[1]))]

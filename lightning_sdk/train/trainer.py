@@ -223,13 +223,22 @@ class GRPOTrainer:
         with self.model.disable_adapter() if reference else nullcontext():
             return [self._logprobs(b) for b in batches]
 
-    def step(self, transitions: Sequence[Transition], scored: GroupOutcomes | None = None) -> dict[str, float]:
+    def step(self, transitions: Sequence[Transition], scored: GroupOutcomes | None = None, *,
+             advantages: Sequence[float] | None = None) -> dict[str, float]:
         """One update phase over one collected batch: `epochs` optimizer steps, metrics averaged over them. With
         several policies each takes its own (its adapter, its calls) and its metrics are named `<policy>.<key>`.
 
         `scored`: group id -> {rollout id: outcome} of every scored rollout of each group, those that left no
-        transition included; the group baselines come from it (without it, from the transitions' rollouts)."""
+        transition included; the group baselines come from it (without it, from the transitions' rollouts).
+        `advantages`: one per transition, made elsewhere (production traffic has no re-run groups: its estimator is
+        production.traffic_advantage); they replace the group advantages. One policy only."""
+        if advantages is not None and (self._multi or len(advantages) != len(transitions)):
+            raise ValueError(f"GRPOTrainer.step: {len(advantages)} advantages for {len(transitions)} transitions "
+                             f"(expected one each, and one policy)")
+        if advantages is not None and not all(math.isfinite(float(v)) for v in advantages):
+            raise ValueError("GRPOTrainer.step: an advantage is not a finite number; nothing non-finite is trained on")
         t0 = time.perf_counter()
+        given = None if advantages is None else dict(zip((t.span_id for t in transitions), map(float, advantages)))
         transitions, masks, mismatched = self._replay(transitions)
         if not transitions and mismatched:  # every call of the batch left out: no update, not an error
             self._advance_schedule(self.config.epochs)
@@ -237,7 +246,7 @@ class GRPOTrainer:
                     "step": float(self.global_step), "seconds": time.perf_counter() - t0}
         if not self._multi:
             a = self.adapters["default"]
-            plan = self._prepare(transitions, scored, masks=masks)
+            plan = self._prepare(transitions, scored, masks=masks, given=given)
             m, trained = self._update(a, transitions, plan, t0), bool(plan.order)
         else:
             if not transitions:
@@ -350,7 +359,8 @@ class GRPOTrainer:
         return [t for t in transitions if t.span_id not in bad], masks, len(bad)
 
     def _prepare(self, transitions: Sequence[Transition], scored: GroupOutcomes | None,
-                 components: Sequence[str] = (), *, masks: dict[str, torch.Tensor] | None = None) -> _Plan:
+                 components: Sequence[str] = (), *, masks: dict[str, torch.Tensor] | None = None,
+                 given: dict[str, float] | None = None) -> _Plan:
         """Advantages and token weights over the whole batch, then micro-batches of similar lengths (less padding).
         With `components` (one policy's), the plan holds only their calls, with the advantages of the whole batch.
 
@@ -361,17 +371,20 @@ class GRPOTrainer:
         cfg = self.config
         if not transitions:
             raise ValueError("GRPOTrainer.step: empty batch, no transitions to train on")
-        b = batch_advantages([t.outcome for t in transitions], [t.group_id for t in transitions],
-                             [t.rollout_id for t in transitions], cfg.scale_rewards,
-                             credit=[t.credit for t in transitions], shaping=[t.shaping for t in transitions],
-                             scored=scored, drop_zero_variance=cfg.drop_zero_variance_groups)
-        ts, frac = [transitions[i] for i in b.kept], b.zero_variance_frac
+        if given is not None:  # made elsewhere: every transition kept, with its own advantage
+            ts, frac, values = list(transitions), 0.0, [given[t.span_id] for t in transitions]
+        else:
+            b = batch_advantages([t.outcome for t in transitions], [t.group_id for t in transitions],
+                                 [t.rollout_id for t in transitions], cfg.scale_rewards,
+                                 credit=[t.credit for t in transitions], shaping=[t.shaping for t in transitions],
+                                 scored=scored, drop_zero_variance=cfg.drop_zero_variance_groups)
+            ts, frac, values = [transitions[i] for i in b.kept], b.zero_variance_frac, [a.value for a in b.advantages]
         args = ([t.outcome for t in ts], [t.group_id for t in ts], [t.rollout_id for t in ts])
         masked = [cfg.mask_truncated and t.finish_reason == "length" for t in ts]
         n = [0 if m else len(t.completion_ids) for t, m in zip(ts, masked)]
         if not any(n):
             return _Plan(ts, torch.zeros(len(ts)), frac, sum(masked), [], [])
-        adv = torch.tensor([a.value for a in b.advantages], dtype=torch.float64).float()
+        adv = torch.tensor(values, dtype=torch.float64).float()
         if components:
             keep = [i for i, t in enumerate(ts) if t.component in components]
             ts, adv, masked, n = [ts[i] for i in keep], adv[keep], [masked[i] for i in keep], [n[i] for i in keep]

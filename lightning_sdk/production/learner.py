@@ -1,0 +1,191 @@
+"""Training from the served log ([learn]): each update reads the rewards that arrived since the last one, turns
+the calls they score into transitions (transitions.to_transitions, from the recorded token ids and sampler
+log-probs), gives each call its traffic advantage (rewarded.call_advantages) and takes one GRPO update
+(train.trainer.GRPOTrainer, with [train]'s KL to the reference and its safeguards).
+
+Versions: update n makes adapter version n (the base model is version 0). A call served by version v is
+`trained - v` updates old when the update after `trained` reads it; more than learn.max_versions_behind and it is
+left out, counted (pipeline.split_stale, as pipelined training does). The calls kept all came from this or older
+adapters, so the importance weight against their sampler log-probs is always on ('auto' = AUTO_IS_CAP).
+
+Restart: update n's trainer checkpoint (adapter, optimizer, schedule, RNG) is written first, then one SQLite
+transaction records the update and every feedback id it read. A kill before the commit leaves the rewards unread
+(the next start redoes update n from checkpoint n - 1, and the uncommitted checkpoint is replaced); after it, no
+reward is read twice. No update is repeated and none lost.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_sdk import credit, models
+from lightning_sdk.config import AUTO_IS_CAP, Config
+from lightning_sdk.pipeline import split_stale
+from lightning_sdk.production.ledger import FeedbackLedger
+from lightning_sdk.production.rewarded import call_advantages
+from lightning_sdk.store import RolloutRecord, Store
+from lightning_sdk.train.checkpoint import ADAPTER
+from lightning_sdk.tracing.records import GATEWAY
+from lightning_sdk.transitions import Transition, to_transitions
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS learn_updates (
+    version     INTEGER PRIMARY KEY,  -- update n makes adapter version n (the base model is 0)
+    made_at     REAL NOT NULL,
+    adapter     TEXT NOT NULL,        -- the name it is served under once promoted
+    checkpoint  TEXT NOT NULL,        -- its trainer checkpoint (adapter/ inside is what the backend loads)
+    evidence    TEXT NOT NULL         -- what it read and left out, and the trainer's metrics, as JSON
+);
+CREATE TABLE IF NOT EXISTS learn_consumed (
+    feedback_id TEXT PRIMARY KEY,
+    version     INTEGER               -- the update that trained on it; NULL: read, but nothing in it could train
+);
+"""
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one pass over the new rewards did: `version` None when nothing could train (no adapter made)."""
+
+    version: int | None
+    adapter: str | None
+    adapter_path: Path | None  # the PEFT adapter the backend hot-loads
+    rewards: int  # feedback rows read
+    calls: int  # transitions trained on
+    stale: int  # calls left out: served by an adapter more than K updates old
+    no_baseline: int  # calls left out: their sample had no baseline yet (a component's first)
+    skipped: dict[str, int]  # calls left out by to_transitions, by reason
+    metrics: dict[str, float]
+
+
+def sampling_cap(cfg: Config) -> float | None:
+    """train.importance_sampling_cap for traffic: 'auto' is always on, since every sample is off-policy."""
+    cap = cfg.train.importance_sampling_cap
+    return AUTO_IS_CAP if cap == "auto" else cap
+
+
+class Learner:
+    """The update side of [learn] over a serve directory's store; one update at a time (`update`)."""
+
+    def __init__(self, cfg: Config, directory: Path, store: Store, ledger: FeedbackLedger, base: str):
+        if cfg.learn is None:
+            raise ValueError("Learner: the config has no [learn] section")
+        self.cfg, self.learn, self.store, self.ledger, self.base = cfg, cfg.learn, store, ledger, base
+        self.folder = directory / "learn"
+        self.rule = credit.resolve(cfg.rollout.credit)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(store.path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        self._db.executescript(SCHEMA)
+        self.version = self._db.execute("SELECT COALESCE(MAX(version), 0) AS v FROM learn_updates").fetchone()["v"]
+        self._last = time.monotonic()
+        self._trainer = None
+        self._making = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def adapter_name(self, version: int) -> str:
+        return f"{self.cfg.run.name}-serve-v{version}"
+
+    def checkpoint(self, version: int) -> Path:
+        return self.folder / f"v{version:06d}"
+
+    def updates(self) -> list[dict]:
+        with self._lock:
+            return [dict(r) for r in self._db.execute("SELECT * FROM learn_updates ORDER BY version")]
+
+    def pending(self) -> list[sqlite3.Row]:
+        """The rewards (learn.reward_name) no update has read yet, in the order they arrived."""
+        with self._lock:
+            read = {r[0] for r in self._db.execute("SELECT feedback_id FROM learn_consumed")}
+        return [r for r in self.ledger.rows(self.learn.reward_name) if r["feedback_id"] not in read]
+
+    def due(self) -> bool:
+        n = len(self.pending())
+        waited = self.learn.every_minutes is not None and time.monotonic() - self._last >= self.learn.every_minutes * 60
+        return n >= self.learn.every_rewarded or (n > 0 and waited)
+
+    def trainer(self):
+        """The GRPO trainer, made on first use and resumed from the newest committed update."""
+        with self._making:  # made once, whichever thread asks first
+            if self._trainer is None:
+                from lightning_sdk.train.trainer import GRPOTrainer  # torch: only a serve that learns loads it
+
+                t = GRPOTrainer(models.resolve(self.cfg.model.name), self.cfg.train, seed=self.cfg.run.seed)
+                t.importance_sampling_cap = sampling_cap(self.cfg)
+                if self.version:
+                    t.load_state(self.checkpoint(self.version))
+                self._trainer = t
+        return self._trainer
+
+    def transitions(self, rows: list[sqlite3.Row]) -> tuple[list[Transition], list[float], int, Counter]:
+        """The calls the rewards `rows` score, as transitions, with their advantages; and how many calls had no
+        baseline, and what to_transitions left out."""
+        adv = call_advantages(self.ledger, self.store, self.rule, self.learn.reward_name, self.learn.alpha).by_call
+        skipped: Counter = Counter()
+        seen: set[str] = set()
+        out: list[Transition] = []
+        for r in rows:
+            key = r["rollout_id"] if r["kind"] == "episode_id" else r["call_id"]
+            if key in seen:
+                continue
+            seen.add(key)
+            spans = self.store.spans(r["rollout_id"] or "")
+            if r["kind"] != "episode_id":
+                spans = [s for s in spans if s.span_id == key]
+            calls = [s for s in spans if s.source == GATEWAY]
+            if not calls:
+                continue
+            sample = RolloutRecord(rollout_id=key, task_id="", group_id=key, iteration=0, phase="serve", attempt=0,
+                                   model=None, status="succeeded", output=None, reward=0.0, error=None,
+                                   traceback=None, started_at=0.0, ended_at=None)
+            out += to_transitions(sample, spans, credit=self.rule, skipped=skipped)
+        kept = [t for t in out if t.span_id in adv]
+        return kept, [adv[t.span_id] for t in kept], len(out) - len(kept), skipped
+
+    def update(self) -> Update:
+        """Read every pending reward; train one update on what it scores, if anything can train; commit."""
+        rows = self.pending()
+        self._last = time.monotonic()
+        ts, adv, no_baseline, skipped = self.transitions(rows)
+        versions = {self.base: 0, **{self.adapter_name(v): v for v in range(1, self.version + 1)}}
+        kept, age = split_stale(ts, versions, self.version, self.learn.max_versions_behind)
+        by_span = dict(zip((t.span_id for t in ts), adv))
+        metrics: dict[str, float] = {}
+        made = None
+        if kept:
+            trainer = self.trainer()
+            before = trainer.global_step
+            metrics = trainer.step(kept, advantages=[by_span[t.span_id] for t in kept])
+            if trainer.global_step > before:
+                made = self.version + 1
+                trainer.save_state(self.checkpoint(made))  # before the commit: see the module docstring
+        metrics.update(age.metrics())
+        evidence = {"rewards": len(rows), "calls": len(kept) if made else 0, "stale": age.dropped,
+                    "no_baseline": no_baseline, "skipped": dict(skipped), "metrics": metrics}
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if made is not None:
+                    self._db.execute("INSERT INTO learn_updates VALUES (?, ?, ?, ?, ?)",
+                                     (made, time.time(), self.adapter_name(made), str(self.checkpoint(made)),
+                                      json.dumps(evidence)))
+                self._db.executemany("INSERT INTO learn_consumed VALUES (?, ?)",
+                                     [(r["feedback_id"], made) for r in rows])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        if made is not None:
+            self.version = made
+        return Update(made, self.adapter_name(made) if made else None,
+                      self.checkpoint(made) / ADAPTER if made else None, len(rows), evidence["calls"],
+                      age.dropped, no_baseline, dict(skipped), metrics)

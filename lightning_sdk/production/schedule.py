@@ -1,0 +1,56 @@
+"""[learn]'s schedule: one background thread that, every learn.poll_seconds, runs an update once it is due
+(learn.every_rewarded new rewards, or learn.every_minutes with at least one) and takes its candidate to the gate.
+
+A failed update or eval is logged and counted (`failures`), and the server keeps serving what it served: a fault
+of the learning side never stops serving. Its rewards stay unread, so the next pass tries them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from lightning_sdk.production.learner import Learner, Update
+from lightning_sdk.production.promotion import Promoter
+
+log = logging.getLogger("lightning_sdk")
+
+
+class Schedule:
+    def __init__(self, learner: Learner, promoter: Promoter, poll_seconds: float):
+        self.learner, self.promoter, self.poll_seconds = learner, promoter, poll_seconds
+        self.failures = 0
+        self.last: Update | None = None  # what the latest update read, trained and left out
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lightning-learn", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """After the update in progress, if any (its commit written)."""
+        self._stop.set()
+        self._thread.join()
+
+    def run_once(self) -> Update | None:
+        """One update and its gate, if due; what the update read, trained and left out."""
+        if not self.learner.due():
+            return None
+        update = self.learner.update()
+        self.last = update
+        if update.version is None:
+            log.info("learn: %d reward(s) read, nothing could train (%d stale, %d without a baseline)",
+                     update.rewards, update.stale, update.no_baseline)
+            return update
+        decision = self.promoter.consider(update)
+        log.info("learn: update %d on %d call(s) (%d stale left out): %s, %s", update.version, update.calls,
+                 update.stale, "promoted" if decision.promoted else "rejected", decision.reason)
+        return update
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                self.run_once()
+            except Exception:  # noqa: BLE001 - logged and counted; serving goes on
+                self.failures += 1
+                log.exception("learn: the update or its gate failed; serving goes on with the adapter it served")

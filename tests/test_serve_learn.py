@@ -1,0 +1,185 @@
+"""`lightning serve` with [learn]: the background trainer reads rewarded calls from the served log and makes an
+update (stale calls left out and counted), a restart repeats no update and loses none, and the gate scores each
+candidate with the eval machinery against the serving adapter and promotes (hot-loads) only a better one. Real
+parts throughout: the tiny model's CPU server and the gateway on 127.0.0.1, SQLite, GRPO optimizer steps."""
+
+import json
+import sqlite3
+import time
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+
+from lightning_sdk import config
+from lightning_sdk.production import deployment, gate
+
+AGENT = '''
+import lightning_sdk as ls
+from openai import OpenAI
+
+@ls.rollout
+def solve(task, llm):
+    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+    out = client.chat.completions.create(model=llm.model, max_tokens=2,
+                                         messages=[{"role": "user", "content": task["question"]}])
+    return out.model  # the adapter that served it, as the gateway answers
+
+@ls.reward
+def score(task, output):
+    # Deterministic: the gate's decision is what is tested, not whether a tiny model learned arithmetic.
+    return 1.0 if output.endswith(task["good"]) else 0.0
+'''
+
+
+def project(d: Path, *, every: int = 4, behind: int = 1) -> config.Config:
+    (d / "agent.py").write_text(AGENT)
+    rows = [{"question": f"What is {a} + 1?", "answer": str(a + 1), "good": "-iter1"} for a in range(3)]
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "lightning.toml").write_text(
+        '[run]\nname = "app"\n[agent]\nmodule = "agent.py"\n[data]\ntrain = "train.jsonl"\neval = "eval.jsonl"\n'
+        '[model]\nname = "builtin:tiny-arith"\ndtype = "float32"\n[serve]\nmax_batch_size = 4\n'
+        '[train]\nlora_r = 4\nlr = 0.01\nbeta = 0.04\n'
+        f'[learn]\nevery_rewarded = {every}\nmax_versions_behind = {behind}\npoll_seconds = 3600\n')
+    return config.load(d / "lightning.toml")
+
+
+def traffic(dep, n: int, prompt: str = "What is 2 + 2?") -> list[str]:
+    """n calls of n episodes (one each), all with the same prompt, and a reward for each: 1 for the even ones."""
+    client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key=dep.api_key, max_retries=0)
+    ids = []
+    for _ in range(n):
+        trace = uuid.uuid4().hex  # one new episode per call
+        client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=4, temperature=1.0,
+                                       extra_headers={"traceparent": f"00-{trace}-{'cd' * 8}-01"})
+        ids.append(trace)
+    return ids
+
+
+def reward_all(dep, traces: list[str], salt: str = "") -> None:
+    for i, t in enumerate(traces):
+        dep.ledger.give({"episode_id": t, "value": float(i % 2), "feedback_id": f"{salt}{t}"})
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "the background trainer did not get there in time"
+        time.sleep(0.05)
+
+
+def lora_b(checkpoint: Path) -> float:
+    from safetensors.torch import load_file
+    w = load_file(checkpoint / "adapter" / "adapter_model.safetensors")
+    return float(sum(v.abs().sum() for k, v in w.items() if "lora_B" in k))
+
+
+def no_gate(adapter, version):  # a gate that never promotes: these tests look at the updates alone
+    return [0.0, 0.0] if adapter is None else [-1.0, -1.0]
+
+
+def test_learn_is_validated_at_the_edge(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"question": "q"}\n')
+    for body, expected in (('[learn]\nevery_rewarded = 0\n', r"learn.every_rewarded"),
+                           ('[learn]\nunknown = 1\n', r"learn.unknown"),
+                           ('[learn]\n', r"data.eval")):
+        (tmp_path / "l.toml").write_text('[data]\ntrain = "train.jsonl"\n' + body)
+        with pytest.raises(config.ConfigError, match=expected):
+            config.load(tmp_path / "l.toml")
+
+
+def test_the_trainer_consumes_rewarded_calls_a_restart_repeats_no_update_and_stale_calls_are_counted(tmp_path):
+    cfg = project(tmp_path)
+    d = tmp_path / "serve"
+    dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key=None, retention_s=3600, scorer=no_gate)
+    try:
+        learner = dep.schedule.learner
+        first = traffic(dep, 4)
+        dep.gateway.capture.flush()
+        reward_all(dep, first[:3])
+        assert not learner.due()  # 3 of every_rewarded = 4
+        reward_all(dep, first[3:], salt="")
+        assert learner.due()
+        dep.schedule.run_once()
+        (u,) = learner.updates()
+        ev = json.loads(u["evidence"])
+        # 4 same-prompt episodes: leave-one-out baselines for all, rewards 0,1,0,1: every call trains
+        assert (u["version"], ev["rewards"], ev["calls"], ev["stale"], ev["no_baseline"]) == (1, 4, 4, 0, 0)
+        assert ev["metrics"]["num_transitions"] == 4 and ev["metrics"]["grad_norm"] > 0
+        assert "kl" in ev["metrics"]  # train.beta > 0: the KL to the reference is in the loss
+        assert lora_b(Path(u["checkpoint"])) > 0  # the optimizer stepped (LoRA B starts at zero)
+        assert not learner.due() and learner.pending() == []
+        consumed = sqlite3.connect(dep.store.path).execute("SELECT COUNT(*), MIN(version) FROM learn_consumed")
+        assert consumed.fetchone() == (4, 1)
+        second = traffic(dep, 2, prompt="What is 3 + 3?")
+        dep.gateway.capture.flush()
+        reward_all(dep, second, salt="b")  # pending, not yet due: the restart must neither lose nor redo them
+        step = dep.schedule.learner.trainer().global_step
+    finally:
+        dep.close()
+    assert step == 1
+    cfg.learn.poll_seconds = 0.2  # from here the background thread runs the updates on its schedule
+    dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key=None, retention_s=3600, scorer=no_gate)
+    try:
+        learner = dep.schedule.learner
+        assert learner.version == 1 and len(learner.pending()) == 2  # update 1 not redone, the 2 new kept
+        assert learner.trainer().global_step == 1  # resumed from update 1's checkpoint
+        more = traffic(dep, 2, prompt="What is 3 + 3?")
+        dep.gateway.capture.flush()
+        reward_all(dep, more, salt="c")
+        wait_for(lambda: learner.version == 2)
+        assert [u["version"] for u in learner.updates()] == [1, 2]
+        ev = json.loads(learner.updates()[1]["evidence"])
+        # the base model (version 0) served these calls, read by the update after version 1: 1 <= K old, kept
+        assert (ev["rewards"], ev["calls"], ev["stale"]) == (4, 4, 0) and learner.trainer().global_step == 2
+        # Calls of an adapter more than K versions old are left out and counted: the base model served these too
+        # (nothing was promoted), and the update after version 2 reads them 2 > K = 1 versions old.
+        late = traffic(dep, 4, prompt="What is 3 + 3?")
+        dep.gateway.capture.flush()
+        reward_all(dep, late, salt="d")
+        wait_for(lambda: not learner.pending())
+        left = dep.schedule.last
+        assert (left.version, left.rewards, left.calls, left.stale) == (None, 4, 0, 4)
+        assert dep.schedule.failures == 0
+        assert learner.version == 2 and learner.trainer().global_step == 2  # nothing trained, no adapter made
+        rows = sqlite3.connect(dep.store.path).execute("SELECT version FROM learn_consumed ORDER BY rowid")
+        assert [r[0] for r in rows] == [1] * 4 + [2] * 4 + [None] * 4  # each read once, by the update it names
+    finally:
+        dep.close()
+
+
+def test_the_gate_promotes_a_better_candidate_and_rejects_a_worse_one_end_to_end(tmp_path):
+    """The eval machinery scores each adapter on data.eval's 3 tasks through the agent (seeded per task); the
+    reward is deterministic: 1 where the adapter serving the eval call is version 1 (served there as app-iter1)."""
+    cfg = project(tmp_path, every=2)
+    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600)
+    try:
+        learner = dep.schedule.learner
+        calls = traffic(dep, 4)
+        dep.gateway.capture.flush()
+        reward_all(dep, calls[:2])
+        dep.schedule.run_once()  # version 1: scores 1,1,1 against the base model's 0,0,0
+        assert dep.gateway.policy == "app-serve-v1"  # promoted: hot-loaded, every call routed to it
+        client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key=dep.api_key, max_retries=0)
+        reply = client.chat.completions.create(model="gpt-4o-mini", max_tokens=2,
+                                               messages=[{"role": "user", "content": "What is 1 + 1?"}])
+        assert reply.model == "app-serve-v1"
+        reward_all(dep, calls[2:])
+        dep.schedule.run_once()  # version 2: scores 0,0,0 against version 1's 1,1,1
+        assert learner.version == 2 and dep.gateway.policy == "app-serve-v1"  # rejected: v1 still serves
+        promoted, rejected = gate.decisions(dep.store.path)
+        assert (promoted.candidate, promoted.serving, promoted.promoted) == ("app-serve-v1", "builtin:tiny-arith",
+                                                                            True)
+        assert promoted.candidate_scores == [1.0] * 3 and promoted.serving_scores == [0.0] * 3
+        assert (rejected.candidate, rejected.serving, rejected.promoted) == ("app-serve-v2", "app-serve-v1", False)
+        assert rejected.candidate_scores == [0.0] * 3 and rejected.mean_difference == -1.0
+    finally:
+        dep.close()
+    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600)
+    try:
+        assert dep.gateway.policy == "app-serve-v1"  # a restart serves what was promoted last
+    finally:
+        dep.close()
