@@ -55,9 +55,9 @@ def update(path: str, ts: list[Transition], packed: bool, full_head: bool = Fals
     cfg = TrainConfig(lr=1.0, lora_r=8, lora_alpha=16, target_modules=["all-linear", "lm_head"], micro_batch_size=5,
                       max_grad_norm=1e9, importance_sampling_cap=2.0, pack_calls=packed, **kw)
     tr = GRPOTrainer(path, cfg, seed=0)
-    assert tr._head.full_head_reason is None  # the tiny model passes the check: the head on trained tokens only
+    assert tr.head.full_head_reason is None  # the tiny model passes the check: the head on trained tokens only
     if full_head:
-        tr._head.full_head_reason = "compared with the full head"
+        tr.head.full_head_reason = "compared with the full head"
     with torch.no_grad():  # a trained adapter: LoRA's B starts at 0, where A's gradient is 0
         g = torch.Generator().manual_seed(1)
         for name, p in tr.model.named_parameters():

@@ -143,7 +143,7 @@ class GRPOTrainer:
                 else:
                     self.model.add_adapter(name, lora)
         self.model = self.ranks.shard(self.model)  # before the optimizers: they step the parameters it holds
-        self._head = TrainedPositionHead(self.model)
+        self.head = TrainedPositionHead(self.model)  # the LM head at the trained tokens only (or why not)
         self.adapters: dict[str, _Adapter] = {}
         self._multi = policies is not None  # named adapters, metrics and checkpoint files per policy
         for name, c, components in specs:
@@ -202,7 +202,7 @@ class GRPOTrainer:
         and outside the row's top-p nucleus of what is left (the CPU server's and vLLM's processed log-probs
         renormalise over the same set). The head runs at those positions only (train/head.py)."""
         keep = _trained(b)
-        logits = self._head(b.input_ids, b.attention_mask, b.position_ids, keep).float() / b.temperature[keep]
+        logits = self.head(b.input_ids, b.attention_mask, b.position_ids, keep).float() / b.temperature[keep]
         if b.bitmask is not None:  # a constrained call: the tokens its grammar allowed at each position, as sampled
             logits = logits + additive_mask(b.bitmask[keep], logits.shape[-1])
         top_p = b.top_p[keep]
