@@ -8,7 +8,10 @@ Records: each example's own lightning.toml, shrunk to one iteration (8 tasks x g
 alternate the two sides, each in a fresh subprocess: the example's trainer settings with pack_calls off or on, one
 warm-up update, then one timed update of the same batch (`GRPOTrainer.step` seconds), the tokens its forward passes
 read (num_input_tokens) and the process's peak RSS growth over the updates (ru_maxrss minus the RSS before).
-Prints a table per example (median and spread over rounds) and `ratio=` (today's seconds / packed seconds) last.
+Each side also runs with the LM head over every position (`full head`: what a model the head check rejects takes,
+train/head.py) against the head on the trained tokens only, in the same rounds.
+Prints a table per example (median and spread over rounds), `head_ratio=` (full head / trained tokens only, one row
+per call then packed, per example) and `ratio=` (one row per call / packed seconds, head on trained tokens) last.
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ def records(example: str, tmp: Path) -> Path:
     return tmp / "lightning.toml"
 
 
-def side(config: str, packed: bool) -> dict:
-    """In this (child) process: two updates of the run's batch with pack_calls = `packed`."""
+def side(config: str, packed: bool, full_head: bool) -> dict:
+    """In this (child) process: two updates of the run's batch with pack_calls = `packed`, the LM head over every
+    position (`full_head`) or at the trained tokens only."""
     import torch
 
     from lightning_sdk import config as cfgs, models, transitions
@@ -64,6 +68,8 @@ def side(config: str, packed: bool) -> dict:
                                               error_reward=cfg.rollout.error_reward)]
     train = cfg.train.model_copy(update={"pack_calls": packed, "device": "cpu"})
     tr = GRPOTrainer(models.resolve(cfg.model.name), train, seed=0, dtype=cfg.model.dtype)
+    if full_head:
+        tr.head.full_head_reason = "benchmarked against the full head"
     rss0 = _rss_kib()
     tr.step(ts)  # warm-up: first-call costs, on both sides alike
     t0 = time.perf_counter()
@@ -90,19 +96,22 @@ def main() -> None:
     ap.add_argument("--config", action="append", help="lightning.toml of a finished run (repeatable)")
     ap.add_argument("--examples", nargs="+", default=["rag", "sql"])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--side", nargs=2, help=argparse.SUPPRESS)  # child: CONFIG on|off
+    ap.add_argument("--side", nargs=3, help=argparse.SUPPRESS)  # child: CONFIG on|off trained|full
     a = ap.parse_args()
     if a.side:
-        print(json.dumps(side(a.side[0], a.side[1] == "on")))
+        print(json.dumps(side(a.side[0], a.side[1] == "on", a.side[2] == "full")))
         return
     configs = a.config or [str(records(ex, Path(tempfile.mkdtemp(prefix=f"packed-{ex}-")))) for ex in a.examples]
-    ratios = []
+    ratios, head_ratios = [], []
+    names = ("today", "packed", "today, full head", "packed, full head")
     for config in configs:
-        results: dict[str, list[dict]] = {"today": [], "packed": []}
+        results: dict[str, list[dict]] = {name: [] for name in names}
         loads = []
         for k in range(a.rounds):
-            for name in (("today", "packed") if k % 2 == 0 else ("packed", "today")):
-                out = subprocess.run([sys.executable, __file__, "--side", config, "on" if name == "packed" else "off"],
+            for name in (names if k % 2 == 0 else names[::-1]):
+                out = subprocess.run([sys.executable, __file__, "--side", config,
+                                      "on" if name.startswith("packed") else "off",
+                                      "full" if "full" in name else "trained"],
                                      check=True, capture_output=True, text=True, env={**os.environ,
                                                                                       "OMP_NUM_THREADS": "1"})
                 results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -110,6 +119,9 @@ def main() -> None:
         today, packed = results["today"], results["packed"]
         ratio = statistics.median(r["seconds"] for r in today) / statistics.median(r["seconds"] for r in packed)
         ratios.append(ratio)
+        for name in ("today", "packed"):
+            head_ratios.append(statistics.median(r["seconds"] for r in results[f"{name}, full head"])
+                               / statistics.median(r["seconds"] for r in results[name]))
         print(f"\n{config}: {today[0]['calls']} calls, {today[0]['tokens']:.0f} completion tokens; load "
               f"{min(loads)}-{max(loads)}")
         print("| side | update s (median, min-max) | tokens read | peak RSS growth MiB |")
@@ -118,6 +130,7 @@ def main() -> None:
             print(f"| {name} | {spread([r['seconds'] for r in rs])} | {rs[0]['read']:.0f} | "
                   f"{spread([r['peak_mib'] for r in rs])} |")
         print(f"speedup {ratio:.2f}x, tokens read {packed[0]['read'] / today[0]['read']:.2f} of today's")
+    print("head_ratio=" + " ".join(f"{r:.3f}" for r in head_ratios))
     print("ratio=" + " ".join(f"{r:.3f}" for r in ratios))
 
 

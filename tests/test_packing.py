@@ -48,11 +48,16 @@ def test_the_rag_agent_s_calls_extend_one_another(records):
     assert sum(r.length for r in rows) < 0.7 * sum(len(t.prompt_ids) + len(t.completion_ids) for t in records)
 
 
-def update(path: str, ts: list[Transition], packed: bool, **kw) -> tuple[dict, dict[str, torch.Tensor]]:
-    """One update with plain SGD (lr 1, no clipping): the parameters move by exactly minus the gradient."""
+def update(path: str, ts: list[Transition], packed: bool, full_head: bool = False,
+           **kw) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One update with plain SGD (lr 1, no clipping): the parameters move by exactly minus the gradient.
+    `full_head`: the LM head on every position, as a model the head check rejects takes it (train/head.py)."""
     cfg = TrainConfig(lr=1.0, lora_r=8, lora_alpha=16, target_modules=["all-linear", "lm_head"], micro_batch_size=5,
                       max_grad_norm=1e9, importance_sampling_cap=2.0, pack_calls=packed, **kw)
     tr = GRPOTrainer(path, cfg, seed=0)
+    assert tr.head.full_head_reason is None  # the tiny model passes the check: the head on trained tokens only
+    if full_head:
+        tr.head.full_head_reason = "compared with the full head"
     with torch.no_grad():  # a trained adapter: LoRA's B starts at 0, where A's gradient is 0
         g = torch.Generator().manual_seed(1)
         for name, p in tr.model.named_parameters():
@@ -101,3 +106,23 @@ def test_packed_rows_train_exactly_as_separate_rows(rag_path, records, variant):
             assert packed[k] == pytest.approx(today[k], abs=1e-6), (k, packed[k], today[k])
     assert max((g1[n] - g0[n]).abs().max().item() for n in g0) <= 1e-6
     assert max(g.abs().max().item() for g in g0.values()) > 1e-3  # the gradients compared are not all zero
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_head_on_trained_tokens_only_trains_as_the_full_head(rag_path, records, packed):
+    """The head applied to the hidden states of the trained tokens only (train/head.py) against the full head over
+    every position: same loss, statistics and gradients, with the KL term, top-p, grammar masks and truncated calls
+    (context only) in the batch, the LoRA on the head too."""
+    free = Constraint("regex", r"[\s\S]*").to_json()
+    ts = [dataclasses.replace(t, constraint=free if i % 2 else None, top_p=0.9 if i % 3 else 1.0,
+                              finish_reason="length" if i % 5 == 1 else t.finish_reason)
+          for i, t in enumerate(records)]
+    kw = {"beta": 0.04, "mask_truncated": True}
+    full, g0 = update(rag_path, ts, packed, full_head=True, **kw)
+    mine, g1 = update(rag_path, ts, packed, **kw)
+    assert full["num_masked_truncated"] > 0 and full["num_constrained"] > 0 and full["constraint_mismatch"] == 0
+    for k in ("loss", "clip_frac", "ratio", "kl", "is_weight", "is_capped_frac", "entropy", "logprob_gap",
+              "grad_norm"):
+        assert mine[k] == pytest.approx(full[k], abs=1e-6), (k, mine[k], full[k])
+    assert max((g1[n] - g0[n]).abs().max().item() for n in g0) <= 1e-6
+    assert max(g.abs().max().item() for g in g0.values()) > 1e-3

@@ -39,6 +39,7 @@ from lightning_sdk.train.packing import pack, single
 from lightning_sdk.train.checkpoint import ADAPTER, ADAPTERS
 from lightning_sdk.train.data_parallel import OneProcess, Ranks
 from lightning_sdk.advantage import batch_advantages
+from lightning_sdk.train.head import TrainedPositionHead
 from lightning_sdk.train.grpo import GroupOutcomes, entropy, grpo_loss, sampler_is_weight, token_weights, top_p_keep
 from lightning_sdk.transitions import Transition
 
@@ -142,6 +143,7 @@ class GRPOTrainer:
                 else:
                     self.model.add_adapter(name, lora)
         self.model = self.ranks.shard(self.model)  # before the optimizers: they step the parameters it holds
+        self.head = TrainedPositionHead(self.model)  # the LM head at the trained tokens only (or why not)
         self.adapters: dict[str, _Adapter] = {}
         self._multi = policies is not None  # named adapters, metrics and checkpoint files per policy
         for name, c, components in specs:
@@ -195,25 +197,26 @@ class GRPOTrainer:
         return self.adapters["default"]
 
     def _logits(self, b: Batch) -> torch.Tensor:
-        """[B, C, V] logits of the distribution each completion token was sampled from: temperature-scaled, -inf
-        outside what the call's grammar allowed there (constrained calls) and outside the row's top-p nucleus of
-        what is left (the CPU server's and vLLM's processed log-probs renormalise over the same set)."""
-        C = b.targets.shape[1]
-        out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                         logits_to_keep=C + 1, use_cache=False)
-        logits = out.logits[:, :-1].float() / b.temperature  # position j predicts token j+1
+        """[N, V] logits at the batch's N trained tokens (`_trained`, in row-major order) of the distribution each
+        was sampled from: temperature-scaled, -inf outside what the call's grammar allowed there (constrained calls)
+        and outside the row's top-p nucleus of what is left (the CPU server's and vLLM's processed log-probs
+        renormalise over the same set). The head runs at those positions only (train/head.py)."""
+        keep = _trained(b)
+        logits = self.head(b.input_ids, b.attention_mask, b.position_ids, keep).float() / b.temperature[keep]
         if b.bitmask is not None:  # a constrained call: the tokens its grammar allowed at each position, as sampled
-            logits = logits + additive_mask(b.bitmask, logits.shape[-1])
-        if bool((b.top_p < 1).any()):
+            logits = logits + additive_mask(b.bitmask[keep], logits.shape[-1])
+        top_p = b.top_p[keep]
+        if bool((top_p < 1).any()):
             with torch.no_grad():
                 # The sampled token was inside the sampler's nucleus by construction; keeping it when a float
-                # tie puts it just outside ours (and on padding) keeps every log-prob finite.
-                keep = top_p_keep(torch.softmax(logits, dim=-1), b.top_p).scatter(-1, b.targets.unsqueeze(-1), True)
-            logits = logits.masked_fill(~keep, -math.inf)
+                # tie puts it just outside ours keeps every log-prob finite.
+                keep_p = top_p_keep(torch.softmax(logits, dim=-1), top_p).scatter(-1, b.targets[keep].unsqueeze(-1),
+                                                                                  True)
+            logits = logits.masked_fill(~keep_p, -math.inf)
         return logits
 
     def _logprobs(self, b: Batch) -> torch.Tensor:
-        """Log-probs [B, C] of the completion tokens under the current model (see _logits)."""
+        """Log-probs [B, C] of the completion tokens under the current model (see _logits); 0 where not trained."""
         return _gather(self._logits(b), b)
 
     @torch.no_grad()
@@ -294,7 +297,7 @@ class GRPOTrainer:
                 if epoch == 0:  # no update yet: the policy the sampler ran, so compare with its log-probs
                     totals.update(_sampler_gap(clean[i], b))
                     with torch.no_grad():  # weighted like the loss: the mean entropy per trained token
-                        totals["entropy_sum"] += (b.weights * entropy(logits)).sum().item()
+                        totals["entropy_sum"] += (b.weights[_trained(b)] * entropy(logits)).sum().item()
                         totals["weight_sum"] += b.weights.sum().item()
                 del logits
                 cap = self.importance_sampling_cap
@@ -651,8 +654,16 @@ def _rollout_means(ts: Sequence[Transition]) -> dict[str, float]:
             "shaping_mean": sum(shaping.values()) / len(outcome)}
 
 
+def _trained(b: Batch) -> torch.Tensor:
+    """[B, C] bool: the tokens the loss reads (weight > 0; the sampler's log-probs are kept only there)."""
+    return b.weights > 0
+
+
 def _gather(logits: torch.Tensor, b: Batch) -> torch.Tensor:
-    return torch.log_softmax(logits, dim=-1).gather(-1, b.targets.unsqueeze(-1)).squeeze(-1)
+    """[B, C] log-probs of the targets from _logits' [N, V], 0 at the untrained tokens (weight 0 in every sum)."""
+    keep = _trained(b)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, b.targets[keep].unsqueeze(-1)).squeeze(-1)
+    return logp.new_zeros(keep.shape).masked_scatter(keep, logp)
 
 
 def _lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int | None):
