@@ -1,4 +1,4 @@
-"""The cookbook's four agents, in their real frameworks, trained unchanged: a short `lightning run` of each
+"""The cookbook's agents, in their real frameworks, trained unchanged: a short `lightning run` of each
 (one iteration, few tasks, small groups) as a subprocess, then what its store shows. The first three also run with
 serve.backend = "vllm" in the vLLM lane (`pytest -m vllm`, .ci/run: vLLM's CPU build, sleep_level 0)."""
 
