@@ -181,7 +181,7 @@ def test_dspy_react_trains_through_its_chat_adapter(tmp_path):
     for r in everything:
         calls = [s for s in store.spans(r.rollout_id) if transitions.is_llm_call(s)]
         assert calls and all("lightning.llm.constraint" not in s.attributes for s in calls)  # no JSON fallback
-        texts = ["".join(json.loads(s.attributes[COMPLETION_TOKENS])) for s in calls]
+        texts = ["".join(s.attributes[COMPLETION_TOKENS]) for s in calls]
         # ReAct's steps, each `next_tool_name` as the model wrote it, then the extract step's `answer`: the int
         # the agent returned is the one DSPy's ChatAdapter parsed out of the last call's text.
         steps.append([re.search(r"\[\[ ## next_tool_name ## \]\]\n(\w+)", t).group(1) for t in texts[:-1]])
