@@ -1,4 +1,4 @@
-"""The cookbook's four agents, in their real frameworks, trained unchanged: a short `lightning run` of each
+"""The cookbook's agents, in their real frameworks, trained unchanged: a short `lightning run` of each
 (one iteration, few tasks, small groups) as a subprocess, then what its store shows. The first three also run with
 serve.backend = "vllm" in the vLLM lane (`pytest -m vllm`, .ci/run: vLLM's CPU build, sleep_level 0)."""
 
@@ -17,7 +17,7 @@ import pytest
 
 from lightning_sdk import config, transitions
 from lightning_sdk.store import Store
-from lightning_sdk.tracing.records import POLICY
+from lightning_sdk.tracing.records import COMPLETION_TOKENS, POLICY
 from safetensors.torch import load_file
 
 from .conftest import in_rollout
@@ -168,6 +168,26 @@ def test_extract_openai_parse_trains_under_its_schema(tmp_path):
                          for s in calls)
     assert trained and all(t.constraint for t in trained)
     assert all(set(r.output) == {"name", "age", "city"} for r in rollouts)
+
+
+def test_dspy_react_trains_through_its_chat_adapter(tmp_path):
+    """dspy.ReAct with DSPy's default adapters: the tiny model writes the ChatAdapter's fields, so DSPy's own parser
+    reads every call (the JSONAdapter fallback, which would send `response_format`, never runs) and the run trains."""
+    _, store, rollouts, trained = trained_example("react_dspy", tmp_path)
+    assert trained and all(t.completion_ids for t in trained)
+    assert all(r.reward in (0.0, 1.0) for r in rollouts)
+    everything = rollouts + store.rollouts(phase="eval")
+    steps = []
+    for r in everything:
+        calls = [s for s in store.spans(r.rollout_id) if transitions.is_llm_call(s)]
+        assert calls and all("lightning.llm.constraint" not in s.attributes for s in calls)  # no JSON fallback
+        texts = ["".join(s.attributes[COMPLETION_TOKENS]) for s in calls]
+        # ReAct's steps, each `next_tool_name` as the model wrote it, then the extract step's `answer`: the int
+        # the agent returned is the one DSPy's ChatAdapter parsed out of the last call's text.
+        steps.append([re.search(r"\[\[ ## next_tool_name ## \]\]\n(\w+)", t).group(1) for t in texts[:-1]])
+        assert re.search(r"\[\[ ## answer ## \]\]\n(\d+)", texts[-1]).group(1) == str(r.output)
+    assert all(s[-1] == "finish" or len(s) == 3 for s in steps)  # agent.py's max_iters
+    print("react steps:", steps, "rewards:", [r.reward for r in rollouts])
 
 
 def test_failed_autogen_tool_call_is_a_negative_intermediate_reward(gw, store):
