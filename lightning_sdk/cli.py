@@ -241,17 +241,19 @@ def serve(config_path: Path, directory: Path | None, host: str, port: int, reten
     from lightning_sdk.errors import ServerError
     from lightning_sdk.production import deployment
 
-    if cfg.learn is not None:  # the gate's tasks, checked before anything starts or is written
+    scorer = None
+    if cfg.learn is not None:  # the gate's tasks, read (and checked) before anything starts or is written
         from lightning_sdk import data
+        from lightning_sdk.production.promotion import eval_scorer
 
         try:
-            data.load(cfg.data.eval, cfg.data.required_fields)
+            scorer = eval_scorer(cfg)
         except data.DatasetError as e:
             _fail(console, f"data.eval: {e}")
     directory = directory or cfg.run.dir / "serve"
     try:
         served = deployment.start(cfg, directory, host=host, port=port, api_key=os.environ.get("LIGHTNING_SERVE_KEY"),
-                                  retention_s=retention_days * 86400)
+                                  retention_s=retention_days * 86400, scorer=scorer)
     except OSError as e:
         _fail(console, f"--host/--port: cannot listen on {host}:{port} ({e.strerror or e})")
     except ServerError as e:

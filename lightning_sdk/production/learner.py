@@ -126,9 +126,9 @@ class Learner:
                 self._trainer = t
         return self._trainer
 
-    def transitions(self, rows: list[sqlite3.Row]) -> tuple[list[Transition], list[float], int, Counter]:
-        """The calls the rewards `rows` score, as transitions, with their advantages; and how many calls had no
-        baseline, and what to_transitions left out."""
+    def transitions(self, rows: list[sqlite3.Row]) -> tuple[list[Transition], dict[str, float], int, Counter]:
+        """The calls the rewards `rows` score, as transitions, with their advantages by span id; and how many calls
+        had no baseline, and what to_transitions left out."""
         adv = call_advantages(self.ledger, self.store, self.rule, self.learn.reward_name, self.learn.alpha).by_call
         skipped: Counter = Counter()
         seen: set[str] = set()
@@ -149,7 +149,7 @@ class Learner:
                                    traceback=None, started_at=0.0, ended_at=None)
             out += to_transitions(sample, spans, credit=self.rule, skipped=skipped)
         kept = [t for t in out if t.span_id in adv]
-        return kept, [adv[t.span_id] for t in kept], len(out) - len(kept), skipped
+        return kept, adv, len(out) - len(kept), skipped
 
     def update(self) -> Update:
         """Read every pending reward; train one update on what it scores, if anything can train; commit."""
@@ -158,13 +158,12 @@ class Learner:
         ts, adv, no_baseline, skipped = self.transitions(rows)
         versions = {self.base: 0, **{self.adapter_name(v): v for v in range(1, self.version + 1)}}
         kept, age = split_stale(ts, versions, self.version, self.learn.max_versions_behind)
-        by_span = dict(zip((t.span_id for t in ts), adv))
         metrics: dict[str, float] = {}
         made = None
         if kept:
             trainer = self.trainer()
             before = trainer.global_step
-            metrics = trainer.step(kept, advantages=[by_span[t.span_id] for t in kept])
+            metrics = trainer.step(kept, advantages=[adv[t.span_id] for t in kept])
             if trainer.global_step > before:
                 made = self.version + 1
                 trainer.save_state(self.checkpoint(made))  # before the commit: see the module docstring

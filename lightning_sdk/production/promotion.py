@@ -23,7 +23,8 @@ Scorer = Callable[[Path | None, int], list[float]]
 
 
 def eval_scorer(cfg) -> Scorer:
-    """data.eval's tasks scored through the user's agent and reward, as `lightning eval` scores them."""
+    """data.eval's tasks scored through the user's agent and reward, as `lightning eval` scores them; the tasks are
+    read now (data.DatasetError if they cannot be)."""
     from rich.console import Console
 
     from lightning_sdk import credit, data
@@ -43,7 +44,8 @@ def last_promoted(path: str | Path) -> tuple[str, Path, int] | None:
         return None
     db = sqlite3.connect(path, timeout=30)
     try:
-        row = db.execute("SELECT checkpoint, version FROM learn_updates WHERE adapter=?", (promoted[-1].candidate,)).fetchone()
+        row = db.execute("SELECT checkpoint, version FROM learn_updates WHERE adapter=?",
+                         (promoted[-1].candidate,)).fetchone()
     finally:
         db.close()
     return (promoted[-1].candidate, Path(row[0]) / ADAPTER, row[1]) if row else None

@@ -628,14 +628,14 @@ def checkpoint_conflict(path: str | Path, config: TrainConfig, policies: Sequenc
     return None
 
 
-def _adapter_params(model: torch.nn.Module, name: str, *, named: bool = False) -> list:
+def _adapter_params(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:
     """The LoRA parameters of peft adapter `name` (`...lora_A.<name>.weight`); peft makes only the active
     adapter's trainable (`set_adapter`), so they are found by name."""
     out = []
     for n, p in model.named_parameters():
         parts = n.split(".")
         if any(a.startswith("lora_") and b == name for a, b in zip(parts, parts[1:])):
-            out.append((n, p) if named else p)
+            out.append(p)
     return out
 
 
