@@ -116,7 +116,8 @@ def choices(r: httpx.Response, stream: bool) -> dict[int, tuple[list[int], list[
 ], ids=["auto", "auto-streamed", "required", "named", "named-streamed"])
 def test_every_tool_call_form_is_parsed_and_recorded_with_exact_ids(gw, store, tokenizer_of, body, request):
     """Four samples each; with tool_choice unset (auto) the calls are the model's own text, which vLLM's hermes
-    parser reads (the calc model calls its calculator in about half of its answers)."""
+    parser reads (the calc model calls its calculator in about half of its answers). vLLM's CPU sampling is not
+    bitwise the same on every machine, so a sample may hold a malformed <tool_call> that no parser could read."""
     rid = f"r-{request.node.callspec.id}"
     with in_rollout(gw, rid):
         r = chat(gw, return_token_ids=True, n=4, temperature=1.0, seed=3, **body)
@@ -129,8 +130,8 @@ def test_every_tool_call_form_is_parsed_and_recorded_with_exact_ids(gw, store, t
     if "tool_choice" in body:  # vLLM constrains these: every sample is a call
         assert len(called) == 4
     else:
-        for ids, calls in got.values():
-            assert ("<tool_call>" in tokenizer_of.decode(ids)) == bool(calls)
+        for ids, calls in got.values():  # a parsed call was the model's own <tool_call> text; a malformed one
+            assert not calls or "<tool_call>" in tokenizer_of.decode(ids)  # stays text, as vLLM's parser leaves it
     (call,) = recorded_calls(gw, store, rid)
     # Every sampled token, whatever vLLM moved into tool_calls: the record is the reply's own ids.
     assert call.attributes[COMPLETION_IDS] == got[0][0] and got[0][0]
