@@ -52,8 +52,11 @@ class ThreadedServer:
         import uvicorn
 
         protocol = guarded_protocol(max_connections=connection_cap(self.max_connections))
+        # A caller's X-Forwarded-For is not trusted (uvicorn trusts it from 127.0.0.1): request.client stays the
+        # socket's peer, and the headers are not parsed on every call.
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
-                                                     lifespan="off", http=protocol))
+                                                     lifespan="off", http=protocol, proxy_headers=False,
+                                                     server_header=False))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.sock]}, name=self.name,
                                         daemon=True)
         self._thread.start()
