@@ -288,3 +288,28 @@ def test_slow_clients_time_out_and_a_connection_cap_answers_503(http, server):
     log = server.log_tail(5000)
     assert "Too many open files" not in log and "Traceback" not in log
     assert 1 <= log.count("refused with 503") <= 2  # logged once per 10 s, not once per connection
+
+
+def test_a_caller_cannot_name_its_own_address_by_forwarded_headers():
+    """The remote routes name a caller by request.client (their log lines): a loopback caller's X-Forwarded-For,
+    which uvicorn trusts from 127.0.0.1 by default, must not change it."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from lightning_sdk.gateway.listen import ThreadedServer, bind, url_of
+
+    async def who(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(request.client.host if request.client else "none")
+
+    sock = bind("127.0.0.1", 0)
+    server = ThreadedServer(Starlette(routes=[Route("/who", who)]), sock, name="forwarded-test")
+    server.start()
+    try:
+        r = httpx.get(f"{url_of(sock)}/who", headers={"X-Forwarded-For": "203.0.113.7", "X-Forwarded-Proto": "https"})
+    finally:
+        server.stop()
+        sock.close()
+    assert r.status_code == 200 and r.text == "127.0.0.1"
+    assert "server" not in r.headers  # no software banner either
