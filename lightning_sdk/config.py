@@ -391,6 +391,9 @@ class LearnConfig(_Section):
                                "lower bound (mean difference - gate_z x standard error) is >= -gate_margin")
     gate_z: float = Field(1.645, ge=0, description="z of the gate's one-sided bound (1.645: 95%)")
     poll_seconds: float = Field(2.0, gt=0, description="how often the trainer looks for new rewards")
+    max_update_failures: int = Field(3, ge=1, le=100, description="an update that raises this many times in a row "
+                                     "quarantines the rewards it read (consumed untrained, with the error as the "
+                                     "reason, counted) so learning goes on")
 
 
 class PolicyConfig(_Section):

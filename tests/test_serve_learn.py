@@ -183,3 +183,47 @@ def test_the_gate_promotes_a_better_candidate_and_rejects_a_worse_one_end_to_end
         assert dep.gateway.policy == "app-serve-v1"  # a restart serves what was promoted last
     finally:
         dep.close()
+
+
+def test_a_batch_whose_update_keeps_failing_is_quarantined_and_learning_goes_on(tmp_path, monkeypatch):
+    """A real failing update (the trainer's step raises, as a bad batch would): it is retried, its rewards stay
+    unread, until learn.max_update_failures in a row; then they are consumed untrained with the error as the
+    reason, counted, and the next batch trains. due() counts unread rewards with one query, by arrival seq."""
+    from lightning_sdk.train.trainer import GRPOTrainer
+
+    cfg = project(tmp_path)
+    cfg.learn.max_update_failures = 2
+    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
+                           scorer=no_gate)
+    try:
+        learner, ledger = dep.schedule.learner, dep.ledger
+        bad = traffic(dep, 4)
+        dep.gateway.capture.flush()
+        reward_all(dep, bad)
+        ledger.give({"episode_id": bad[0], "value": 1.0, "name": "thumbs"})  # another name: not counted
+        assert learner.due() and ledger.unread_count("reward") == 4
+
+        def broken(self, *args, **kwargs):
+            raise RuntimeError("loss is nan")
+
+        real = GRPOTrainer.step
+        monkeypatch.setattr(GRPOTrainer, "step", broken)
+        with pytest.raises(RuntimeError, match="loss is nan"):
+            dep.schedule.run_once()
+        assert learner.failed == 1 and len(learner.pending()) == 4  # retried next poll: nothing consumed
+        u = dep.schedule.run_once()  # the 2nd failure in a row: quarantined, not raised
+        assert (u.version, u.quarantined, learner.quarantined, learner.failed) == (None, 4, 4, 0)
+        assert "RuntimeError: loss is nan" in u.reason and not learner.due() and learner.pending() == []
+        rows = sqlite3.connect(dep.store.path).execute("SELECT version, reason FROM learn_consumed").fetchall()
+        assert len(rows) == 4 and all(v is None and "loss is nan" in r for v, r in rows)
+        monkeypatch.setattr(GRPOTrainer, "step", real)
+        good = traffic(dep, 4, prompt="What is 3 + 3?")
+        dep.gateway.capture.flush()
+        reward_all(dep, good, salt="g")
+        assert ledger.unread_count("reward") == 4 and ledger.consumed_through("reward") == 5  # 1-4 read, 5 not one
+        u = dep.schedule.run_once()
+        assert (u.version, u.rewards, u.calls) == (1, 4, 4)  # learning went on after the quarantine
+        # arrival seqs: 1-4 the bad batch, 5 the other name's, 6-9 this batch: all read, the other name's not
+        assert ledger.consumed_through("reward") == 9 and [r["seq"] for r in ledger.unread("thumbs")] == [5]
+    finally:
+        dep.close()

@@ -12,6 +12,11 @@ Restart: update n's trainer checkpoint (adapter, optimizer, schedule, RNG) is wr
 transaction records the update and every feedback id it read. A kill before the commit leaves the rewards unread
 (the next start redoes update n from checkpoint n - 1, and the uncommitted checkpoint is replaced); after it, no
 reward is read twice. No update is repeated and none lost.
+
+Failures: an update that raises drops the in-memory trainer (the next try resumes from the last committed
+checkpoint) and its rewards stay unread. After learn.max_update_failures in a row, the rewards it read are
+quarantined: consumed with no version and the error as their `reason` (counted in `quarantined`), so one batch
+that can never train does not stall learning.
 """
 
 from __future__ import annotations
@@ -42,11 +47,7 @@ CREATE TABLE IF NOT EXISTS learn_updates (
     checkpoint  TEXT NOT NULL,        -- its trainer checkpoint (adapter/ inside is what the backend loads)
     evidence    TEXT NOT NULL         -- what it read and left out, and the trainer's metrics, as JSON
 );
-CREATE TABLE IF NOT EXISTS learn_consumed (
-    feedback_id TEXT PRIMARY KEY,
-    version     INTEGER               -- the update that trained on it; NULL: read, but nothing in it could train
-);
-"""
+"""  # learn_consumed (which rewards an update read) is the ledger's: its unread count is one query
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class Update:
     no_baseline: int  # calls left out: their sample had no baseline yet (a component's first)
     skipped: dict[str, int]  # calls left out by to_transitions, by reason
     metrics: dict[str, float]
+    quarantined: int = 0  # rewards set aside untrained after learn.max_update_failures failures in a row
+    reason: str | None = None  # why they were
 
 
 def sampling_cap(cfg: Config) -> float | None:
@@ -85,6 +88,9 @@ class Learner:
         self._db.executescript(SCHEMA)
         self.version = self._db.execute("SELECT COALESCE(MAX(version), 0) AS v FROM learn_updates").fetchone()["v"]
         self._last = time.monotonic()
+        self._through = ledger.consumed_through(self.learn.reward_name)  # every reward up to this seq is consumed
+        self.failed = 0  # updates that raised in a row
+        self.quarantined = 0  # rewards quarantined since start
         self._trainer = None
         self._making = threading.Lock()
 
@@ -104,12 +110,10 @@ class Learner:
 
     def pending(self) -> list[sqlite3.Row]:
         """The rewards (learn.reward_name) no update has read yet, in the order they arrived."""
-        with self._lock:
-            read = {r[0] for r in self._db.execute("SELECT feedback_id FROM learn_consumed")}
-        return [r for r in self.ledger.rows(self.learn.reward_name) if r["feedback_id"] not in read]
+        return self.ledger.unread(self.learn.reward_name, self._through)
 
     def due(self) -> bool:
-        n = len(self.pending())
+        n = self.ledger.unread_count(self.learn.reward_name, self._through)
         waited = self.learn.every_minutes is not None and time.monotonic() - self._last >= self.learn.every_minutes * 60
         return n >= self.learn.every_rewarded or (n > 0 and waited)
 
@@ -152,9 +156,45 @@ class Learner:
         return kept, adv, len(out) - len(kept), skipped
 
     def update(self) -> Update:
-        """Read every pending reward; train one update on what it scores, if anything can train; commit."""
+        """Read every pending reward; train one update on what it scores, if anything can train; commit. One that
+        raises is raised again, until the learn.max_update_failures-th in a row, which quarantines its rewards."""
         rows = self.pending()
         self._last = time.monotonic()
+        try:
+            update = self._train(rows)
+        except Exception as e:
+            self._trainer = None  # it may have stepped past the last commit: the next try resumes from that
+            self.failed += 1
+            if self.failed < self.learn.max_update_failures:
+                raise
+            reason = f"update failed {self.failed} times in a row: {type(e).__name__}: {str(e)[:300]}"
+            self._commit(rows, None, None, reason)  # consumed untrained, each with the reason
+            self.failed = 0
+            self.quarantined += len(rows)
+            return Update(None, None, None, len(rows), 0, 0, 0, {}, {}, quarantined=len(rows), reason=reason)
+        self.failed = 0
+        return update
+
+    def _commit(self, rows: list[sqlite3.Row], made: int | None, evidence: dict | None,
+                reason: str | None = None) -> None:
+        """One transaction: update `made` (if any) and every reward in `rows` consumed by it."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if made is not None:
+                    self._db.execute("INSERT INTO learn_updates VALUES (?, ?, ?, ?, ?)",
+                                     (made, time.time(), self.adapter_name(made), str(self.checkpoint(made)),
+                                      json.dumps(evidence)))
+                self._db.executemany("INSERT INTO learn_consumed (feedback_id, version, reason) VALUES (?, ?, ?)",
+                                     [(r["feedback_id"], made, reason) for r in rows])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        if rows:
+            self._through = max(self._through, max(r["seq"] for r in rows))
+
+    def _train(self, rows: list[sqlite3.Row]) -> Update:
         ts, adv, no_baseline, skipped = self.transitions(rows)
         versions = {self.base: 0, **{self.adapter_name(v): v for v in range(1, self.version + 1)}}
         kept, age = split_stale(ts, versions, self.version, self.learn.max_versions_behind)
@@ -170,19 +210,7 @@ class Learner:
         metrics.update(age.metrics())
         evidence = {"rewards": len(rows), "calls": len(kept) if made else 0, "stale": age.dropped,
                     "no_baseline": no_baseline, "skipped": dict(skipped), "metrics": metrics}
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                if made is not None:
-                    self._db.execute("INSERT INTO learn_updates VALUES (?, ?, ?, ?, ?)",
-                                     (made, time.time(), self.adapter_name(made), str(self.checkpoint(made)),
-                                      json.dumps(evidence)))
-                self._db.executemany("INSERT INTO learn_consumed VALUES (?, ?)",
-                                     [(r["feedback_id"], made) for r in rows])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        self._commit(rows, made, evidence)
         if made is not None:
             self.version = made
         return Update(made, self.adapter_name(made) if made else None,

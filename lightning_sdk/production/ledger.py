@@ -45,7 +45,18 @@ CREATE TABLE IF NOT EXISTS feedback (
     received_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS feedback_by_rollout ON feedback (rollout_id);
+CREATE INDEX IF NOT EXISTS feedback_by_name ON feedback (name);
+CREATE TABLE IF NOT EXISTS learn_consumed (
+    feedback_id TEXT PRIMARY KEY,
+    version     INTEGER,              -- the update that trained on it; NULL: read, but nothing in it could train
+    reason      TEXT                  -- NULL: read by an update; else why it was set aside (quarantined)
+);
 """
+
+# A reward's place in arrival order is its rowid: SQLite gives each insert one above the largest (feedback rows are
+# never deleted), so "every reward up to seq s is consumed" is one number and the unread ones are a range after it.
+UNREAD = ("FROM feedback f WHERE f.name=? AND f.rowid>? AND NOT EXISTS "
+          "(SELECT 1 FROM learn_consumed c WHERE c.feedback_id=f.feedback_id)")
 
 
 class FeedbackError(Exception):
@@ -77,6 +88,8 @@ class FeedbackLedger:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        if "reason" not in {r["name"] for r in self._db.execute("PRAGMA table_info(learn_consumed)")}:
+            self._db.execute("ALTER TABLE learn_consumed ADD COLUMN reason TEXT")  # a store from before quarantine
 
     def close(self) -> None:
         with self._lock:
@@ -160,6 +173,26 @@ class FeedbackLedger:
         with self._lock:
             return self._db.execute("SELECT * FROM feedback WHERE name=? ORDER BY received_at, feedback_id",
                                     (name,)).fetchall()
+
+    def unread(self, name: str, after: int = 0) -> list[sqlite3.Row]:
+        """The rewards named `name` no update has consumed, after arrival seq `after`, in arrival order (with
+        their `seq`)."""
+        with self._lock:
+            return self._db.execute(f"SELECT f.rowid AS seq, f.* {UNREAD} ORDER BY f.rowid", (name, after)).fetchall()
+
+    def unread_count(self, name: str, after: int = 0) -> int:
+        """How many rewards `unread` would return: one indexed range count, for a poll."""
+        with self._lock:
+            return self._db.execute(f"SELECT COUNT(*) AS n {UNREAD}", (name, after)).fetchone()["n"]
+
+    def consumed_through(self, name: str) -> int:
+        """The largest seq at or below which every reward named `name` is consumed (a scan: once, at start)."""
+        with self._lock:
+            row = self._db.execute(f"SELECT MIN(f.rowid) AS first {UNREAD}", (name, 0)).fetchone()
+            if row["first"] is not None:
+                return row["first"] - 1
+            return self._db.execute("SELECT COALESCE(MAX(rowid), 0) AS n FROM feedback WHERE name=?",
+                                    (name,)).fetchone()["n"]
 
     def call_rewards(self, store: Store, rule: CreditRule, name: str = "reward") -> dict[str, float]:
         """Each rewarded call's reward for `name`: its own feedback (by call or response id), plus its share of

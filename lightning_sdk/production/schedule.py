@@ -2,7 +2,8 @@
 (learn.every_rewarded new rewards, or learn.every_minutes with at least one) and takes its candidate to the gate.
 
 A failed update or eval is logged and counted (`failures`), and the server keeps serving what it served: a fault
-of the learning side never stops serving. Its rewards stay unread, so the next pass tries them again.
+of the learning side never stops serving. Its rewards stay unread, so the next pass tries them again, up to
+learn.max_update_failures times in a row; then they are quarantined (production.learner) and learning goes on.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class Schedule:
             return None
         update = self.learner.update()
         self.last = update
+        if update.quarantined:
+            log.warning("learn: %d reward(s) quarantined, consumed untrained (%d in all since start): %s",
+                        update.quarantined, self.learner.quarantined, update.reason)
+            return update
         if update.version is None:
             log.info("learn: %d reward(s) read, nothing could train (%d stale, %d without a baseline)",
                      update.rewards, update.stale, update.no_baseline)
