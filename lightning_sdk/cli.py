@@ -227,10 +227,14 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
 @click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
 @click.option("--retention-days", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="Feedback for calls older than this is refused (410).")
+              help="Feedback for calls older than this is refused (410); stored calls older than this are deleted "
+                   "(kept while an unconsumed reward needs them).")
+@click.option("--max-calls", type=click.IntRange(min=1, max=10**9),
+              help="Keep at most this many stored calls: the oldest beyond it are deleted (but those an unconsumed "
+                   "reward needs); default: no cap.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def serve(config_path: Path, directory: Path | None, host: str, port: int, retention_days: float,
-          sets: tuple[str, ...]) -> None:
+          max_calls: int | None, sets: tuple[str, ...]) -> None:
     """Serve the model behind an OpenAI-compatible address until Ctrl-C or SIGTERM; the key is
     LIGHTNING_SERVE_KEY, else serve.api_key, else the one kept in the directory's serve.key."""
     console = make_console()
@@ -253,7 +257,7 @@ def serve(config_path: Path, directory: Path | None, host: str, port: int, reten
     directory = directory or cfg.run.dir / "serve"
     try:
         served = deployment.start(cfg, directory, host=host, port=port, api_key=os.environ.get("LIGHTNING_SERVE_KEY"),
-                                  retention_s=retention_days * 86400, scorer=scorer)
+                                  retention_s=retention_days * 86400, scorer=scorer, max_calls=max_calls)
     except OSError as e:
         _fail(console, f"--host/--port: cannot listen on {host}:{port} ({e.strerror or e})")
     except ServerError as e:

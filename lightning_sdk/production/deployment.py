@@ -22,6 +22,7 @@ from lightning_sdk.production.intake import feedback_router
 from lightning_sdk.production.learner import Learner
 from lightning_sdk.production.ledger import FeedbackLedger
 from lightning_sdk.production.promotion import Promoter, Scorer, eval_scorer
+from lightning_sdk.production.retention import PRUNE_EVERY_S, Pruner
 from lightning_sdk.production.schedule import Schedule
 from lightning_sdk.servers import InferenceServer
 from lightning_sdk.servers.select import make_server
@@ -55,6 +56,7 @@ class Deployment:
     stack: ExitStack
     server: InferenceServer
     schedule: Schedule | None  # [learn]: the background trainer and its gate; None: serving only
+    pruner: Pruner  # deletes calls past the retention window and the size cap
 
     @property
     def url(self) -> str:
@@ -69,11 +71,14 @@ class Deployment:
 
 
 def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | None,
-          retention_s: float, scorer: Scorer | None = None) -> Deployment:
+          retention_s: float, scorer: Scorer | None = None, max_calls: int | None = None,
+          prune_every_s: float = PRUNE_EVERY_S) -> Deployment:
     """Bind, start the backend, then serve; OSError if host:port cannot be listened on (nothing started or
     written). The app's key: `api_key`, else serve.api_key, else the one kept in the directory (made once).
     With [learn], the adapter promoted last is served again and the background trainer starts; `scorer`: how the
-    gate scores an adapter (default: data.eval's tasks through the agent, production.promotion.eval_scorer)."""
+    gate scores an adapter (default: data.eval's tasks through the agent, production.promotion.eval_scorer).
+    Calls past `retention_s` or beyond the newest `max_calls` are deleted every `prune_every_s`
+    (production.retention).""""
     given = api_key or cfg.serve.api_key
     key = given or (kept_key(directory) if directory.is_dir() else None)
     stack = ExitStack()
@@ -87,6 +92,10 @@ def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | 
         store = stack.enter_context(Store(directory / STORE_FILE))
         ledger = FeedbackLedger(store.path, retention_s=retention_s)
         stack.callback(ledger.close)
+        pruner = Pruner(store.path, retention_s=retention_s, max_calls=max_calls, every_s=prune_every_s,
+                        reward_name=cfg.learn.reward_name if cfg.learn is not None else None)
+        pruner.start()
+        stack.callback(pruner.stop)
         server = make_server(cfg, models.resolve(cfg.model.name), directory / "server.log")
         stack.callback(server.stop)
         server.start()
@@ -107,4 +116,4 @@ def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | 
     except BaseException:
         stack.close()
         raise
-    return Deployment(gateway, store, ledger, stack, server, schedule)
+    return Deployment(gateway, store, ledger, stack, server, schedule, pruner)

@@ -1,0 +1,107 @@
+"""What `lightning serve` keeps, and for how long: stored calls (the spans table: prompts and replies, token ids,
+sampler log-probs) older than the retention window are deleted, and past `max_calls` the oldest calls go first,
+except a call an unconsumed reward still needs (with [learn]: it may yet be trained on). Feedback rows are kept
+(a few numbers each; `learn_consumed` says which were read).
+
+Each pass is one SQLite transaction: a kill -9 leaves it done or not begun. A call deleted by age could no longer
+be rewarded (feedback for it was refused, 410, before it went; after, the answer is 404); one deleted by the cap
+was inside the window, so feedback for it gets 404 too.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_sdk.tracing.records import GATEWAY
+
+log = logging.getLogger("lightning_sdk")
+
+PRUNE_EVERY_S = 60.0  # how often a serve looks for calls to delete (each pass one transaction)
+
+# The spans an unconsumed reward named :name needs: every span of its episode, and the call it names.
+NEEDED = """
+    s.rollout_id IN (SELECT f.rollout_id FROM feedback f WHERE f.name=:name AND f.rollout_id IS NOT NULL
+                     AND NOT EXISTS (SELECT 1 FROM learn_consumed c WHERE c.feedback_id=f.feedback_id))
+    OR s.span_id IN (SELECT f.call_id FROM feedback f WHERE f.name=:name AND f.call_id IS NOT NULL
+                     AND NOT EXISTS (SELECT 1 FROM learn_consumed c WHERE c.feedback_id=f.feedback_id))
+"""
+
+
+@dataclass(frozen=True)
+class Pruned:
+    aged: int  # spans deleted: older than the retention window
+    over_cap: int  # calls deleted: the oldest beyond max_calls
+    kept: int  # calls past the window kept, since an unconsumed reward needs them
+
+
+def prune(path: str | Path, *, retention_s: float, max_calls: int | None, reward_name: str | None,
+          now: float | None = None) -> Pruned:
+    """One pass over the store at `path` (which has the ledger's tables). `reward_name`: the feedback a learner
+    still reads (None: no learner, no call is kept for a reward)."""
+    now = time.time() if now is None else now
+    cutoff_ns = int((now - retention_s) * 1e9)
+    needed = f"({NEEDED})" if reward_name is not None else "0"
+    args = {"name": reward_name, "cutoff": cutoff_ns, "gateway": GATEWAY}
+    db = sqlite3.connect(path, isolation_level=None, timeout=30)
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            aged = db.execute(f"DELETE FROM spans WHERE span_id IN (SELECT s.span_id FROM spans s WHERE "
+                              f"s.end_ns < :cutoff AND NOT {needed})", args).rowcount
+            over = 0
+            if max_calls is not None:  # the newest max_calls calls stay, the needed ones among them
+                over = db.execute(
+                    f"DELETE FROM spans WHERE span_id IN (SELECT s.span_id FROM spans s WHERE s.source=:gateway "
+                    f"AND NOT {needed} ORDER BY s.end_ns DESC LIMIT -1 OFFSET :cap - (SELECT COUNT(*) FROM spans s "
+                    f"WHERE s.source=:gateway AND {needed}))", {**args, "cap": max_calls}).rowcount
+            kept = db.execute(f"SELECT COUNT(*) FROM spans s WHERE s.source=:gateway AND s.end_ns < :cutoff AND "
+                              f"{needed}", args).fetchone()[0]
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+    finally:
+        db.close()
+    return Pruned(aged, over, kept)
+
+
+class Pruner:
+    """A background thread that prunes every PRUNE_EVERY_S (and once at start), logging what it deleted."""
+
+    def __init__(self, path: str | Path, *, retention_s: float, max_calls: int | None, reward_name: str | None,
+                 every_s: float = PRUNE_EVERY_S):
+        self.path, self.retention_s, self.max_calls, self.reward_name = path, retention_s, max_calls, reward_name
+        self.every_s = every_s
+        self.last: Pruned | None = None
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lightning-prune", daemon=True)
+
+    def start(self) -> None:
+        self.run_once()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def run_once(self) -> Pruned:
+        p = prune(self.path, retention_s=self.retention_s, max_calls=self.max_calls, reward_name=self.reward_name)
+        self.last = p
+        if p.aged or p.over_cap:
+            log.info("retention: deleted %d span(s) past the window and %d call(s) past the cap (%d kept for "
+                     "unconsumed rewards)", p.aged, p.over_cap, p.kept)
+        return p
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.run_once()
+            except Exception:  # noqa: BLE001 - logged and counted; serving goes on
+                self.failures += 1
+                log.exception("retention: a pass failed; nothing of it was deleted")
