@@ -78,7 +78,7 @@ def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | 
     With [learn], the adapter promoted last is served again and the background trainer starts; `scorer`: how the
     gate scores an adapter (default: data.eval's tasks through the agent, production.promotion.eval_scorer).
     Calls past `retention_s` or beyond the newest `max_calls` are deleted every `prune_every_s`
-    (production.retention).""""
+    (production.retention)."""
     given = api_key or cfg.serve.api_key
     key = given or (kept_key(directory) if directory.is_dir() else None)
     stack = ExitStack()
