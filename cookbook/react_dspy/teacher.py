@@ -3,14 +3,11 @@
 It runs the agent's own `dspy.ReAct` (agent.py) with DSPy's default ChatAdapter, over a scripted LM that answers
 each of ReAct's calls in that adapter's field format (`[[ ## next_thought ## ]]`, `[[ ## next_tool_name ## ]]`,
 `[[ ## next_tool_args ## ]]`, then the extract step's `[[ ## reasoning ## ]]` and `[[ ## answer ## ]]`): the
-model learns the exact prompts DSPy sends and the replies its parser reads. It answers like a careless student
-who knows the `add` tool: most of the time it calls `add` with the question's numbers, then reads the tool's
-result into its next thought ("The sum is 7."), but carelessly: right about half of the time, one off otherwise;
-the extract step copies that thought's number into `answer`. Otherwise it finishes at once and answers with a
-number from the question (never the sum). The untrained model then scores about a third, and RL lifts it by
-making the tool call a habit and the reading exact (like the calc and extract examples' teachers). Copying a
-number from the context is what a model this small learns last, so the copying replies are drawn twice. A real
-instruct model needs none of this.
+model learns the exact prompts DSPy sends and the replies its parser reads. It answers like a lazy student who
+knows the `add` tool: about half of the time it calls `add` with the question's numbers, then finishes and
+reports the tool's result; otherwise it finishes at once and answers with a number from the question (never the
+sum). The untrained model then scores about half, and RL lifts it by making the tool call a habit (like the calc
+example's teacher). A real instruct model needs none of this.
 """
 
 import hashlib
@@ -27,8 +24,7 @@ from lightning_sdk.models import tiny
 
 HERE = Path(__file__).parent
 agent, make_data = (load_py_file(HERE / f"{m}.py", f"react_dspy_{m}") for m in ("agent", "make_data"))
-USE_TOOL = 0.75  # how often the teacher calls the tool instead of guessing
-READ_RIGHT = 0.5  # how often it reads the tool's result right (one off otherwise)
+USE_TOOL = 0.5  # how often the teacher calls the tool instead of guessing
 RECIPE = ("make_data.py", "data/test.jsonl")
 HELD_OUT = {json.loads(line)["question"] for line in (HERE / "data" / "test.jsonl").read_text().splitlines()}
 
@@ -54,10 +50,9 @@ class Scripted(dspy.BaseLM):
 def episode(rng: random.Random, question: str) -> list[tuple[list[dict], str]]:
     a, b = (int(x) for x in re.findall(r"\d", question))
     if rng.random() < USE_TOOL:
-        read = a + b if rng.random() < READ_RIGHT else a + b + rng.choice((-1, 1))
         replies = [fields(next_thought="I add the numbers.", next_tool_name="add", next_tool_args=json.dumps({"a": a, "b": b})),
-                   fields(next_thought=f"The sum is {read}.", next_tool_name="finish", next_tool_args="{}"),
-                   fields(reasoning=f"The sum is {read}.", answer=read)]
+                   fields(next_thought="I have the sum.", next_tool_name="finish", next_tool_args="{}"),
+                   fields(reasoning="The tool gave the sum.", answer=a + b)]
     else:
         replies = [fields(next_thought="I know it.", next_tool_name="finish", next_tool_args="{}"),
                    fields(reasoning="I know the answer.", answer=rng.choice([a, b]))]
@@ -78,8 +73,7 @@ class ReactTeacher:
             row = make_data.problem(rng, 0)
             if row["question"] in HELD_OUT:
                 continue
-            calls = [(tiny.render(messages), reply) for messages, reply in episode(rng, row["question"])]
-            out += calls + (calls[1:] if len(calls) == 3 else [])  # the tool path's copying replies twice
+            out += [(tiny.render(messages), reply) for messages, reply in episode(rng, row["question"])]
         return out[:n]
 
 
