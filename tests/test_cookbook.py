@@ -236,8 +236,8 @@ def test_eval_without_a_checkpoint_or_eval_data_is_a_clear_error(tmp_path):
 def test_dspy_react_at_its_lower_bound_rolls_out_with_exact_ids(tmp_path):
     """The react_dspy agent, unchanged, under the lowest DSPy pyproject allows (CI: .venv-dspy-lowest, named by
     LIGHTNING_TEST_DSPY_LOWEST) as a `lightning worker`: a ReAct rollout through the gateway, each LLM call
-    recorded with the server's token ids (each a transition), and the answer DSPy's ChatAdapter parsed is the one the model wrote.
-    No training: what may differ between DSPy versions is the agent side, and this is all of it."""
+    recorded with the server's token ids (each a transition), and the answer DSPy's ChatAdapter parsed is the one
+    the model wrote. No training: what may differ between DSPy versions is the agent side, and this is all of it."""
     from lightning_sdk import models
     from lightning_sdk.servers.cpu import CPUServer
 
