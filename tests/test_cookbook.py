@@ -231,3 +231,50 @@ def test_eval_without_a_checkpoint_or_eval_data_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "eval", "-c", str(toml)],
                          cwd=tmp_path, env=env, text=True, capture_output=True, timeout=60)
     assert out.returncode == 2 and "data.eval is not set" in out.stdout
+
+
+def test_dspy_react_at_its_lower_bound_rolls_out_with_exact_ids(tmp_path):
+    """The react_dspy agent, unchanged, under the lowest DSPy pyproject allows (CI: .venv-dspy-lowest, named by
+    LIGHTNING_TEST_DSPY_LOWEST) as a `lightning worker`: a ReAct rollout through the gateway, each LLM call
+    recorded with the server's token ids (each a transition), and the answer DSPy's ChatAdapter parsed is the one
+    the model wrote. No training: what may differ between DSPy versions is the agent side, and this is all of it."""
+    from lightning_sdk import models
+    from lightning_sdk.servers.cpu import CPUServer
+
+    from .remote_harness import KEY, Api, job
+
+    python = os.environ.get("LIGHTNING_TEST_DSPY_LOWEST")
+    if not python:
+        pytest.skip("LIGHTNING_TEST_DSPY_LOWEST names no Python with DSPy at its lower bound")
+    version = subprocess.run([python, "-c", "import dspy; print(dspy.__version__)"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    low = re.search(r'"dspy>=([\d.]+),', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert version.startswith(low), (version, low)
+    src = ROOT / "cookbook/react_dspy"
+    tasks = [json.loads(line) for line in (src / "data/test.jsonl").read_text().splitlines()[:1]]
+    with CPUServer(models.resolve(f"tiny:{src / 'teacher.py'}"), served_model_name="policy", threads=1,
+                   dtype="float32", log_path=tmp_path / "server.log") as server:
+        api = Api(server, Store(tmp_path / "server.sqlite"), timeout=120)
+        api.queue([job(k, t) for k, t in enumerate(tasks)])
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "OPENAI_BASE_URL")}
+        env.update(LIGHTNING_TOKEN=KEY, HOME=str(tmp_path), LITELLM_LOCAL_MODEL_COST_MAP="True")
+        worker = subprocess.Popen([python, "-m", "lightning_sdk.cli", "worker", str(src / "agent.py"), "--server",
+                                   api.url, "--concurrency", "1"], cwd=tmp_path, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            results = api.results(1, timeout=150)
+        finally:
+            worker.kill()
+            said, _ = worker.communicate(timeout=30)
+            api.stop()
+    assert all(r.status == "succeeded" for r in results), [r.error for r in results] + [said[-3000:]]
+    for r in results:
+        calls = sorted((s for s in api.store.spans(r.job.rollout_id) if transitions.is_llm_call(s)),
+                       key=lambda s: s.start_ns)
+        assert calls and all(s.attributes["lightning.llm.completion_token_ids"] for s in calls)
+        assert all("lightning.llm.constraint" not in s.attributes for s in calls)  # the ChatAdapter, no fallback
+        texts = ["".join(s.attributes[COMPLETION_TOKENS]) for s in calls]
+        assert re.search(r"\[\[ ## answer ## \]\]\n(\d+)", texts[-1]).group(1) == str(r.output)
+        assert r.reward == float(r.output == r.job.task["answer"])
+        trained = transitions.to_transitions(api.store.rollout(r.job.rollout_id), api.store.spans(r.job.rollout_id))
+        assert len(trained) == len(calls) and all(t.prompt_ids and t.completion_ids for t in trained)
