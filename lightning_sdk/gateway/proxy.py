@@ -33,6 +33,7 @@ from typing import Any, Sequence
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lightning_sdk.gateway.canary_share import routes_to_canary
 from lightning_sdk.gateway.capture import CALL_ID_HEADER, Call, Capture, OpenRollouts, origin
 from lightning_sdk.gateway.guard import (MAX_BODY_BYTES, PARSE_INLINE_BYTES, BodyLimit, GatewayError, KeyCheck,
                                         error_body, parse_off_loop)
@@ -66,6 +67,8 @@ class Gateway:
         # Names served earlier in the run: an agent that kept one (a pipelined run switches adapters mid-collection)
         # is served by the policy now, also under serve.model_names.
         self.retired: set[str] = set()
+        # (adapter, share): that share of episodes (by trace id, production.canary) is served by the canary adapter.
+        self.canary: tuple[str, float] | None = None
         self.asked: Counter[str] = Counter()  # model names the agent asked for, and how often
         self.backends: Backends | None = None
         self._sock = bind(host, port)
@@ -117,7 +120,7 @@ class Gateway:
 
     # ------------------------------------------------------------------------------------------ model names
 
-    def serve_as(self, asked: Any, component: str | None = None) -> str:
+    def serve_as(self, asked: Any, component: str | None = None, trace_id: str | None = None) -> str:
         """The name a request for model `asked` from `component` is served under: its component's policy, else the
         policy; GatewayError if it is not served."""
         if not isinstance(asked, str) or not asked:
@@ -125,6 +128,9 @@ class Gateway:
         if self.policy is None:
             raise GatewayError(503, "no policy is being served right now (between runs)")
         served = self.by_component.get(component) if component is not None else None
+        canary = self.canary
+        if served is None and canary is not None and trace_id and routes_to_canary(trace_id, canary[1]):
+            served = canary[0]
         if self.model_names and asked not in self.model_names and asked != (served or self.policy) \
                 and asked not in self.retired:
             raise GatewayError(404, f"The model `{asked[:200]}` does not exist: this run serves the policy being "
@@ -277,7 +283,7 @@ class Gateway:
         asked = body.get("model")
         where = origin(request.headers, self.rollouts, request.scope.get("state", {}).get(ROLLOUT_KEY))
         try:
-            served = self.serve_as(asked, where.component)
+            served = self.serve_as(asked, where.component, where.trace_id)
         except GatewayError as e:  # refused here: a failed call of its rollout all the same
             call = self.capture.begin(where, api, body, asked=str(asked)[:200], policy="")
             call.fail(e.status, e.message)

@@ -3,7 +3,11 @@
 on the same tasks with the same seeds), `gate.decide` compares the paired scores, `gate.record` keeps the decision
 with its evidence, and only a promoted candidate is hot-loaded into the serving backend and routed to.
 
-A restart serves what was promoted last (the `promotions` table names it, `learn_updates` says where it is).
+With learn.canary_share, a candidate past the gate is loaded and serves that share of new episodes first
+(production.canary); `check_canary` promotes it to all traffic or rolls it back by live reward.
+
+A restart serves what was promoted last (the `promotions` and `canaries` tables name it, `learn_updates` says where
+it is), and resumes a canary left undecided.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from lightning_sdk.gateway.proxy import Gateway
-from lightning_sdk.production import gate
+from lightning_sdk.production import canary, gate
 from lightning_sdk.production.learner import Update
 from lightning_sdk.servers import InferenceServer
 from lightning_sdk.train.checkpoint import ADAPTER
@@ -37,38 +41,59 @@ def eval_scorer(cfg) -> Scorer:
     return lambda adapter, version: evaluate(cfg, quiet, rule, tasks, adapter, iteration=version).scores
 
 
-def last_promoted(path: str | Path) -> tuple[str, Path, int] | None:
-    """The adapter promoted last (its served name, PEFT directory and version), if any."""
-    promoted = [d for d in gate.decisions(path) if d.promoted]
-    if not promoted:
-        return None
+def kept_adapter(path: str | Path, name: str) -> tuple[str, Path, int] | None:
+    """An update's served name, PEFT directory and version, from `learn_updates`."""
     db = sqlite3.connect(path, timeout=30)
     try:
-        row = db.execute("SELECT checkpoint, version FROM learn_updates WHERE adapter=?",
-                         (promoted[-1].candidate,)).fetchone()
+        row = db.execute("SELECT checkpoint, version FROM learn_updates WHERE adapter=?", (name,)).fetchone()
     finally:
         db.close()
-    return (promoted[-1].candidate, Path(row[0]) / ADAPTER, row[1]) if row else None
+    return (name, Path(row[0]) / ADAPTER, row[1]) if row else None
+
+
+def last_promoted(path: str | Path) -> tuple[str, Path, int] | None:
+    """The adapter promoted last to all traffic (its served name, PEFT directory and version), if any: with a canary,
+    a gate pass promotes only once its canary was promoted."""
+    canaries = {c["candidate"]: c for c in canary.history(path)}
+    promoted = [d.candidate for d in gate.decisions(path) if d.promoted and
+                (d.candidate not in canaries or canaries[d.candidate]["promoted"])]
+    return kept_adapter(path, promoted[-1]) if promoted else None
 
 
 class Promoter:
     """Decides each candidate against the adapter the gateway serves, and promotes by hot-load."""
 
     def __init__(self, store_path: Path, server: InferenceServer, gateway: Gateway, scorer: Scorer, *,
-                 margin: float, z: float):
+                 margin: float, z: float, canary_share: float | None = None, canary_min_rewards: int = 30,
+                 rewards: Callable[[], dict[str, float]] | None = None):
         self.path, self.server, self.gateway, self.scorer = store_path, server, gateway, scorer
         self.margin, self.z = margin, z
+        self.canary_share, self.canary_min_rewards = canary_share, canary_min_rewards
+        # Each rewarded call's live reward (FeedbackLedger.call_rewards over the store): what a canary is judged on.
+        self.rewards = rewards
+        self.canary: canary.Running | None = None
+        self.canary_scores: list[float] | None = None
         self.serving: tuple[str, Path | None, int] = (gateway.policy, None, 0)  # the base model until a promotion
         # The serving adapter's scores on the same tasks and seeds: from its own promotion, or scored once here.
         self.serving_scores: list[float] | None = None
         kept = last_promoted(store_path)
         if kept is not None:
             self.serve(*kept)
+        left = canary.running(store_path)
+        if left is not None and left.serving == self.serving[0] and kept_adapter(store_path, left.candidate):
+            _, adapter, _ = kept_adapter(store_path, left.candidate)
+            self.server.load_adapter(left.candidate, str(adapter))
+            self.canary = left
+            self.gateway.canary = (left.candidate, left.share)
 
     def serve(self, name: str, adapter: Path, version: int) -> None:
         """The adapter into the backend, then every call routed to it (the previous one stays loaded: calls
         already routed to it finish)."""
         self.server.load_adapter(name, str(adapter))
+        self.route(name, adapter, version)
+
+    def route(self, name: str, adapter: Path | None, version: int) -> None:
+        """Every call routed to a loaded adapter."""
         self.gateway.retired.add(self.gateway.policy)
         self.gateway.policy = name
         self.serving = (name, adapter, version)
@@ -82,8 +107,36 @@ class Promoter:
         serving = self.serving_scores
         decision = gate.decide(update.adapter, candidate, name, serving, margin=self.margin, z=self.z)
         gate.record(self.path, decision)
-        if decision.promoted:
+        if decision.promoted and self.canary_share is None:
             self.serve(update.adapter, update.adapter_path, update.version)
             self.serving_scores = candidate
+        elif decision.promoted and self.canary is None:
+            self.server.load_adapter(update.adapter, str(update.adapter_path))
+            self.canary = canary.start(self.path, update.adapter, name, self.canary_share)
+            self.canary_scores = candidate
+            self.gateway.canary = (update.adapter, self.canary_share)
         return decision
+
+    def check_canary(self) -> canary.Verdict | None:
+        """The running canary's verdict once both sides have enough live rewards: promoted to all traffic, or
+        rolled back (its episodes go back to the serving adapter); None while it runs or with none."""
+        running = self.canary
+        if running is None or self.rewards is None:
+            return None
+        live = canary.live_rewards(self.rewards(), self.path, since=running.started_at)
+        verdict = canary.judge(running.candidate, live.get(running.candidate, []), running.serving,
+                               live.get(running.serving, []), min_rewards=self.canary_min_rewards,
+                               margin=self.margin, z=self.z)
+        if verdict is None:
+            return None
+        canary.conclude(self.path, verdict)
+        self.gateway.canary = None
+        self.canary = None
+        if verdict.promoted:
+            scores = self.canary_scores
+            self.route(*kept_adapter(self.path, running.candidate))  # loaded when its canary started
+            self.serving_scores = scores
+        else:
+            self.gateway.retired.add(running.candidate)  # calls already routed to it finish
+        return verdict
 

@@ -34,7 +34,11 @@ class Schedule:
         self._thread.join()
 
     def run_once(self) -> Update | None:
-        """One update and its gate, if due; what the update read, trained and left out."""
+        """A running canary's verdict, if due; then one update and its gate, if due; what the update read, trained
+        and left out."""
+        verdict = self.promoter.check_canary()
+        if verdict is not None:
+            log.info("learn: canary %s %s", verdict.candidate, verdict.reason)
         if not self.learner.due():
             return None
         update = self.learner.update()

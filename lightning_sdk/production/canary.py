@@ -1,0 +1,147 @@
+"""A canary before full promotion: a candidate that passed the gate serves `share` of new episodes beside the
+serving adapter, then is promoted to all traffic or rolled back by the live rewards of the two over the same window.
+
+Routing is by episode (trace id, gateway.canary_share), so one episode stays on one adapter and the record's policy attribute names which served each call.
+
+The rule (docs/serve.md): once each side has at least `min_rewards` rewarded calls since the canary started, with
+c and s the two sides' per-call rewards, d = mean(c) - mean(s) and se = sqrt(var(c)/n_c + var(s)/n_s) (the two
+samples are independent episodes, so Welch's standard error, not the gate's paired one): promote iff
+d - z * se >= -margin, else roll back: the gate's bound on live traffic. A canary and its decision are rows of the
+store's `canaries` table, so a restart (kill -9) resumes the canary it was running, or serves what was decided.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS canaries (
+    started_at REAL NOT NULL,
+    candidate  TEXT NOT NULL,
+    serving    TEXT NOT NULL,
+    share      REAL NOT NULL,
+    decided_at REAL,              -- null while the canary runs
+    promoted   INTEGER,
+    evidence   TEXT               -- the Verdict as JSON
+);
+"""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    candidate: str
+    serving: str
+    promoted: bool
+    mean_difference: float  # canary - serving, per rewarded call
+    stderr: float
+    lower_bound: float  # mean_difference - z * stderr
+    margin: float
+    z: float
+    canary_rewards: int
+    serving_rewards: int
+    canary_mean: float
+    serving_mean: float
+    reason: str
+
+
+def judge(candidate: str, canary: Sequence[float], serving: str, served: Sequence[float], *, min_rewards: int,
+          margin: float, z: float) -> Verdict | None:
+    """The canary's verdict, or None while either side has fewer than `min_rewards` (>= 2) rewarded calls."""
+    c = [float(v) for v in canary if math.isfinite(v)]
+    s = [float(v) for v in served if math.isfinite(v)]
+    if len(c) < max(2, min_rewards) or len(s) < max(2, min_rewards):
+        return None
+    d = statistics.fmean(c) - statistics.fmean(s)
+    se = math.sqrt(statistics.variance(c) / len(c) + statistics.variance(s) / len(s))
+    lower = d - z * se
+    promoted = lower >= -margin
+    return Verdict(candidate, serving, promoted, d, se, lower, margin, z, len(c), len(s), statistics.fmean(c),
+                   statistics.fmean(s), f"live mean difference {d:+.4f} ± {se:.4f} (se), lower bound {lower:+.4f} "
+                   f"{'>=' if promoted else '<'} -margin {-margin:+.4f}: "
+                   f"{'promoted' if promoted else 'rolled back'}")
+
+
+@dataclass(frozen=True)
+class Running:
+    started_at: float
+    candidate: str
+    serving: str
+    share: float
+
+
+def _connect(path: str | Path) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None, timeout=30)
+    db.executescript(SCHEMA)
+    return db
+
+
+def start(path: str | Path, candidate: str, serving: str, share: float) -> Running:
+    """A committed row before the first episode is routed to the canary."""
+    now = time.time()
+    db = _connect(path)
+    try:
+        db.execute("INSERT INTO canaries (started_at, candidate, serving, share) VALUES (?, ?, ?, ?)",
+                   (now, candidate, serving, share))
+    finally:
+        db.close()
+    return Running(now, candidate, serving, share)
+
+
+def running(path: str | Path) -> Running | None:
+    """The canary undecided in the store, if any (a restart resumes it)."""
+    db = _connect(path)
+    try:
+        row = db.execute("SELECT started_at, candidate, serving, share FROM canaries WHERE decided_at IS NULL "
+                         "ORDER BY rowid DESC LIMIT 1").fetchone()
+    finally:
+        db.close()
+    return Running(*row) if row else None
+
+
+def conclude(path: str | Path, verdict: Verdict) -> None:
+    """The verdict stored with its evidence on the canary's own row (set once: a decided row is never rewritten)."""
+    db = _connect(path)
+    try:
+        db.execute("UPDATE canaries SET decided_at=?, promoted=?, evidence=? WHERE candidate=? AND decided_at IS NULL",
+                   (time.time(), int(verdict.promoted), json.dumps(asdict(verdict)), verdict.candidate))
+    finally:
+        db.close()
+
+
+def history(path: str | Path) -> list[dict]:
+    """Every canary, started and decided, in order: {started_at, candidate, serving, share, decided_at, promoted,
+    evidence (a dict or None)}."""
+    db = _connect(path)
+    try:
+        rows = db.execute("SELECT started_at, candidate, serving, share, decided_at, promoted, evidence FROM canaries "
+                          "ORDER BY rowid").fetchall()
+    finally:
+        db.close()
+    return [dict(started_at=r[0], candidate=r[1], serving=r[2], share=r[3], decided_at=r[4],
+                 promoted=None if r[5] is None else bool(r[5]), evidence=json.loads(r[6]) if r[6] else None)
+            for r in rows]
+
+
+def live_rewards(call_rewards: dict[str, float], store_path: str | Path, *, since: float = 0.0) -> dict[str, list[float]]:
+    """Rewarded calls' rewards (FeedbackLedger.call_rewards) grouped by the adapter that served each (the record's
+    policy attribute), for calls started at or after `since` (unix seconds)."""
+    from lightning_sdk.tracing.records import GATEWAY, POLICY
+
+    db = sqlite3.connect(store_path, timeout=30)
+    try:
+        rows = db.execute("SELECT span_id, json_extract(attributes, ?) FROM spans WHERE source=? AND start_ns>=?",
+                          (f'$."{POLICY}"', GATEWAY, int(since * 1e9))).fetchall()
+    finally:
+        db.close()
+    out: dict[str, list[float]] = {}
+    for span_id, policy in rows:
+        if span_id in call_rewards:
+            out.setdefault(policy or "", []).append(call_rewards[span_id])
+    return out

@@ -1,0 +1,107 @@
+"""learn.canary_share: a candidate past the gate serves a share of new episodes (routed by trace id, one episode on
+one adapter), then is promoted to all traffic or rolled back by the live rewards of the two adapters over the same
+window; each verdict stored with its evidence, and a restart resumes a running canary from the store. Real parts:
+the tiny model's CPU server and the gateway on 127.0.0.1, SQLite, feedback through the ledger, GRPO steps."""
+
+import hashlib
+import math
+
+import openai
+import pytest
+
+from lightning_sdk import config
+from lightning_sdk.gateway.canary_share import routes_to_canary
+from lightning_sdk.production import canary, deployment, promotion
+
+from tests.test_serve_learn import project, reward_all, traffic
+
+
+def test_the_canary_verdict_matches_a_hand_computation():
+    # canary 1,1,0 (mean 2/3, var 1/3), serving 0,0,1 (mean 1/3, var 1/3): d = 1/3, se = sqrt(1/9 + 1/9) = 0.4714
+    v = canary.judge("c", [1, 1, 0], "s", [0, 0, 1], min_rewards=3, margin=0.5, z=1.645)
+    assert v.mean_difference == pytest.approx(1 / 3) and v.stderr == pytest.approx(math.sqrt(2 / 9))
+    assert v.lower_bound == pytest.approx(1 / 3 - 1.645 * math.sqrt(2 / 9)) and v.promoted  # -0.442 >= -0.5
+    assert not canary.judge("c", [1, 1, 0], "s", [0, 0, 1], min_rewards=3, margin=0.0, z=1.645).promoted
+    assert canary.judge("c", [1, 1], "s", [0, 0, 1], min_rewards=3, margin=0.5, z=1.645) is None  # too few yet
+
+
+def test_canary_keys_are_validated_at_the_edge(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"question": "q"}\n')
+    for body, expected in (('canary_share = 1.0\n', r"learn.canary_share"),
+                           ('canary_share = 0\n', r"learn.canary_share"),
+                           ('canary_min_rewards = 1\n', r"learn.canary_min_rewards")):
+        (tmp_path / "l.toml").write_text('[data]\ntrain = "train.jsonl"\neval = "train.jsonl"\n[learn]\n' + body)
+        with pytest.raises(config.ConfigError, match=expected):
+            config.load(tmp_path / "l.toml")
+
+
+def always_passes(adapter, version):  # the gate passes every candidate: the canary decides
+    return [float(version), float(version)]
+
+
+def episodes(dep, salt: str, n: int) -> tuple[list[str], list[str]]:
+    """n one-call episodes with fixed trace ids; (the canary's, the serving adapter's) as the replies name them."""
+    client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key=dep.api_key, max_retries=0)
+    on_canary, on_serving = [], []
+    for i in range(n):
+        trace = hashlib.sha256(f"{salt}{i}".encode()).hexdigest()[:32]
+        reply = client.chat.completions.create(model="gpt-4o-mini", max_tokens=1,
+                                               messages=[{"role": "user", "content": "What is 1 + 1?"}],
+                                               extra_headers={"traceparent": f"00-{trace}-{'cd' * 8}-01"})
+        assert (reply.model == dep.gateway.canary[0]) == routes_to_canary(trace, 0.5)  # one rule, every call
+        (on_canary if reply.model == dep.gateway.canary[0] else on_serving).append(trace)
+    dep.gateway.capture.flush()
+    return on_canary, on_serving
+
+
+def rewards(dep, traces: list[str], values: list[int], salt: str) -> None:
+    for t, v in zip(traces, values):
+        dep.ledger.give({"episode_id": t, "value": float(v), "feedback_id": f"{salt}{t}"})
+
+
+def test_a_canary_is_routed_a_share_resumed_after_a_restart_then_promoted_or_rolled_back(tmp_path):
+    cfg = project(tmp_path, every=4)
+    cfg.learn.canary_share, cfg.learn.canary_min_rewards, cfg.learn.gate_margin = 0.5, 3, 0.5
+    d = tmp_path / "serve"
+    dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key=None, retention_s=3600, scorer=always_passes)
+    try:
+        first = traffic(dep, 4)
+        dep.gateway.capture.flush()
+        reward_all(dep, first)
+        dep.schedule.run_once()  # v1 passes the gate: a canary, not yet promoted
+        assert dep.gateway.policy == "builtin:tiny-arith" and dep.gateway.canary == ("app-serve-v1", 0.5)
+        on_canary, on_serving = episodes(dep, "a", 16)
+        assert 3 <= len(on_canary) <= 13  # the share, on 16 fixed traces
+    finally:
+        dep.close()  # the canary's row was committed before its first episode: a restart (or kill -9) resumes it
+    dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key=None, retention_s=3600, scorer=always_passes)
+    try:
+        assert dep.gateway.canary == ("app-serve-v1", 0.5) and dep.gateway.policy == "builtin:tiny-arith"
+        rewards(dep, on_canary, [1, 1], "x")
+        rewards(dep, on_serving, [0, 0, 1], "x")
+        assert dep.schedule.promoter.check_canary() is None  # 2 < 3 canary rewards
+        rewards(dep, on_canary[2:], [0], "x")
+        v = dep.schedule.promoter.check_canary()  # d = 1/3, lower -0.442 >= -0.5: promoted
+        assert v.promoted and v.lower_bound == pytest.approx(1 / 3 - 1.645 * math.sqrt(2 / 9))
+        assert dep.gateway.policy == "app-serve-v1" and dep.gateway.canary is None
+        # v2: passes the gate, then its live reward falls: canary 0,0,1 against 1,1,0, lower -1.109 < -0.5
+        second = traffic(dep, 4)
+        dep.gateway.capture.flush()
+        reward_all(dep, second, salt="v2")
+        dep.schedule.run_once()
+        assert dep.gateway.canary == ("app-serve-v2", 0.5)
+        on_canary, on_serving = episodes(dep, "b", 16)
+        rewards(dep, on_canary, [0, 0, 1], "y")
+        rewards(dep, on_serving, [1, 1, 0], "y")
+        v = dep.schedule.promoter.check_canary()
+        assert not v.promoted and v.mean_difference == pytest.approx(-1 / 3)
+        assert dep.gateway.policy == "app-serve-v1" and dep.gateway.canary is None  # rolled back
+        kept = canary.history(dep.store.path)
+        assert [(c["candidate"], c["serving"], c["promoted"]) for c in kept] == [
+            ("app-serve-v1", "builtin:tiny-arith", True), ("app-serve-v2", "app-serve-v1", False)]
+        assert kept[1]["evidence"]["canary_rewards"] == 3 and kept[1]["evidence"]["serving_rewards"] == 3
+        # what a restart serves: v1 (promoted after its canary), and no canary (v2's was decided)
+        assert promotion.last_promoted(dep.store.path)[0] == "app-serve-v1"
+        assert canary.running(dep.store.path) is None
+    finally:
+        dep.close()
