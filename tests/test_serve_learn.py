@@ -85,7 +85,10 @@ def test_learn_is_validated_at_the_edge(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"question": "q"}\n')
     for body, expected in (('[learn]\nevery_rewarded = 0\n', r"learn.every_rewarded"),
                            ('[learn]\nunknown = 1\n', r"learn.unknown"),
-                           ('[learn]\n', r"data.eval")):
+                           ('[learn]\n', r"data.eval"),
+                           ('eval = "train.jsonl"\n[learn]\ncanary_share = 1.0\n', r"learn.canary_share"),
+                           ('eval = "train.jsonl"\n[learn]\ncanary_share = 0\n', r"learn.canary_share"),
+                           ('eval = "train.jsonl"\n[learn]\ncanary_min_rewards = 1\n', r"learn.canary_min_rewards")):
         (tmp_path / "l.toml").write_text('[data]\ntrain = "train.jsonl"\n' + body)
         with pytest.raises(config.ConfigError, match=expected):
             config.load(tmp_path / "l.toml")

@@ -76,54 +76,42 @@ class Running:
     share: float
 
 
-def _connect(path: str | Path) -> sqlite3.Connection:
+def _execute(path: str | Path, sql: str, args: tuple = ()) -> list[tuple]:
+    """One statement on its own connection, committed (autocommit) before it returns."""
     db = sqlite3.connect(path, isolation_level=None, timeout=30)
-    db.executescript(SCHEMA)
-    return db
+    try:
+        db.executescript(SCHEMA)
+        return db.execute(sql, args).fetchall()
+    finally:
+        db.close()
 
 
 def start(path: str | Path, candidate: str, serving: str, share: float) -> Running:
     """A committed row before the first episode is routed to the canary."""
     now = time.time()
-    db = _connect(path)
-    try:
-        db.execute("INSERT INTO canaries (started_at, candidate, serving, share) VALUES (?, ?, ?, ?)",
-                   (now, candidate, serving, share))
-    finally:
-        db.close()
+    _execute(path, "INSERT INTO canaries (started_at, candidate, serving, share) VALUES (?, ?, ?, ?)",
+             (now, candidate, serving, share))
     return Running(now, candidate, serving, share)
 
 
 def running(path: str | Path) -> Running | None:
     """The canary undecided in the store, if any (a restart resumes it)."""
-    db = _connect(path)
-    try:
-        row = db.execute("SELECT started_at, candidate, serving, share FROM canaries WHERE decided_at IS NULL "
-                         "ORDER BY rowid DESC LIMIT 1").fetchone()
-    finally:
-        db.close()
-    return Running(*row) if row else None
+    rows = _execute(path, "SELECT started_at, candidate, serving, share FROM canaries WHERE decided_at IS NULL "
+                          "ORDER BY rowid DESC LIMIT 1")
+    return Running(*rows[0]) if rows else None
 
 
 def conclude(path: str | Path, verdict: Verdict) -> None:
     """The verdict stored with its evidence on the canary's own row (set once: a decided row is never rewritten)."""
-    db = _connect(path)
-    try:
-        db.execute("UPDATE canaries SET decided_at=?, promoted=?, evidence=? WHERE candidate=? AND decided_at IS NULL",
-                   (time.time(), int(verdict.promoted), json.dumps(asdict(verdict)), verdict.candidate))
-    finally:
-        db.close()
+    _execute(path, "UPDATE canaries SET decided_at=?, promoted=?, evidence=? WHERE candidate=? AND decided_at IS NULL",
+             (time.time(), int(verdict.promoted), json.dumps(asdict(verdict)), verdict.candidate))
 
 
 def history(path: str | Path) -> list[dict]:
     """Every canary, started and decided, in order: {started_at, candidate, serving, share, decided_at, promoted,
     evidence (a dict or None)}."""
-    db = _connect(path)
-    try:
-        rows = db.execute("SELECT started_at, candidate, serving, share, decided_at, promoted, evidence FROM canaries "
-                          "ORDER BY rowid").fetchall()
-    finally:
-        db.close()
+    rows = _execute(path, "SELECT started_at, candidate, serving, share, decided_at, promoted, evidence FROM canaries "
+                          "ORDER BY rowid")
     return [dict(started_at=r[0], candidate=r[1], serving=r[2], share=r[3], decided_at=r[4],
                  promoted=None if r[5] is None else bool(r[5]), evidence=json.loads(r[6]) if r[6] else None)
             for r in rows]
