@@ -397,8 +397,8 @@ class LearnConfig(_Section):
     canary_share: float | None = Field(None, gt=0, lt=1, description="a candidate past the gate first serves this "
                                        "share of new episodes, then is promoted or rolled back by live reward "
                                        "(production.canary); none: promoted at once")
-    canary_min_rewards: int = Field(30, ge=2, le=1_000_000, description="the canary is decided once it and the serving adapter "
-                                    "each have this many rewarded calls since it started")
+    canary_min_rewards: int = Field(30, ge=2, le=1_000_000, description="the canary is decided once it and the "
+                                    "serving adapter each have this many rewarded calls since it started")
 
 
 class PolicyConfig(_Section):

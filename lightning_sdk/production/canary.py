@@ -1,7 +1,8 @@
 """A canary before full promotion: a candidate that passed the gate serves `share` of new episodes beside the
 serving adapter, then is promoted to all traffic or rolled back by the live rewards of the two over the same window.
 
-Routing is by episode (trace id, gateway.canary_share), so one episode stays on one adapter and the record's policy attribute names which served each call.
+Routing is by episode (trace id, gateway.canary_share), so one episode stays on one adapter and the record's policy
+attribute names which served each call.
 
 The rule (docs/serve.md): once each side has at least `min_rewards` rewarded calls since the canary started, with
 c and s the two sides' per-call rewards, d = mean(c) - mean(s) and se = sqrt(var(c)/n_c + var(s)/n_s) (the two
@@ -117,7 +118,8 @@ def history(path: str | Path) -> list[dict]:
             for r in rows]
 
 
-def live_rewards(call_rewards: dict[str, float], store_path: str | Path, *, since: float = 0.0) -> dict[str, list[float]]:
+def live_rewards(call_rewards: dict[str, float], store_path: str | Path, *,
+                 since: float = 0.0) -> dict[str, list[float]]:
     """Rewarded calls' rewards (FeedbackLedger.call_rewards) grouped by the adapter that served each (the record's
     policy attribute), for calls started at or after `since` (unix seconds)."""
     from lightning_sdk.tracing.records import GATEWAY, POLICY
