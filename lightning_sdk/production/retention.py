@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_sdk.production.periodic import Periodic
 from lightning_sdk.tracing.records import GATEWAY
 
 log = logging.getLogger("lightning_sdk")
@@ -78,17 +78,19 @@ class Pruner:
         self.path, self.retention_s, self.max_calls, self.reward_name = path, retention_s, max_calls, reward_name
         self.every_s = every_s
         self.last: Pruned | None = None
-        self.failures = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="lightning-prune", daemon=True)
+        self._thread = Periodic(self.run_once, every_s, name="lightning-prune",
+                                on_failure="retention: a pass failed; nothing of it was deleted")
+
+    @property
+    def failures(self) -> int:
+        return self._thread.failures
 
     def start(self) -> None:
         self.run_once()
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._thread.stop()
 
     def run_once(self) -> Pruned:
         p = prune(self.path, retention_s=self.retention_s, max_calls=self.max_calls, reward_name=self.reward_name)
@@ -97,11 +99,3 @@ class Pruner:
             log.info("retention: deleted %d span(s) past the window and %d call(s) past the cap (%d kept for "
                      "unconsumed rewards)", p.aged, p.over_cap, p.kept)
         return p
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
-            try:
-                self.run_once()
-            except Exception:  # noqa: BLE001 - logged and counted; serving goes on
-                self.failures += 1
-                log.exception("retention: a pass failed; nothing of it was deleted")

@@ -9,9 +9,9 @@ learn.max_update_failures times in a row; then they are quarantined (production.
 from __future__ import annotations
 
 import logging
-import threading
 
 from lightning_sdk.production.learner import Learner, Update
+from lightning_sdk.production.periodic import Periodic
 from lightning_sdk.production.promotion import Promoter
 
 log = logging.getLogger("lightning_sdk")
@@ -20,18 +20,21 @@ log = logging.getLogger("lightning_sdk")
 class Schedule:
     def __init__(self, learner: Learner, promoter: Promoter, poll_seconds: float):
         self.learner, self.promoter, self.poll_seconds = learner, promoter, poll_seconds
-        self.failures = 0
         self.last: Update | None = None  # what the latest update read, trained and left out
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="lightning-learn", daemon=True)
+        self._thread = Periodic(self.run_once, poll_seconds, name="lightning-learn",
+                                on_failure="learn: the update or its gate failed; serving goes on with the adapter "
+                                           "it served")
+
+    @property
+    def failures(self) -> int:
+        return self._thread.failures
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         """After the update in progress, if any (its commit written)."""
-        self._stop.set()
-        self._thread.join()
+        self._thread.stop()
 
     def run_once(self) -> Update | None:
         """A running canary's verdict, if due; then one update and its gate, if due; what the update read, trained
@@ -55,11 +58,3 @@ class Schedule:
         log.info("learn: update %d on %d call(s) (%d stale left out): %s, %s", update.version, update.calls,
                  update.stale, "promoted" if decision.promoted else "rejected", decision.reason)
         return update
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.poll_seconds):
-            try:
-                self.run_once()
-            except Exception:  # noqa: BLE001 - logged and counted; serving goes on
-                self.failures += 1
-                log.exception("learn: the update or its gate failed; serving goes on with the adapter it served")
