@@ -270,7 +270,9 @@ def test_responses_api_calls_are_recorded_plain_and_streamed(gw, store, tiny_mod
         plain = c.responses.create(model="gpt-4o-mini", input="What is 2 + 3?", max_output_tokens=5,
                                    temperature=0.7)
         with c.responses.stream(model="gpt-4o-mini", input="What is 2 + 3?", max_output_tokens=4) as s:
-            final = s.get_final_response()
+            # Sampled: a reply cut at 4 tokens ends in response.incomplete, as OpenAI's does, which the SDK's
+            # get_final_response() refuses; either final event carries the response.
+            (final,) = [e.response for e in s if e.type in ("response.completed", "response.incomplete")]
     first, second = recorded_calls(gw, store, "r-resp")
     assert first.attributes["lightning.llm.api"] == second.attributes["lightning.llm.api"] == "responses"
     assert first.attributes["gen_ai.request.temperature"] == 0.7 and first.component == "planner"
