@@ -117,7 +117,8 @@ def choices(r: httpx.Response, stream: bool) -> dict[int, tuple[list[int], list[
 def test_every_tool_call_form_is_parsed_and_recorded_with_exact_ids(gw, store, tokenizer_of, body, request):
     """Four samples each; with tool_choice unset (auto) the calls are the model's own text, which vLLM's hermes
     parser reads (the calc model calls its calculator in about half of its answers). vLLM's CPU sampling is not
-    bitwise the same on every machine, so a sample may hold a malformed <tool_call> that no parser could read."""
+    the same on every machine, so in that case which samples call, and whether a call is whole, is the sample's;
+    what must hold is that the record keeps every sampled token, whatever the parser made of them."""
     rid = f"r-{request.node.callspec.id}"
     with in_rollout(gw, rid):
         r = chat(gw, return_token_ids=True, n=4, temperature=1.0, seed=3, **body)
@@ -125,13 +126,13 @@ def test_every_tool_call_form_is_parsed_and_recorded_with_exact_ids(gw, store, t
     got = choices(r, bool(body.get("stream")))
     assert sorted(got) == [0, 1, 2, 3]
     called = [calls for _, calls in got.values() if calls]
-    assert called and all(name == "calculator" and "expression" in json.loads(arguments)
-                          for calls in called for name, arguments in calls)
-    if "tool_choice" in body:  # vLLM constrains these: every sample is a call
-        assert len(called) == 4
-    else:
-        for ids, calls in got.values():  # a parsed call was the model's own <tool_call> text; a malformed one
-            assert not calls or "<tool_call>" in tokenizer_of.decode(ids)  # stays text, as vLLM's parser leaves it
+    if "tool_choice" in body:  # vLLM constrains these: every sample is a whole call
+        assert len(called) == 4 and all(name == "calculator" and "expression" in json.loads(arguments)
+                                        for calls in called for name, arguments in calls)
+    else:  # the model's own text, sampled: it may call or not, and a call may be cut at max_tokens or malformed
+        for ids, calls in got.values():
+            assert all(name == "calculator" for name, _ in calls)
+            assert not calls or "<tool_call>" in tokenizer_of.decode(ids)
     (call,) = recorded_calls(gw, store, rid)
     # Every sampled token, whatever vLLM moved into tool_calls: the record is the reply's own ids.
     assert call.attributes[COMPLETION_IDS] == got[0][0] and got[0][0]
