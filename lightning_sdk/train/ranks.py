@@ -134,6 +134,9 @@ class TrainerProcesses:
                     raise RunError(f"trainer process {r} of {self.world} stopped answering during {what}; the run "
                                    f"ends here ({RESUME})") from None
                 if status == "error":
+                    # A peer killed mid-collective fails this rank's collective too: name the dead one, the cause.
+                    wait([p.sentinel for p in self._procs], timeout=1.0)
+                    self._alive(what)
                     self.close()
                     raise RunError(f"trainer process {r} of {self.world} failed during {what}: {value}")
                 answers[r] = value
