@@ -80,9 +80,10 @@ class Promoter:
         if kept is not None:
             self.serve(*kept)
         left = canary.running(store_path)
-        if left is not None and left.serving == self.serving[0] and kept_adapter(store_path, left.candidate):
-            _, adapter, _ = kept_adapter(store_path, left.candidate)
-            self.server.load_adapter(left.candidate, str(adapter))
+        resumed = kept_adapter(store_path, left.candidate) if left is not None and \
+            left.serving == self.serving[0] else None
+        if resumed is not None:
+            self.server.load_adapter(left.candidate, str(resumed[1]))
             self.canary = left
             self.gateway.canary = (left.candidate, left.share)
 
