@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 from rich.table import Table
 
+from lightning_sdk import metric_names as names
 from lightning_sdk.evals import EvalScore
 
 GAP_MEANING = ("logprob gap: mean |trainer - server| log-prob per sampled token before the update (near 0: the "
@@ -28,11 +29,12 @@ def iteration_table(name: str, history: list[dict[str, Any]], baseline: EvalScor
     training tasks, or held-out ones)."""
     columns: list[tuple[str, Callable[[dict], str]]] = [
         ("iter", lambda r: str(r["iteration"])), ("policy", lambda r: r["policy"]),
-        ("reward", lambda r: f"{r['reward_mean']:.3f}"), ("± std", lambda r: f"{r['reward_std']:.3f}"),
-        ("failed", lambda r: str(r["failed"])), ("transitions", lambda r: str(r["transitions"])),
-        ("loss", lambda r: _fmt(r.get("train.loss"))), ("kl", lambda r: _fmt(r.get("train.kl"))),
-        ("logprob gap", lambda r: _fmt(r.get("train.logprob_gap"))),
-        ("collect s", lambda r: f"{r['collect_s']:.1f}"), ("update s", lambda r: f"{r['update_s']:.1f}")]
+        ("reward", lambda r: f"{r[names.REWARD_MEAN]:.3f}"), ("± std", lambda r: f"{r[names.REWARD_STD]:.3f}"),
+        ("failed", lambda r: str(r[names.FAILED])), ("transitions", lambda r: str(r[names.TRANSITIONS])),
+        ("loss", lambda r: _fmt(r.get(names.train("loss")))), ("kl", lambda r: _fmt(r.get(names.train("kl")))),
+        ("logprob gap", lambda r: _fmt(r.get(names.train("logprob_gap")))),
+        ("collect s", lambda r: f"{r[names.timing('collect_s')]:.1f}"),
+        ("update s", lambda r: f"{r[names.timing('update_s')]:.1f}")]
     if beta == 0:
         columns = [c for c in columns if c[0] != "kl"]
     scored = next((s for s in (baseline, final) if s is not None), None)
@@ -45,7 +47,7 @@ def iteration_table(name: str, history: list[dict[str, Any]], baseline: EvalScor
     blank = [""] * (len(columns) - 3)
     if baseline is not None:
         table.add_row("eval", "untrained", str(baseline), *blank, style="dim")
-    for row in history:
+    for row in map(names.current_row, history):  # a run an earlier version wrote reads the same
         table.add_row(*(cell(row) for _, cell in columns))
     if final is not None:
         table.add_row("eval", "trained", str(final), *blank, style="bold green")

@@ -38,3 +38,18 @@ def test_todays_names_are_fixed_points():
 
 def test_both_spellings_keep_todays_value():
     assert names.current_row({"train.loss": 1.0, "train/loss": 2.0}) == {"train/loss": 2.0}
+
+
+def test_summary_reads_old_and_new_rows_alike():
+    from rich.console import Console
+
+    from lightning_sdk.summary import iteration_table
+
+    def text(history):
+        console = Console(width=200, record=True, file=open("/dev/null", "w"))
+        console.print(iteration_table("run", history, None, None, beta=0.1))
+        return console.export_text()
+
+    old = text([OLD_ROW])
+    assert old == text([names.current_row(OLD_ROW)])
+    assert "0.500" in old and "-0.01" in old and "1.5" in old  # reward, loss, collect seconds: read, not blank
