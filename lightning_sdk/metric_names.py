@@ -54,6 +54,11 @@ def timing(name: str) -> str:
     return f"time/{name}"
 
 
+def group(name: str) -> str:
+    """Today's name's group (`train`, `rollout`, `time`, `eval`): TensorBoard's tag group, the dashboard's section."""
+    return name.split("/", 1)[0] if "/" in name else "rollout"
+
+
 def current(name: str) -> str:
     """A metrics.jsonl name as today's: an old one (dotted or bare) translated, today's and labels as they are.
     Every reader of a stored row goes through here (via `current_row`), so old runs read like new ones."""

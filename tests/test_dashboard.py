@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lightning_sdk.metric_names import current, current_row
 from lightning_sdk.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +190,7 @@ def test_dashboard_in_a_browser(live, project, browser, tmp_path):
     assert iter_rows.count() == 4  # eval before, iterations 1 and 2, eval after
     metrics = [r for r in map(json.loads, (live["dir"] / "metrics.jsonl").read_text().splitlines())
                if r.get("phase") != "eval"]  # the iteration rows
-    assert iter_rows.nth(2).locator("td").nth(2).text_content() == js_fixed(metrics[1]["reward_mean"])
+    assert iter_rows.nth(2).locator("td").nth(2).text_content() == js_fixed(current_row(metrics[1])["rollout/reward_mean"])
     assert page.locator("svg[aria-label='reward per iteration'] circle").count() == 2
     page.wait_for_selector("td:text-is('eval after')")
     page.screenshot(path=str(shots / "run.png"), full_page=True)
@@ -333,27 +334,28 @@ def _iteration_rows(run_dir: Path) -> list[dict]:
 def test_every_logged_scalar_has_its_chart_and_the_reward_its_std_band(live, project, browser, tmp_path):
     _finish(live, project)
     rows = _iteration_rows(live["dir"])
-    numeric = {k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    # reward_mean and reward_std are the reward chart (a line and its band); tokens per completion is derived
-    wanted = (numeric - {"iteration", "reward_mean", "reward_std"}) | {"tokens_per_completion"}
-    assert {"train.loss", "train.grad_norm", "train.entropy", "train.clip_frac", "train.zero_variance_frac",
-            "train.logprob_gap", "collect_s", "update_s"} <= wanted and "train.kl" not in wanted  # beta 0: no KL
+    numeric = {current(k) for r in rows for k, v in r.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    # the reward's mean and std are the reward chart (a line and its band); tokens per completion is derived
+    wanted = (numeric - {"iteration", "rollout/reward_mean", "rollout/reward_std"}) | {"tokens_per_completion"}
+    assert {"train/loss", "train/grad_norm", "train/entropy", "train/clip_frac", "train/zero_variance_frac",
+            "train/logprob_gap", "time/collect_s", "time/update_s"} <= wanted and "train/kl" not in wanted  # beta 0
     page, errors = _open(browser, live, "#/run/main")
     page.wait_for_selector(".chart")
     # a chart for each key that moved, and one line for the keys every iteration logged alike
     charted = page.locator(".chart").evaluate_all("cs => cs.map(c => c.dataset.key)")
     same = page.locator(".constants .constant").evaluate_all("cs => cs.map(c => c.dataset.key)")
-    assert sorted(charted + same) == sorted(wanted) and "train.loss" in charted
+    assert sorted(charted + same) == sorted(wanted) and "train/loss" in charted
     band = page.locator("svg[aria-label='reward per iteration'] path.band")
     assert band.count() == 1 and band.get_attribute("d").count("L") == 2 * len(rows) - 1  # mean+std out, mean-std back
     # smoothing: the loss line is redrawn as a moving average, the raw values stay beside it, faded
-    loss = page.locator(".chart[data-key='train.loss'] path.line")
+    loss = page.locator(".chart[data-key='train/loss'] path.line")
     raw_d = loss.get_attribute("d")
     assert page.locator(".chart path.raw").count() == 0
     page.locator("input[name=smoothing]").fill("0.9")
     _until(page, "document.querySelectorAll('.chart path.raw').length > 0")
-    losses = [r["train.loss"] for r in rows]
-    smoothed = page.locator(".chart[data-key='train.loss'] path.line").get_attribute("d")
+    losses = [current_row(r)["train/loss"] for r in rows]
+    smoothed = page.locator(".chart[data-key='train/loss'] path.line").get_attribute("d")
     assert (smoothed != raw_d) == (len(set(losses)) > 1)
     assert errors == []
 

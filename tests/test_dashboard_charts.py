@@ -109,7 +109,7 @@ def test_axes_bands_and_which_charts(dashboard):
     page = dashboard["page"]
     page.goto(dashboard["url"] + "#/run/a")
     page.wait_for_selector(".chart")
-    loss = page.locator(".chart[data-key='train.loss']")
+    loss = page.locator(".chart[data-key='train/loss']")
     labels = ticks(loss)
     assert all(t["x"] >= 0 for t in labels), labels  # no label starts left of the chart: none is clipped
     values = [float(t["text"]) for t in labels]
@@ -123,12 +123,13 @@ def test_axes_bands_and_which_charts(dashboard):
         assert "." not in title and "_" not in title, title
     # KL logged as 0.0 every iteration is said once, not charted; a key never measured is nowhere
     keys = set(page.locator(".chart").evaluate_all("cs => cs.map(c => c.dataset.key)"))
-    assert keys == {"train.loss", "train.adv_std", "completion_tokens", "collect_s", "tokens_per_completion"}
+    assert keys == {"train/loss", "train/adv_std", "rollout/completion_tokens", "time/collect_s",
+                    "tokens_per_completion"}
     constants = page.locator(".constants .constant")
     assert set(constants.evaluate_all("cs => cs.map(c => c.dataset.key)")) == {
-        "train.kl", "rollouts", "failed", "transitions", "update_s"}
+        "train/kl", "rollout/rollouts", "rollout/failed", "rollout/transitions", "time/update_s"}
     assert "KL to the reference 0" in constants.all_text_contents()
-    assert "train.never" not in page.content()
+    assert "train.never" not in page.content() and "train/never" not in page.content()
     # 0.5 ± 0.6 of rewards that are 0 or 1: the band stays within 0 and 1
     reward = page.locator("svg[aria-label='reward per iteration']")
     y = {t.text_content(): float(t.get_attribute("y")) - 4 for t in reward.locator("text.tick").all()}

@@ -63,20 +63,21 @@ def test_each_policy_is_a_curve_of_its_quantitys_chart(dashboard):
             page.goto(dashboard["url"] + "#/run/multi")
             page.wait_for_selector(".chart")
             keys = page.locator(".chart").evaluate_all("cs => cs.map(c => c.dataset.key)")
-            moved = {"train.episode_reward_mean", "train.step"}
-            assert sorted(keys) == sorted(moved | {"transitions.*", "train.*.loss", "train.*.grad_norm"})
+            moved = {"train/episode_reward_mean", "train/step"}
+            assert sorted(keys) == sorted(moved | {"rollout/transitions/*", "train/*/loss", "train/*/grad_norm"})
             # what every iteration logged alike is said in one line, not charted
             same = page.locator(".constants .constant").evaluate_all("cs => cs.map(c => c.dataset.key)")
-            assert sorted(same) == sorted({"rollouts", "failed", "transitions", "completion_tokens", "collect_s",
-                                           "update_s", "hotload_s", "base_calls", "tokens_per_completion"})
-            for key in ("transitions.*", "train.*.loss", "train.*.grad_norm"):
+            assert sorted(same) == sorted({"rollout/rollouts", "rollout/failed", "rollout/transitions",
+                                           "rollout/completion_tokens", "time/collect_s", "time/update_s",
+                                           "time/hotload_s", "rollout/base_calls", "tokens_per_completion"})
+            for key in ("rollout/transitions/*", "train/*/loss", "train/*/grad_norm"):
                 chart = page.locator(f".chart[data-key='{key}']")
                 assert chart.locator(".legend .key").all_text_contents() == ["solver", "judge"]
                 strokes = chart.locator("path.line").evaluate_all("ps => ps.map(p => p.getAttribute('stroke'))")
                 assert len(strokes) == 2 and strokes[0] != strokes[1]
                 assert chart.locator("circle").count() == 2 * len(dashboard["rows"])
             # the points are the policy's own values: the judge's loss at iteration 2 is 0.3 / 2
-            titles = page.locator(".chart[data-key='train.*.loss'] circle title").all_text_contents()
+            titles = page.locator(".chart[data-key='train/*/loss'] circle title").all_text_contents()
             assert "judge iteration 2: 0.15" in titles and "solver iteration 3: 0.0333" in titles
             assert page.locator("h4:text-is('Per policy')").count() == 1
             assert errors == []

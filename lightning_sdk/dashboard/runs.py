@@ -22,7 +22,7 @@ from lightning_sdk.constraint import Constraint
 from lightning_sdk.dashboard.explain import Scoring, explain, view
 from lightning_sdk.errors import CaptureError
 from lightning_sdk.evals import EVALS_DIR, score_words, split_of
-from lightning_sdk.metrics import section
+from lightning_sdk import metric_names as names
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.records import messages
 from lightning_sdk.tracing.records import (COMPLETION_IDS, COMPLETION_LOGPROBS, COMPLETION_TOKENS, CONSTRAINT,
@@ -148,7 +148,7 @@ class RunReader:
                 "id": path.relative_to(self.root).as_posix() or ".",
                 "path": str(path),
                 "iterations": len(history),
-                "last_reward": history[-1].get("reward_mean") if history else None,
+                "last_reward": history[-1].get(names.REWARD_MEAN) if history else None,
                 "eval": ([None] + _evals([], logged))[-1],  # the last eval pass metrics.jsonl logged
                 "rollouts": sum(counts.values()),
                 "running": counts.get("running", 0),
@@ -164,7 +164,7 @@ class RunReader:
         path = self.run_dir(run_id)
         state = _state(path)
         history, logged = _metrics(path)
-        history = history or state.get("history", [])
+        history = history or [names.current_row(h) for h in state.get("history", [])]
         evals = _evals(self._with_store(path, Store.eval_scores, []), logged)
         cfg, config_source = self.config(path)
         settings, _ = self.scoring(path)
@@ -179,16 +179,18 @@ class RunReader:
                          else None} for h in history],
             "counts": self._with_store(path, Store.status_counts, {}),
             # each logged key's chart section (the groups TensorBoard shows it in)
-            "sections": {k: section(k) for h in history for k in h},
+            "sections": {k: names.group(k) for h in history for k in h},
             "outcome": outcome(path),
             # the training rewards' range: the std band cannot leave it (0/1 rewards keep it within 0 and 1)
             "reward_range": self._with_store(path, Store.reward_range, None),
             "components": self._with_store(path, Store.components, []),
             "credit": asdict(settings),
             "config": config_mod.flatten(cfg) if cfg is not None else None, "config_source": config_source,
-            # with [policies], their names: each one's curves (transitions.<name>, train.<name>.<key>) go together
+            # with [policies], their names: each one's curves (rollout/transitions/<name>, train/<name>/<key>) go
+            # together
             "policies": sorted((cfg or {}).get("policies") or {}) or sorted(
-                {k.split(".", 1)[1] for h in history for k in h if k.startswith("transitions.")}),
+                {k.removeprefix(names.policy_transitions("")) for h in history for k in h
+                 if k.startswith(names.policy_transitions(""))}),
         }
 
     # -------------------------------------------------------------------------------------------- rollouts
@@ -358,6 +360,7 @@ def _metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             continue
         if not isinstance(row, dict):
             continue
+        row = names.current_row(row)  # a run an earlier version wrote reads as today's
         if row.get("phase") != "eval":
             history.append(row)
         elif isinstance(row.get("iteration"), int):
@@ -408,17 +411,17 @@ def _evals(live: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list[dic
     split; a pass under way takes the split of the run's other (the same tasks are scored before and after).
     The runtime scores eval tasks at iteration 0 before training and at run.iterations after it."""
     rows = {r["iteration"]: r for r in logged}
-    split = next((r["eval_split"] for r in logged if r.get("eval_split")), None)  # None: before eval_split
+    split = next((r[names.EVAL_SPLIT] for r in logged if r.get(names.EVAL_SPLIT)), None)  # None: before eval_split
     out = []
     for it in sorted({r["iteration"] for r in live} | set(rows)):
         e = next((r for r in live if r["iteration"] == it), None) or {"iteration": it, "finished": None, "running": 0}
         e = {"mean": None, "stderr": None, "failed": None, "failures": None, **e, "tasks": e["finished"]}
         row = rows.get(it)
         if row is not None and not e["running"]:
-            e.update(mean=row.get("eval.reward_mean"), stderr=row.get("eval_stderr"),
-                     tasks=row.get("eval_tasks", e["tasks"]), failed=row.get("eval_failed"),
-                     failures=row.get("eval_failures"))
-        e["split"] = row.get("eval_split") if row is not None else split
+            e.update(mean=row.get(names.EVAL_REWARD_MEAN), stderr=row.get(names.EVAL_STDERR),
+                     tasks=row.get(names.EVAL_TASKS, e["tasks"]), failed=row.get(names.EVAL_FAILED),
+                     failures=row.get(names.EVAL_FAILURES))
+        e["split"] = row.get(names.EVAL_SPLIT) if row is not None else split
         e["words"] = score_words(e["split"])
         e["label"] = "before training" if it == 0 else f"after {it} iterations"
         out.append(e)

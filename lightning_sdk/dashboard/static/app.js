@@ -234,13 +234,13 @@ function rewardChart(runs, smoothing = 0) {
   const longest = Math.max(...runs.flatMap((r) => [trainLabel(r), ...r.evals.map((e) => evalLabel(r, e))]).map((t) => t.length));
   // mean ± std, kept within the rewards the run's rollouts got (0/1 rewards: a band within 0 and 1)
   const band = (r, h) => {
-    const [a, b] = r.range || [-Infinity, Infinity], sd = h.reward_std || 0;
-    return [Math.max(a, h.reward_mean - sd), Math.min(b, h.reward_mean + sd)];
+    const [a, b] = r.range || [-Infinity, Infinity], sd = h["rollout/reward_std"] || 0;
+    return [Math.max(a, h["rollout/reward_mean"] - sd), Math.min(b, h["rollout/reward_mean"] + sd)];
   };
   const ys = [0, 1];
   let maxX = 1;
   for (const r of runs) {
-    r.history.forEach((h) => { if (finite(h.reward_mean)) ys.push(...band(r, h)); });
+    r.history.forEach((h) => { if (finite(h["rollout/reward_mean"])) ys.push(...band(r, h)); });
     r.evals.forEach((e) => { if (finite(e.mean)) ys.push(e.mean); });
     maxX = Math.max(maxX, r.history.length, ...r.evals.map((e) => e.iteration));
   }
@@ -258,16 +258,16 @@ function rewardChart(runs, smoothing = 0) {
   };
   runs.forEach((r, n) => {
     const c = color(n);
-    const pts = r.history.map((h, i) => [i + 1, h.reward_mean, ...(finite(h.reward_mean) ? band(r, h) : [])]).filter((p) => finite(p[1]));
+    const pts = r.history.map((h, i) => [i + 1, h["rollout/reward_mean"], ...(finite(h["rollout/reward_mean"]) ? band(r, h) : [])]).filter((p) => finite(p[1]));
     if (pts.length) {
       const upper = pts.map(([i, , , top]) => [x(i), y(top)]), lower = pts.map(([i, , bottom]) => [x(i), y(bottom)]).reverse();
       g.append(svg("path", { class: "band", "data-run": r.name, fill: c, d: pathOf([...upper, ...lower]) + "Z" },
         svg("title", {}, `${r.name}: reward mean ± std`)));
     }
-    const sm = ema(r.history.map((h) => h.reward_mean), smoothing);
+    const sm = ema(r.history.map((h) => h["rollout/reward_mean"]), smoothing);
     if (pts.length) g.append(svg("polyline", { class: "line", stroke: c, points: r.history.map((h, i) => finite(sm[i]) ? `${x(i + 1)},${y(sm[i])}` : "").filter(Boolean).join(" ") }));
-    r.history.forEach((h, i) => { if (finite(h.reward_mean)) g.append(svg("circle", { fill: c, cx: x(i + 1), cy: y(h.reward_mean), r: 3 },
-      svg("title", {}, `${r.name} iteration ${i + 1}: reward ${num(h.reward_mean)} ± ${num(h.reward_std)}`))); });
+    r.history.forEach((h, i) => { if (finite(h["rollout/reward_mean"])) g.append(svg("circle", { fill: c, cx: x(i + 1), cy: y(h["rollout/reward_mean"]), r: 3 },
+      svg("title", {}, `${r.name} iteration ${i + 1}: reward ${num(h["rollout/reward_mean"])} ± ${num(h["rollout/reward_std"])}`))); });
     legend(c, trainLabel(r));
     for (const e of r.evals) {
       if (!finite(e.mean)) continue;
@@ -283,29 +283,29 @@ function rewardChart(runs, smoothing = 0) {
 
 // What each logged key is, in words; a key not named here is charted under its own name.
 const METRIC_NAMES = {
-  "train.loss": "loss", "train.kl": "KL to the reference", "train.grad_norm": "gradient norm", "train.entropy": "entropy",
-  "train.clip_frac": "clip fraction", "train.zero_variance_frac": "zero-variance groups (fraction)",
-  "train.logprob_gap": "logprob gap (trainer − sampler)", "train.lr": "learning rate", "tokens_per_completion": "tokens per completion",
-  "completion_tokens": "completion tokens (all calls)", "collect_s": "collect seconds", "update_s": "update seconds",
-  "hotload_s": "hot-load seconds", "transitions": "transitions (trained calls)", "rollouts": "rollouts", "failed": "failed rollouts",
-  "failed_trained": "failed rollouts trained on (rollout.failed_reward)", "elapsed_s": "elapsed seconds",
-  "train.ratio": "importance ratio (mean)", "train.adv_mean": "advantage mean", "train.adv_std": "advantage std",
-  "train.num_transitions": "calls trained", "train.num_tokens": "completion tokens trained",
-  "train.num_input_tokens": "tokens the update reads (prompt + completion)", "train.episode_reward_mean": "episode reward of the trained calls",
-  "train.shaping_mean": "intermediate rewards (mean)", "train.num_skipped": "calls left out (no baseline or no signal)",
-  "train.skipped_steps": "optimizer steps skipped (non-finite gradient)", "train.num_masked_truncated": "calls masked as truncated",
-  "train.dual_clip_frac": "dual-clip fraction", "train.is_weight": "importance-sampling weight (sampler)", "train.step": "optimizer steps",
-  "train.seconds": "trainer seconds", "train.max_memory_allocated": "peak GPU memory (bytes)",
+  "train/loss": "loss", "train/kl": "KL to the reference", "train/grad_norm": "gradient norm", "train/entropy": "entropy",
+  "train/clip_frac": "clip fraction", "train/zero_variance_frac": "zero-variance groups (fraction)",
+  "train/logprob_gap": "logprob gap (trainer − sampler)", "train/lr": "learning rate", "tokens_per_completion": "tokens per completion",
+  "rollout/completion_tokens": "completion tokens (all calls)", "time/collect_s": "collect seconds", "time/update_s": "update seconds",
+  "time/hotload_s": "hot-load seconds", "rollout/transitions": "transitions (trained calls)", "rollout/rollouts": "rollouts", "rollout/failed": "failed rollouts",
+  "rollout/failed_trained": "failed rollouts trained on (rollout.failed_reward)", "time/elapsed_s": "elapsed seconds",
+  "train/ratio": "importance ratio (mean)", "train/adv_mean": "advantage mean", "train/adv_std": "advantage std",
+  "train/num_transitions": "calls trained", "train/num_tokens": "completion tokens trained",
+  "train/num_input_tokens": "tokens the update reads (prompt + completion)", "train/episode_reward_mean": "episode reward of the trained calls",
+  "train/shaping_mean": "intermediate rewards (mean)", "train/num_skipped": "calls left out (no baseline or no signal)",
+  "train/skipped_steps": "optimizer steps skipped (non-finite gradient)", "train/num_masked_truncated": "calls masked as truncated",
+  "train/dual_clip_frac": "dual-clip fraction", "train/is_weight": "importance-sampling weight (sampler)", "train/step": "optimizer steps",
+  "train/seconds": "trainer seconds", "train/max_memory_allocated": "peak GPU memory (bytes)",
 };
-// A key not named above, in words all the same: "train.foo_bar" -> "foo bar".
-const readable = (k) => METRIC_NAMES[k] || k.replace(/^train\./, "").replace(/[._]/g, " ");
-const FIRST = ["train.loss", "train.kl", "train.grad_norm", "train.entropy", "train.clip_frac", "train.zero_variance_frac",
-  "train.logprob_gap", "tokens_per_completion", "collect_s", "update_s", "hotload_s"];
-// metrics.section names each key's section (the summary's `sections`)
-const SECTIONS = [["update", "The update"], ["collection", "Collection"], ["time", "Time"], ["reward", "Reward"], ["eval", "Eval"], ["policy", "Per policy"]];
+// A key not named above, in words all the same: "train/foo_bar" -> "foo bar".
+const readable = (k) => METRIC_NAMES[k] || k.replace(/^(train|rollout|time|eval)\//, "").replace(/[/_]/g, " ");
+const FIRST = ["train/loss", "train/kl", "train/grad_norm", "train/entropy", "train/clip_frac", "train/zero_variance_frac",
+  "train/logprob_gap", "tokens_per_completion", "time/collect_s", "time/update_s", "time/hotload_s"];
+// metric_names.group names each key's section (the summary's `sections`): what comes before its "/"
+const SECTIONS = [["train", "The update"], ["rollout", "Collection"], ["time", "Time"], ["eval", "Eval"], ["policy", "Per policy"]];
 
 // One chart per numeric key of the metrics rows (reward_mean and reward_std are the reward chart above), plus
-// tokens per completion; with [policies], a policy's keys (transitions.<p>, train.<p>.<key>) share one chart.
+// tokens per completion; with [policies], a policy's keys (rollout/transitions/<p>, train/<p>/<key>) share one chart.
 function chartSpecs(runs) {
   const specs = new Map();
   const policies = new Set(runs.flatMap((r) => r.policies || []));
@@ -313,15 +313,15 @@ function chartSpecs(runs) {
   runs.forEach((r, n) => {
     const keys = new Set();
     r.history.forEach((h) => Object.entries(h).forEach(([k, v]) => { if (typeof v === "number") keys.add(k); }));
-    if (keys.has("completion_tokens") && keys.has("transitions")) keys.add("tokens_per_completion");
+    if (keys.has("rollout/completion_tokens") && keys.has("rollout/transitions")) keys.add("tokens_per_completion");
     for (const k of keys) {
-      if (k === "iteration" || k === "reward_mean" || k === "reward_std") continue;
-      const value = k === "tokens_per_completion" ? (h) => (h.transitions ? h.completion_tokens / h.transitions : null) : (h) => h[k];
-      const t = k.match(/^transitions\.(.+)$/), p = k.match(/^train\.([^.]+)\.(.+)$/);
+      if (k === "iteration" || k === "rollout/reward_mean" || k === "rollout/reward_std") continue;
+      const value = k === "tokens_per_completion" ? (h) => (h["rollout/transitions"] ? h["rollout/completion_tokens"] / h["rollout/transitions"] : null) : (h) => h[k];
+      const t = k.match(/^rollout\/transitions\/(.+)$/), p = k.match(/^train\/([^/]+)\/(.+)$/);
       let s, label = runs.length > 1 ? r.name : k;
-      if (t && policies.has(t[1])) { s = spec("transitions.*", "transitions per policy", "policy"); label = `${runs.length > 1 ? r.name + " " : ""}${t[1]}`; }
-      else if (p && policies.has(p[1])) { s = spec(`train.*.${p[2]}`, `${readable("train." + p[2])} per policy`, "policy"); label = `${runs.length > 1 ? r.name + " " : ""}${p[1]}`; }
-      else s = spec(k, readable(k), (r.sections || {})[k] || "collection");
+      if (t && policies.has(t[1])) { s = spec("rollout/transitions/*", "transitions per policy", "policy"); label = `${runs.length > 1 ? r.name + " " : ""}${t[1]}`; }
+      else if (p && policies.has(p[1])) { s = spec(`train/*/${p[2]}`, `${readable("train/" + p[2])} per policy`, "policy"); label = `${runs.length > 1 ? r.name + " " : ""}${p[1]}`; }
+      else s = spec(k, readable(k), (r.sections || {})[k] || "rollout");
       s.series.push({ label, run: n, value, xs: r.history.map((h) => h.iteration) });
     }
   });
@@ -384,12 +384,12 @@ function metricCharts(runs, state, redraw) {
 const num1 = (v) => num(v, 1);
 const ITER_COLS = [
   ["iter", "", (h) => h.iteration, true], ["policy", "l", (h) => h.policy, true],
-  ["reward", "", (h) => num(h.reward_mean), true], ["± std", "", (h) => num(h.reward_std)],
-  ["rollouts", "", (h) => h.rollouts], ["failed", "", (h) => h.failed, true], ["transitions", "", (h) => h.transitions],
-  ["tokens", "", (h) => h.completion_tokens ?? ""], ["loss", "", (h) => sig(h["train.loss"]), true],
-  ["KL", "", (h) => sig(h["train.kl"]), true], ["logprob gap", "", (h) => sig(h["train.logprob_gap"])],
-  ["grad norm", "", (h) => sig(h["train.grad_norm"])], ["collect s", "", (h) => num1(h.collect_s), true],
-  ["update s", "", (h) => num1(h.update_s), true], ["hot-load s", "", (h) => num(h.hotload_s, 2)],
+  ["reward", "", (h) => num(h["rollout/reward_mean"]), true], ["± std", "", (h) => num(h["rollout/reward_std"])],
+  ["rollouts", "", (h) => h["rollout/rollouts"]], ["failed", "", (h) => h["rollout/failed"], true], ["transitions", "", (h) => h["rollout/transitions"]],
+  ["tokens", "", (h) => h["rollout/completion_tokens"] ?? ""], ["loss", "", (h) => sig(h["train/loss"]), true],
+  ["KL", "", (h) => sig(h["train/kl"]), true], ["logprob gap", "", (h) => sig(h["train/logprob_gap"])],
+  ["grad norm", "", (h) => sig(h["train/grad_norm"])], ["collect s", "", (h) => num1(h["time/collect_s"]), true],
+  ["update s", "", (h) => num1(h["time/update_s"]), true], ["hot-load s", "", (h) => num(h["time/hotload_s"], 2)],
 ];
 
 // trainedOn(iteration): show the rollouts that iteration's update (its checkpoint) trained on; absent when compact
