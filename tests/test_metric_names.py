@@ -53,3 +53,24 @@ def test_summary_reads_old_and_new_rows_alike():
     old = text([OLD_ROW])
     assert old == text([names.current_row(OLD_ROW)])
     assert "0.500" in old and "-0.01" in old and "1.5" in old  # reward, loss, collect seconds: read, not blank
+
+
+def test_the_dashboard_reads_an_old_runs_metrics_under_todays_names(tmp_path):
+    import json
+
+    from lightning_sdk.dashboard.runs import RunReader
+
+    run = tmp_path / "old"
+    run.mkdir()
+    stored = json.dumps(OLD_EVAL | {"iteration": 0}) + "\n" + json.dumps(OLD_ROW) + "\n" + json.dumps(OLD_EVAL) + "\n"
+    (run / "metrics.jsonl").write_text(stored)
+    reader = RunReader(tmp_path)
+    [listed] = reader.runs()
+    assert listed["last_reward"] == 0.5 and listed["eval"]["mean"] == 0.8 and listed["eval"]["failed"] == 1
+    summary = reader.summary(listed["id"])
+    [row] = summary["history"]
+    assert {k: v for k, v in row.items() if k != "checkpoint"} == names.current_row(OLD_ROW)
+    assert summary["sections"][names.train("loss")] == "train" and summary["sections"][names.REWARD_MEAN] == "rollout"
+    assert summary["policies"] == ["planner"]
+    assert [(e["mean"], e["stderr"], e["split"]) for e in summary["evals"]] == [(0.8, 0.05, "held-out")] * 2
+    assert (run / "metrics.jsonl").read_text() == stored  # read, never rewritten
