@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lightning_sdk import metric_names as names
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -99,11 +101,11 @@ def tree_rss_kib(pid: int) -> int:
 
 
 def metrics_rows(metrics: Path) -> list[dict]:
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [names.current_row(json.loads(line)) for line in metrics.read_text().splitlines() if line.strip()]
 
 
 def evals(rows: list[dict]) -> tuple[float, float]:
-    by = {r["eval"]: r["eval.reward_mean"] for r in rows if r.get("phase") == "eval"}
+    by = {r["eval"]: r[names.EVAL_REWARD_MEAN] for r in rows if r.get("phase") == "eval"}
     return by.get("untrained", float("nan")), by.get("trained", float("nan"))
 
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 from cookbook_run import run_example
+from lightning_sdk import metric_names as names
 from lightning_sdk.servers.select import usable_cores
 
 SPIN = "while True: pass"
@@ -44,12 +45,12 @@ def main() -> None:
                 rows: list[dict] = []
                 r = run_example(args.example, label, 0, {"run": {"iterations": args.iterations}}, env=env,
                                 inspect=rows.extend)
-                train = [row for row in rows if row.get("phase") != "eval" and "collect_s" in row]
+                train = [row for row in rows if row.get("phase") != "eval" and names.timing("collect_s") in row]
                 if r.rc != 0 or not train:
                     print(f"busy {busy}, {label}: the run failed (exit {r.rc})")
                     continue
-                collect = statistics.mean(row["collect_s"] for row in train)
-                update = statistics.mean(row["update_s"] for row in train)
+                collect = statistics.mean(row[names.timing("collect_s")] for row in train)
+                update = statistics.mean(row[names.timing("update_s")] for row in train)
                 per_iteration[label] = collect + update
                 print(f"busy {busy}, {label:>10}: collect {collect:5.2f} s, update {update:5.2f} s per iteration; "
                       f"run {r.wall_s:5.1f} s; load {r.load_before} .. {r.load_after}", flush=True)

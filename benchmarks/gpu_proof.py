@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_sdk import config, models  # noqa: E402
+from lightning_sdk import metric_names as names  # noqa: E402
 
 HERE = Path(__file__).with_suffix("")  # benchmarks/gpu_proof/: the model configs
 PEAK_BF16_FLOPS = 790e12  # measured on the H200 this is meant for: the physical limit the update is judged by
@@ -105,7 +106,7 @@ def proof_run(model_dir: Path, params: int, device: str, checkpointing: bool, sm
     worst = None
     for row in state.history:
         tokens = row["train.num_input_tokens"] * cfg.train.epochs
-        flops = 6 * params * tokens / row["update_s"]
+        flops = 6 * params * tokens / row[names.timing("update_s")]
         mfu = f"MFU {flops / PEAK_BF16_FLOPS:.2%} of {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s" if device == "cuda" \
             else f"{flops / 1e9:.2f} GFLOP/s (CPU: no MFU)"
         server = served.get(f"{cfg.run.name}-iter{row['iteration']}")

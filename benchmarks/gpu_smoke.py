@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from lightning_sdk import config  # noqa: E402
 from lightning_sdk.runtime import Runtime  # noqa: E402
 from lightning_sdk.servers.vllm import vllm_unavailable_reason  # noqa: E402
+from lightning_sdk import metric_names as names  # noqa: E402
 
 
 class GPUMemoryPeak:
@@ -90,14 +91,14 @@ def main() -> int:
         state = Runtime(cfg).run()
     wall = time.perf_counter() - t0
     for row in state.history:
-        tok_s = row["completion_tokens"] / row["collect_s"]
+        tok_s = row[names.COMPLETION_TOKENS] / row[names.timing("collect_s")]
         handover = row.get("sleep_s", 0.0) + row.get("wake_s", 0.0)
         print(f"iteration {row['iteration']}: collect {row['completion_tokens']} tokens in "
               f"{row['collect_s']:.2f} s = {tok_s:.0f} tokens/s | update step {row['update_s']:.2f} s | "
               f"hot-load {row['hotload_s']:.3f} s | sleep {row.get('sleep_s', float('nan')):.2f} s, "
               f"wake {row.get('wake_s', float('nan')):.2f} s (sleep+wake / update step = "
               f"{handover / row['update_s']:.2f}) | logprob gap trainer-vLLM {row['train.logprob_gap']:.4f} | "
-              f"importance weight {row.get('train.is_weight', float('nan')):.3f} | reward {row['reward_mean']:.3f}")
+              f"importance weight {row.get(names.train('is_weight'), float('nan')):.3f} | reward {row[names.REWARD_MEAN]:.3f}")
     print(f"peak GPU memory: device {mem.peak_mib} MiB (nvidia-smi, vLLM + trainer); trainer "
           f"{torch.cuda.max_memory_allocated() / 2**20:.0f} MiB allocated (torch)")
     print(f"RESULT gpu_smoke: {len(state.history)} iterations in {wall:.0f} s wall (server start included)")

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from cookbook_run import run_example
+from lightning_sdk import metric_names as names
 
 
 def one_run(example: str, seed: int, staleness: int, iterations: int | None, logs: Path) -> dict:
@@ -33,9 +34,9 @@ def one_run(example: str, seed: int, staleness: int, iterations: int | None, log
                     inspect=lambda rows: its.extend(row for row in rows if row.get("phase") != "eval"))
     if r.rc != 0:
         sys.exit(f"{example} seed {seed} k={staleness} failed (exit {r.rc}); its log is in {logs}")
-    wall = its[-1]["elapsed_s"]
-    collect = sum(row["collect_s"] for row in its)
-    update = sum(row["update_s"] + row["hotload_s"] for row in its)
+    wall = its[-1][names.timing("elapsed_s")]
+    collect = sum(row[names.timing("collect_s")] for row in its)
+    update = sum(row[names.timing("update_s")] + row[names.timing("hotload_s")] for row in its)
     return {"example": example, "seed": seed, "k": staleness, "iterations": len(its), "total_s": r.wall_s,
             "iteration_s": wall / len(its), "collect_s": collect / len(its), "update_s": update / len(its),
             "collect_busy": collect / wall, "update_busy": update / wall,

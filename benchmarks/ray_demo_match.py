@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from lightning_sdk import config
+from lightning_sdk import metric_names as names
 from lightning_sdk.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,5 +24,5 @@ for runtime in (["embedded", "ray"] if args.runtime == "both" else [args.runtime
     cfg.data.eval = None
     cfg.ray.num_cpus, cfg.ray.object_store_memory = 2, 80 * 1024 * 1024
     state = Runtime(cfg).run()
-    curve = [round(r["reward_mean"], 3) for r in state.history]
+    curve = [round(r[names.REWARD_MEAN], 3) for r in state.history]
     print(f"RESULT {runtime}: reward first {curve[0]:.3f} last {curve[-1]:.3f} curve {curve}")

@@ -4,7 +4,7 @@
 
     import lightning_sdk as ls
     result = ls.run("lightning.toml", iterations=2, run_dir="runs/try", **{"train.lr": 1e-3})
-    result.eval_trained, result.history[-1]["reward_mean"], result.adapter, result.adapters
+    result.eval_trained, result.history[-1]["rollout/reward_mean"], result.adapter, result.adapters
 
 A notebook (Jupyter, IPython) runs its cells inside an event loop, and the embedded collector owns an
 asyncio.Runner, which refuses to start inside a running loop ("Runner.run() cannot be called from a running event

@@ -35,8 +35,9 @@ _ROLLOUT_COUNTS = ("reward_mean", "reward_std", "rollouts", "failed", "failed_tr
 
 
 def train(key: str, policy: str | None = None) -> str:
-    """An update's number (the trainer's `loss`, `kl`, ...), with [policies] one per policy."""
-    return f"train/{key}" if policy is None else f"train/{policy}/{key}"
+    """An update's number (the trainer's `loss`, `kl`, ...), with [policies] one per policy (the trainer names
+    those `planner.loss`)."""
+    return "train/" + key.replace(".", "/") if policy is None else f"train/{policy}/{key}"
 
 
 def skipped(reason: str) -> str:

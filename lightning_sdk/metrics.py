@@ -1,12 +1,13 @@
 """Where a run's numbers go: metrics.jsonl, the trackers named in `run.report_to`, and a reward-curve PNG.
 
 metrics.jsonl always gets every row: one per iteration, plus one per eval pass (`"phase": "eval"`, `"eval":
-"untrained" | "trained"`, its mean `eval.reward_mean`, standard error `eval_stderr`, `eval_tasks`, and
-`eval_split`: "train" when the eval tasks are the training tasks, "held-out" when none is, "mixed"; see
+"untrained" | "trained"`, its mean `eval/reward_mean`, standard error `eval/stderr`, `eval/tasks`, and
+`eval/split`: "train" when the eval tasks are the training tasks, "held-out" when none is, "mixed"; see
 evals.py). Each tracker (TensorBoard by default; MLflow, W&B, Trackio with the `[track]` extra; accelerate's
-tracker classes) gets the same numbers under the same names: `reward_mean`, `train.loss`, ... at the iteration's
-step, and the eval score as `eval.reward_mean` (and `eval_stderr`) at step 0 (untrained) and step `run.iterations`
-(trained); and the run's settings as its hyperparameters, one per dotted key (`train.lr`).
+tracker classes) gets the same numbers under the same names (metric_names: `rollout/reward_mean`, `train/loss`,
+`time/update_s`, grouped by their "/" as trackers group tags) at the iteration's step, and the eval score as
+`eval/reward_mean` (and `eval/stderr`) at step 0 (untrained) and step `run.iterations` (trained); and the run's
+settings as its hyperparameters, one per dotted key (`train.lr`, as in lightning.toml).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from lightning_sdk import metric_names as names
 from lightning_sdk.agent import MAX_ABS_REWARD
 from lightning_sdk.config import OUTCOME_FILE, RUN_CONFIG_FILE, flatten
 from lightning_sdk.errors import SetupError
@@ -34,32 +36,6 @@ class Tracker(Protocol):
     def finish(self) -> None: ...
 
 
-def section(key: str) -> str:
-    """Which group a logged number belongs to: TensorBoard's tag groups and the dashboard's chart sections."""
-    if key.startswith("eval"):
-        return "eval"
-    if key.startswith("reward"):
-        return "reward"
-    if key.endswith("_s") or key == "train.seconds":
-        return "time"
-    return "update" if key.startswith("train.") else "collection"
-
-
-class Grouped:
-    """A tracker whose tags are grouped as TensorBoard groups them, by what comes before a "/": each number as
-    `<section>/<its metrics.jsonl name>` (`update/train.loss`, `collection/rollouts`), so no number stands alone
-    at the top level and its name stays the one metrics.jsonl and the dashboard use."""
-
-    def __init__(self, tracker: Tracker):
-        self.tracker = tracker
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        self.tracker.log({f"{section(k)}/{k}": v for k, v in values.items()}, step)
-
-    def finish(self) -> None:
-        self.tracker.finish()
-
-
 def params(config: dict[str, Any]) -> dict[str, Any]:
     """The run's settings as trackers take hyperparameters: one per dotted key (`train.lr`, as in lightning.toml
     and the dashboard), so runs can be filtered and compared by each; lists and unset values as text."""
@@ -67,13 +43,13 @@ def params(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def tensorboard(run_dir: Path, name: str, config: dict[str, Any]) -> Tracker:
-    """TensorBoard in <run.dir>/tensorboard/, the settings as its hparams, the tags grouped (`Grouped`)."""
+    """TensorBoard in <run.dir>/tensorboard/, the settings as its hparams; the tags group by their "/"."""
     from accelerate.tracking import TensorBoardTracker
 
     tracker = TensorBoardTracker("tensorboard", run_dir)
     tracker.start()
     tracker.store_init_configuration(params(config))
-    return Grouped(tracker)
+    return tracker
 
 
 def mlflow(run_dir: Path, name: str, config: dict[str, Any]) -> Tracker:
@@ -135,9 +111,9 @@ def check_trackers(names: list[str]) -> None:
 
 
 def _scalars(row: dict[str, Any]) -> dict[str, float]:
-    """A row's numbers, named as metrics.jsonl names them (one name everywhere: `train.loss` in every tracker)."""
+    """A row's numbers, named as metrics.jsonl names them (one name everywhere: `train/loss` in every tracker)."""
     return {k: float(v) for k, v in row.items()
-            if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if k not in names.LABELS and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class MetricsLog:
@@ -161,8 +137,10 @@ class MetricsLog:
         atomic_write_text(self.run_dir / OUTCOME_FILE, json.dumps(row) + "\n")
 
     def rewrite(self, history: list[dict[str, Any]], *, baseline_eval: EvalScore | None = None) -> None:
-        """Make metrics.jsonl hold exactly the checkpointed iterations (after a resume nothing is doubled)."""
-        rows = ([eval_row("untrained", baseline_eval, 0)] if baseline_eval is not None else []) + history
+        """Make metrics.jsonl hold exactly the checkpointed iterations (after a resume nothing is doubled), each
+        under today's names."""
+        rows = ([eval_row("untrained", baseline_eval, 0)] if baseline_eval is not None else []) + [
+            names.current_row(row) for row in history]
         atomic_write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in rows))
 
     def log(self, row: dict[str, Any]) -> None:
@@ -173,8 +151,8 @@ class MetricsLog:
             tracker.log(values, int(row["iteration"]))
 
     def log_eval(self, label: str, score: EvalScore, step: int, *, policy: str | None = None) -> None:
-        """An eval pass's score: a metrics.jsonl row, and its numbers (`eval.reward_mean`, `eval_stderr`,
-        `eval_tasks`) at `step` in every tracker."""
+        """An eval pass's score: a metrics.jsonl row, and its numbers (`eval/reward_mean`, `eval/stderr`,
+        `eval/tasks`) at `step` in every tracker."""
         row = eval_row(label, score, step, policy=policy)
         with self.jsonl.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -205,8 +183,8 @@ class MetricsLog:
         def shown(v: float | None) -> bool:
             return v is not None and math.isfinite(v) and abs(v) <= MAX_ABS_REWARD
 
-        its = [row["iteration"] for row in history]  # numbered from 1, as everywhere
-        means = [row["reward_mean"] if shown(row["reward_mean"]) else math.nan for row in history]
+        its = [row[names.ITERATION] for row in history]  # numbered from 1, as everywhere
+        means = [row[names.REWARD_MEAN] if shown(row[names.REWARD_MEAN]) else math.nan for row in history]
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
         ax.plot(its, means, marker="o", label="training rollouts (mean reward)")
         if shown(baseline):
@@ -226,12 +204,12 @@ class MetricsLog:
 
 
 def eval_row(label: str, score: EvalScore, step: int, *, policy: str | None = None) -> dict[str, Any]:
-    row: dict[str, Any] = {"phase": "eval", "eval": label, "iteration": step, "eval.reward_mean": score.mean,
-                           "eval_stderr": score.stderr, "eval_tasks": score.n, "eval_split": score.split}
+    row: dict[str, Any] = {"phase": "eval", "eval": label, names.ITERATION: step, names.EVAL_REWARD_MEAN: score.mean,
+                           names.EVAL_STDERR: score.stderr, names.EVAL_TASKS: score.n, names.EVAL_SPLIT: score.split}
     if score.failed is not None:  # how many failed and why (failures.summary): the dashboard's runs list reads it
-        row["eval_failed"] = score.failed
+        row[names.EVAL_FAILED] = score.failed
         if score.failed:
-            row["eval_failures"] = score.failures
+            row[names.EVAL_FAILURES] = score.failures
     if policy is not None:
         row["policy"] = policy
     return row

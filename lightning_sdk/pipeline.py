@@ -29,8 +29,8 @@ class Staleness:
     dropped: int
 
     def metrics(self) -> dict[str, float]:
-        return {"train.staleness_mean": self.mean, "train.staleness_max": float(self.max),
-                "train.stale_dropped": float(self.dropped)}
+        """As the trainer's own numbers (a run's row logs them as train/staleness_mean, ...)."""
+        return {"staleness_mean": self.mean, "staleness_max": float(self.max), "stale_dropped": float(self.dropped)}
 
 
 def split_stale(transitions: Sequence[Transition], versions: dict[str, int], trained: int,

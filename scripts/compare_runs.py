@@ -18,13 +18,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from lightning_sdk import metric_names as names  # noqa: E402
+
 
 def read(run_dir: Path) -> tuple[list[dict], dict[str, tuple[int, float]]]:
     rows, evals = [], {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
+        row = names.current_row(json.loads(line))
         if row.get("phase") == "eval":
-            evals[row["eval"]] = (row["iteration"], row["eval.reward_mean"])
+            evals[row["eval"]] = (row["iteration"], row[names.EVAL_REWARD_MEAN])
         else:
             rows.append(row)
     return rows, evals
@@ -41,7 +43,7 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(7, 3.8), dpi=120)
     for run, label, color in zip(args.runs, labels, plt.rcParams["axes.prop_cycle"].by_key()["color"]):
         rows, evals = read(run)
-        ax.plot([r["iteration"] for r in rows], [r["reward_mean"] for r in rows], color=color, marker=".",
+        ax.plot([r["iteration"] for r in rows], [r[names.REWARD_MEAN] for r in rows], color=color, marker=".",
                 label=f"{label}: training rollouts")
         for name, marker in (("untrained", "v"), ("trained", "^")):
             if name in evals:

@@ -123,10 +123,10 @@ def test_an_eval_on_the_training_tasks_is_named_so_with_its_standard_error(dashb
         tr = page.locator(f"tr.eval[data-iteration='{row['iteration']}']")
         assert tr.locator("td.words").text_content().startswith("score on the training tasks, ")
         assert tr.locator(".stderr").text_content() == f" ± {js_fixed(row['eval_stderr'])}"
-        mean, err = js_fixed(row["eval.reward_mean"]), js_fixed(row["eval_stderr"])
+        mean, err = js_fixed(row["eval/reward_mean"]), js_fixed(row["eval/stderr"])
         assert tr.locator("td").nth(2).text_content() == f"{mean} ± {err}"
     legend = page.locator("svg[aria-label='reward per iteration'] text.legend").all_text_contents()
-    mean, err = js_fixed(trained["eval.reward_mean"]), js_fixed(trained["eval_stderr"])
+    mean, err = js_fixed(trained["eval/reward_mean"]), js_fixed(trained["eval/stderr"])
     assert f"score on the training tasks after: {mean} ± {err} (3 tasks)" in legend
     assert not any(t.startswith(("eval ", "held-out")) for t in legend)
     page.screenshot(path=str(_shots(tmp_path) / "evals-run.png"), full_page=True)

@@ -157,7 +157,7 @@ def test_a_two_process_run_a_killed_process_and_its_resume(tmp_path):
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "after iteration 1" in resumed.stdout
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["train.step"] for r in rows if "train.step" in r]
+    steps = [r["train/step"] for r in rows if "train/step" in r]
     assert steps == [1.0, 2.0], steps  # each update once, the resumed one continuing the step count
     assert (run / "checkpoints" / "iter-00002" / "trainer" / "adapter" / "adapter_model.safetensors").is_file()
 

@@ -66,7 +66,7 @@ def test_run_trains_and_writes_everything(project):
     rows = [r for r in lines if r.get("phase") != "eval"]
     assert [(r["eval"], r["iteration"]) for r in lines if r.get("phase") == "eval"] == [("untrained", 0), ("trained", 2)]
     assert [r["iteration"] for r in rows] == [1, 2]  # numbered from 1, as in the table
-    assert all(r["transitions"] == 16 and r["rollouts"] == 16 for r in rows)
+    assert all(r["rollout/transitions"] == 16 and r["rollout/rollouts"] == 16 for r in rows)
     assert rows[0]["policy"] == "builtin:tiny-arith" and rows[1]["policy"] == "e2e-iter1"
     assert (run / "reward_curve.png").stat().st_size > 0 and any((run / "tensorboard").iterdir())
 
@@ -253,7 +253,7 @@ def test_kill_9_during_collection_and_during_update_then_resume_loses_nothing(pr
     state = json.loads((run / "checkpoints/iter-00003/state.json").read_text())
     trainer_state = json.loads((run / "checkpoints/iter-00003/trainer/trainer_state.json").read_text())
     assert [r["iteration"] for r in rows] == [1, 2, 3] == [r["iteration"] for r in state["history"]]
-    assert [r["train.step"] for r in rows] == [1, 2, 3] and trainer_state["global_step"] == 3 == state["completed"]
+    assert [r["train/step"] for r in rows] == [1, 2, 3] and trainer_state["global_step"] == 3 == state["completed"]
     assert [r["policy"] for r in rows] == ["builtin:tiny-arith", "e2e-iter1", "e2e-iter2"]
 
     # The killed iterations' finished rollouts are marked untrained: per iteration, the succeeded rows are the 16

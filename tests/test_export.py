@@ -15,6 +15,8 @@ import openai
 import pytest
 
 import lightning_sdk as ls
+from lightning_sdk import metric_names as names
+from lightning_sdk.dashboard.runs import RunReader
 from lightning_sdk.rollouts.job import RolloutJob
 from lightning_sdk.store import Store
 from lightning_sdk.tracing import COMPLETION_IDS, REWARD_SPAN, REWARD_VALUE
@@ -91,7 +93,8 @@ runtime = Runtime(config.load(sys.argv[1]), console=Console(file=sys.stderr))
 state = runtime.run()
 spans = [{"name": s.name, "rollout": s.attributes.get("lightning.rollout.id"), "span_id": format(s.context.span_id, "016x")}
          for s in app_exporter.get_finished_spans()]
-print(json.dumps({"app_spans": spans, "baseline": state.baseline_eval, "final": runtime.final_eval}))
+print(json.dumps({"app_spans": spans, "baseline": state.baseline_eval, "final": runtime.final_eval,
+                  "history_keys": sorted({k for row in state.history for k in row})}))
 """
 
 
@@ -150,21 +153,29 @@ concurrency = 4
     # The eval scores, before and after, in every sink.
     baseline, final = out["baseline"], out["final"]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    evals = [(r["eval"], r["iteration"], r["eval.reward_mean"]) for r in lines if r.get("phase") == "eval"]
+    evals = [(r["eval"], r["iteration"], r["eval/reward_mean"]) for r in lines if r.get("phase") == "eval"]
     assert evals == [("untrained", 0, baseline), ("trained", 1, final)]
     assert [r["iteration"] for r in lines if r.get("phase") != "eval"] == [1]  # iterations count from 1
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    # One name everywhere: each tracker names a number as metrics.jsonl does (train.loss, eval.reward_mean);
-    # TensorBoard's tags put it in a group (what comes before the "/"), so none stands alone at the top level
+    # One name everywhere: metrics.jsonl, every tracker, result.history and the dashboard's API name each number
+    # the same (metric_names: `train/loss`, `rollout/reward_mean`, `eval/reward_mean`); TensorBoard groups the tags
+    # by what comes before the "/", so none stands alone at the top level
+    logged = {k for r in lines for k, v in r.items()
+              if k not in names.LABELS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert {names.REWARD_MEAN, names.train("loss"), names.timing("collect_s"), names.EVAL_REWARD_MEAN} <= logged
+    assert all(names.current(k) == k for k in logged)  # today's names only
     tb = EventAccumulator(str(run / "tensorboard"))
     tb.Reload()
-    assert [(e.step, e.value) for e in tb.Scalars("eval/eval.reward_mean")] == [(0, pytest.approx(baseline)),
-                                                                               (1, pytest.approx(final))]
-    assert [e.step for e in tb.Scalars("reward/reward_mean")] == [1]
-    assert [e.step for e in tb.Scalars("update/train.loss")] == [1] and tb.Scalars("time/collect_s")
-    assert {t.split("/")[0] for t in tb.Tags()["scalars"]} == {"eval", "reward", "update", "collection", "time"}
+    assert set(tb.Tags()["scalars"]) == logged
+    assert {t.split("/")[0] for t in logged} == {"eval", "rollout", "train", "time"}
+    assert [(e.step, e.value) for e in tb.Scalars("eval/reward_mean")] == [(0, pytest.approx(baseline)),
+                                                                          (1, pytest.approx(final))]
+    assert [e.step for e in tb.Scalars("rollout/reward_mean")] == [1]
+    assert [e.step for e in tb.Scalars("train/loss")] == [1]
+    summary = RunReader(d).summary("run")
+    assert {k for h in summary["history"] for k in h} - {"checkpoint"} == set(lines[1]) == set(out["history_keys"])
     # the settings as TensorBoard's hparams (a run of their own beside the scalars), one per dotted key
     (hp_dir,) = [d for d in (run / "tensorboard").iterdir() if d.is_dir() and any(d.glob("events.out.*"))]
     hp = EventAccumulator(str(hp_dir))
@@ -184,9 +195,10 @@ concurrency = 4
     assert "INFO mlflow" not in p.stdout + p.stderr
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
     (mlrun,) = client.search_runs([client.get_experiment_by_name("obs").experiment_id])
-    history = client.get_metric_history(mlrun.info.run_id, "eval.reward_mean")
+    assert set(mlrun.data.metrics) == logged
+    history = client.get_metric_history(mlrun.info.run_id, "eval/reward_mean")
     assert sorted((m.step, m.value) for m in history) == [(0, pytest.approx(baseline)), (1, pytest.approx(final))]
-    assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "train.loss")] == [1]
+    assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss")] == [1]
     # params flattened: filterable by each setting
     assert mlrun.data.params["train.lr"] == "0.002" and mlrun.data.params["data.group_size"] == "2"
     assert not any(v.startswith("{") and v != "{}" for v in mlrun.data.params.values())  # no table as text
@@ -194,9 +206,10 @@ concurrency = 4
 
     (offline,) = (run / "wandb").glob("offline-run-*/*.wandb")
     history = wandb_history(offline)
-    assert [(step, row["eval.reward_mean"]) for step, row in history if "eval.reward_mean" in row] == \
+    assert [(step, row["eval/reward_mean"]) for step, row in history if "eval/reward_mean" in row] == \
         [(0, pytest.approx(baseline)), (1, pytest.approx(final))]
-    assert [step for step, row in history if "train.loss" in row] == [1]
+    assert [step for step, row in history if "train/loss" in row] == [1]
+    assert {k for _, row in history for k in row if not k.startswith("_")} == logged
     assert wandb_config(offline)["train.lr"] == 2e-3  # the settings, one per dotted key
 
 

@@ -18,7 +18,7 @@ def test_failed_rollouts_train_at_failed_reward_but_timeouts_do_not(tmp_path):
                        rollout="concurrency = 16\ntimeout = 20.0\nfailed_reward = -1.0")
     Runtime(cfg, console=Console(file=io.StringIO())).run()
     (m,) = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert m["failed"] == 4 and m["failed_trained"] == 2  # the two "raise" rollouts, not the two that hung
-    assert m["transitions"] == 4 + 2  # one call per rollout: 4 succeeded + 2 raised
+    assert m["rollout/failed"] == 4 and m["rollout/failed_trained"] == 2  # the two "raise" rollouts, not the two that hung
+    assert m["rollout/transitions"] == 4 + 2  # one call per rollout: 4 succeeded + 2 raised
     store = Store(tmp_path / "run/store.sqlite")
     assert {r.error.split(":")[0] for r in store.rollouts(status="failed")} == {"RuntimeError", "TimeoutError"}

@@ -71,9 +71,9 @@ def test_an_eval_with_failed_rollouts_says_so_in_its_line_and_its_metrics_row(tm
     assert score.failures.startswith("2 x RewardError: @reward returned nan (float) for rollout <rollout>")
     assert "over 4 tasks" not in out.getvalue()  # `lightning eval` prints the one score line itself
     row = eval_row("trained", score, 2)
-    assert row["eval_failed"] == 2 and row["eval_failures"] == score.failures
+    assert row["eval/failed"] == 2 and row["eval/failures"] == score.failures
     assert score.failed_words.startswith("; 2 of 4 rollouts FAILED and scored 0: 2 x RewardError")
-    assert eval_row("trained", EvalScore.of([1.0, 0.0]), 2)["eval_failed"] == 0
+    assert eval_row("trained", EvalScore.of([1.0, 0.0]), 2)["eval/failed"] == 0
 
 
 def test_lightning_eval_prints_its_score_once_with_its_failures(tmp_path):

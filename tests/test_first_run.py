@@ -38,7 +38,7 @@ def first_run(tmp_path_factory):
 
 def test_minimal_config_learns_from_inside_an_event_loop(first_run):
     _, result = first_run
-    rewards = [row["reward_mean"] for row in result.history]
+    rewards = [row["rollout/reward_mean"] for row in result.history]
     print(f"minimal config: eval {result.eval_untrained:.3f} -> {result.eval_trained:.3f}, train reward {rewards}")
     assert len(rewards) == 5 and result.state.completed == 5
     assert result.eval_trained > result.eval_untrained + 0.2  # measured 0.12 -> 0.65 (6 iterations, 100 tasks)

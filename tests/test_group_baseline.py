@@ -77,7 +77,7 @@ def test_a_group_whose_losers_were_greedy_trains_its_winner(tmp_path):
     Runtime(config.load(tmp_path / "lightning.toml"), console=Console(file=io.StringIO())).run()
     (row,) = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()
               if "iteration" in json.loads(line) and json.loads(line).get("phase") != "eval"]
-    assert row["skipped.greedy"] == 2 and row["transitions"] == 1
-    assert row["train.num_transitions"] == 1  # the group [1, 0, 0] is not a single-rollout group
-    assert row["train.adv_mean"] == pytest.approx((2 / 3) / (math.sqrt(1 / 3) + 1e-4), rel=1e-5)
-    assert row["train.grad_norm"] > 0
+    assert row["rollout/skipped/greedy"] == 2 and row["rollout/transitions"] == 1
+    assert row["train/num_transitions"] == 1  # the group [1, 0, 0] is not a single-rollout group
+    assert row["train/adv_mean"] == pytest.approx((2 / 3) / (math.sqrt(1 / 3) + 1e-4), rel=1e-5)
+    assert row["train/grad_norm"] > 0

@@ -66,8 +66,8 @@ def test_the_reward_plot_survives_a_reward_matplotlib_cannot_draw(tmp_path):
     from lightning_sdk.metrics import MetricsLog
 
     m = MetricsLog(tmp_path, report_to=[], name="x", config={})
-    out = m.plot([{"iteration": 1, "reward_mean": 1.7e308}, {"iteration": 2, "reward_mean": math.nan},
-                  {"iteration": 3, "reward_mean": 0.5}], baseline=-1.7e308, final=0.75)
+    out = m.plot([{"iteration": 1, "rollout/reward_mean": 1.7e308}, {"iteration": 2, "rollout/reward_mean": math.nan},
+                  {"iteration": 3, "rollout/reward_mean": 0.5}], baseline=-1.7e308, final=0.75)
     assert out.stat().st_size > 0
 
 

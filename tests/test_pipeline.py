@@ -114,20 +114,20 @@ def test_pipelined_run_overlaps_collection_with_the_update_and_weights_each_stal
     Runtime(cfg, console=Console(file=io.StringIO())).run()
     run, db = tmp_path / "run", tmp_path / "run/store.sqlite"
     ms = metrics(run)
-    assert [m["iteration"] for m in ms] == [1, 2, 3, 4] and [m["train.step"] for m in ms] == [1, 2, 3, 4]
+    assert [m["iteration"] for m in ms] == [1, 2, 3, 4] and [m["train/step"] for m in ms] == [1, 2, 3, 4]
     assert (run / "checkpoints/iter-00004/state.json").exists()
     # Batch 1 comes from the base model, which update 1 also starts from: nothing stale.
     (base,) = set(_calls(db, 1))
-    assert ms[0]["train.staleness_max"] == 0 and not base.startswith("pipe-iter")
+    assert ms[0]["train/staleness_max"] == 0 and not base.startswith("pipe-iter")
     for m in ms:
-        assert m["train.stale_dropped"] == 0 and m["train.staleness_max"] <= 1
-        assert 0 < m["train.is_weight"] < 2.0 + 1e-6 and 0 <= m["train.is_capped_frac"] <= 1  # the cap is 2 (auto)
+        assert m["train/stale_dropped"] == 0 and m["train/staleness_max"] <= 1
+        assert 0 < m["train/is_weight"] < 2.0 + 1e-6 and 0 <= m["train/is_capped_frac"] <= 1  # the cap is 2 (auto)
     # Batch 2 was collected while update 1 ran: its first calls were served by the base model, one update behind
     # the adapter update 2 starts from. That is the overlap, seen from the gateway's records.
-    assert ms[1]["train.staleness_max"] == 1 and base in _calls(db, 2)
+    assert ms[1]["train/staleness_max"] == 1 and base in _calls(db, 2)
     for n in (3, 4):  # never more than one update behind; the newest adapter served as soon as it was saved
         assert set(_calls(db, n)) <= {f"pipe-iter{n - 2}", f"pipe-iter{n - 1}"}, _calls(db, n)
-    assert ms[-1]["elapsed_s"] > ms[0]["elapsed_s"] > 0
+    assert ms[-1]["time/elapsed_s"] > ms[0]["time/elapsed_s"] > 0
 
 
 def test_a_trainer_error_stops_a_pipelined_run_with_the_trainers_message(tmp_path, monkeypatch):
@@ -208,7 +208,7 @@ def test_ctrl_c_then_kill_9_during_overlapped_updates_then_resume_loses_nothing_
     state = json.loads((run / "checkpoints/iter-00003/state.json").read_text())
     trainer_state = json.loads((run / "checkpoints/iter-00003/trainer/trainer_state.json").read_text())
     assert [m["iteration"] for m in ms] == [1, 2, 3] == [r["iteration"] for r in state["history"]]
-    assert [m["train.step"] for m in ms] == [1, 2, 3] and trainer_state["global_step"] == 3
+    assert [m["train/step"] for m in ms] == [1, 2, 3] and trainer_state["global_step"] == 3
     trained = dict(_query(db, "SELECT iteration, COUNT(*) FROM rollouts WHERE phase = 'train' AND status = "
                               "'succeeded' GROUP BY iteration"))
     assert trained == {1: 16, 2: 16, 3: 16}  # the rest of what the stopped runs collected is marked untrained

@@ -288,9 +288,9 @@ def test_two_policies_each_call_served_by_its_components_adapter(two_policy_run)
     assert [r["policy"] for r in rows] == [f"writer={base}, rewriter={base}",
                                            "writer=duo-writer-iter1, rewriter=duo-rewriter-iter1"]
     for r in rows:  # 12 rollouts, one call of each role: each policy trains on its own 12, the judge's are counted
-        assert r["transitions.writer"] == r["transitions.rewriter"] == 12 and r["base_calls"] == 12
-        assert r["transitions"] == 24 and "train.loss" not in r
-        assert r["train.writer.num_transitions"] + r["train.writer.num_skipped"] == 12
+        assert r["rollout/transitions/writer"] == r["rollout/transitions/rewriter"] == 12 and r["rollout/base_calls"] == 12
+        assert r["rollout/transitions"] == 24 and "train/loss" not in r
+        assert r["train/writer/num_transitions"] + r["train/writer/num_skipped"] == 12
         assert all(isinstance(r[f"train.{p}.{k}"], float) for p in ("writer", "rewriter") for k in ("loss", "lr"))
 
 

@@ -83,8 +83,8 @@ def assert_two_policies_trained(run: Path) -> None:
     rows = [r for r in rows if r.get("phase") != "eval"]
     assert [r["iteration"] for r in rows] == [1, 2]
     for r in rows:  # 12 rollouts, each one call per role: each policy trained on its own 12, the judge's counted
-        assert r["failed"] == 0 and r["transitions.writer"] == r["transitions.rewriter"] == 12
-        assert r["base_calls"] == 12
+        assert r["rollout/failed"] == 0 and r["rollout/transitions/writer"] == r["rollout/transitions/rewriter"] == 12
+        assert r["rollout/base_calls"] == 12
     for name, rank in (("writer", 8), ("rewriter", 4)):
         one, two = (load_file(run / f"checkpoints/iter-0000{i}/trainer/adapters/{name}/adapter_model.safetensors")
                     for i in (1, 2))

@@ -83,7 +83,7 @@ def test_demo_runs_two_iterations_on_ray(ray_local, tmp_path, serve):
             "gpt-4o-mini"}
     rows = [json.loads(x) for x in (cfg.run.dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2]
-    assert all(r["failed"] == 0 and r["rollouts"] == 16 and r["transitions"] == 16 for r in rows)
+    assert all(r["rollout/failed"] == 0 and r["rollout/rollouts"] == 16 and r["rollout/transitions"] == 16 for r in rows)
 
 
 def test_killed_worker_rollouts_are_retried_and_nothing_is_lost(ray_local, tmp_path):
@@ -133,7 +133,7 @@ def test_killed_worker_rollouts_are_retried_and_nothing_is_lost(ray_local, tmp_p
         extra = {r: n - calls.count(r) for r, n in spans.items() if n != calls.count(r)}
         assert all(by_id[r].status == "abandoned" for r in extra), extra
     rows = [json.loads(x) for x in (cfg.run.dir / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["failed"] == 0 and r["rollouts"] == 16 for r in rows)
+    assert all(r["rollout/failed"] == 0 and r["rollout/rollouts"] == 16 for r in rows)
 
 
 def test_ray_config_errors_name_the_key(tmp_path):

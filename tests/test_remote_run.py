@@ -130,7 +130,7 @@ worker_timeout = 120
 
     metrics = [json.loads(line) for line in (d / "run/metrics.jsonl").read_text().splitlines()]
     train = [r for r in metrics if r.get("phase") != "eval"]
-    assert [(r["iteration"], r["rollouts"], r["transitions"], r["failed"]) for r in train] == [(1, 16, 16, 0),
+    assert [(r["iteration"], r["rollout/rollouts"], r["rollout/transitions"], r["rollout/failed"]) for r in train] == [(1, 16, 16, 0),
                                                                                                 (2, 16, 16, 0)]
     store = Store(d / "run/store.sqlite")
     rollouts = store.rollouts()

@@ -64,4 +64,4 @@ def test_a_resumed_run_keeps_its_worker(tmp_path):
     assert worker.returncode == 0, log  # it waited, then worked for the resumed run until it ended
     assert "refused the token" not in log and "is over: worker" in log, log
     metrics = [json.loads(line) for line in (d / "run/metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in metrics if "reward_mean" in r][-2:] == [2, 3]
+    assert [r["iteration"] for r in metrics if "rollout/reward_mean" in r][-2:] == [2, 3]

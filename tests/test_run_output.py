@@ -148,9 +148,9 @@ def test_evals_on_the_training_file_say_so_with_their_standard_error(quiet_run):
     d, _ = quiet_run
     rows = [json.loads(line) for line in (d / "run/metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r.get("phase") == "eval"]
-    assert [(r["eval"], r["eval_split"], r["eval_tasks"]) for r in evals] == [("untrained", "train", 12),
+    assert [(r["eval"], r["eval/split"], r["eval/tasks"]) for r in evals] == [("untrained", "train", 12),
                                                                               ("trained", "train", 12)]
-    assert all(0 < r["eval_stderr"] < 0.3 for r in evals if 0 < r["eval.reward_mean"] < 1)
+    assert all(0 < r["eval/stderr"] < 0.3 for r in evals if 0 < r["eval/reward_mean"] < 1)
 
 
 def test_lightning_eval_names_the_iteration_scores_the_same_twice_and_keeps_its_rollouts(quiet_run):

@@ -114,8 +114,8 @@ def test_agent_and_reward_faults_are_failed_rollouts_the_run_goes_on_until_most_
     run = tmp_path / "run"
     assert (run / "checkpoints/iter-00001").exists() and not (run / "checkpoints/iter-00002").exists()
     (m,) = metrics(run)
-    assert m["failed"] == 8 and m["rollouts"] == 16
-    assert m["transitions"] == 8  # failed rollouts are left out of training; the rest of the batch is trained
+    assert m["rollout/failed"] == 8 and m["rollout/rollouts"] == 16
+    assert m["rollout/transitions"] == 8  # failed rollouts are left out of training; the rest of the batch is trained
 
     store = Store(run / "store.sqlite")
     by_fault: dict[str | None, set[str]] = {}
@@ -219,7 +219,7 @@ def test_server_killed_mid_collection_is_restarted_then_one_that_cannot_come_bac
     assert store.rollouts(phase="train", iteration=3) == []  # noticed at the hot-load, before any new rollout
     (row,) = [r for r in json.loads((tmp_path / "run/checkpoints/iter-00002/state.json").read_text())["history"]
               if r["iteration"] == 2]
-    assert row["rollouts"] == 8 and row["failed"] == 0
+    assert row["rollout/rollouts"] == 8 and row["rollout/failed"] == 0
     print(f"server kill: {len(retries)} in-flight rollouts re-run after the restart, all succeeded")
 
 
@@ -365,7 +365,7 @@ def test_agent_faults_fail_only_their_rollout_and_the_run_trains(tmp_path):
         seen[fault] = r.status
     assert set(seen) == set(FAULTS) | {None}
     (m,) = metrics(tmp_path / "run")
-    assert m["failed"] == 12 and math.isfinite(m["reward_mean"])
+    assert m["rollout/failed"] == 12 and math.isfinite(m["rollout/reward_mean"])
 
 
 def test_two_runs_on_one_run_directory_the_second_is_refused(tmp_path):

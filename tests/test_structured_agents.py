@@ -118,7 +118,7 @@ def test_a_structured_output_agent_trains_exactly(tmp_path, openai_elsewhere, na
     toml.write_text(toml.read_text().replace("timeout = 30", "timeout = 180"))
     result = ls.run(toml)
     assert [row["iteration"] for row in result.history] == [1, 2]
-    assert all(row["transitions"] > 0 for row in result.history)
+    assert all(row["rollout/transitions"] > 0 for row in result.history)
     store = Store(tmp_path / "run/store.sqlite")
     calls = [s for r in store.rollouts(phase="train") for s in store.spans(r.rollout_id) if s.source == "gateway"]
     # every rollout drew its own samples: DSPy's reply cache (on by default) was off for the run
@@ -127,10 +127,10 @@ def test_a_structured_output_agent_trains_exactly(tmp_path, openai_elsewhere, na
     assert constrained and all(s.attributes["lightning.llm.completion_token_ids"] for s in calls)
     print(name, len(calls), "calls,", len(constrained), "constrained:",
           {json.loads(s.attributes["lightning.llm.constraint"])["kind"] for s in constrained},
-          [(row["transitions"], row["failed"]) for row in result.history])
+          [(row["rollout/transitions"], row["rollout/failed"]) for row in result.history])
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert sum(m.get("train.num_constrained", 0) for m in metrics) > 0
-    assert all(m.get("train.constraint_mismatch", 0) == 0 for m in metrics)
+    assert sum(m.get("train/num_constrained", 0) for m in metrics) > 0
+    assert all(m.get("train/constraint_mismatch", 0) == 0 for m in metrics)
     if name == "openai-parse":  # the dashboard's call view names the constraint and shows the schema
         reader = RunReader(tmp_path)
         rid = store.rollouts(phase="train")[0].rollout_id
@@ -191,10 +191,10 @@ def test_instructor_trains_from_a_worker_in_its_own_environment(tmp_path):
     assert trainer.returncode == 0, out
     assert "run 'zero' is over: worker" in said, said
     metrics = [json.loads(line) for line in (d / "run/metrics.jsonl").read_text().splitlines()]
-    train = [m for m in metrics if m.get("phase") != "eval" and "transitions" in m]
-    assert [m["iteration"] for m in train] == [1, 2] and all(m["transitions"] > 0 for m in train)
-    assert sum(m.get("train.num_constrained", 0) for m in metrics) > 0
-    assert all(m.get("train.constraint_mismatch", 0) == 0 for m in metrics)
+    train = [m for m in metrics if m.get("phase") != "eval" and "rollout/transitions" in m]
+    assert [m["iteration"] for m in train] == [1, 2] and all(m["rollout/transitions"] > 0 for m in train)
+    assert sum(m.get("train/num_constrained", 0) for m in metrics) > 0
+    assert all(m.get("train/constraint_mismatch", 0) == 0 for m in metrics)
     store = Store(d / "run/store.sqlite")
     calls = [s for r in store.rollouts(phase="train") for s in store.spans(r.rollout_id) if s.source == "gateway"]
     assert calls and all(s.attributes["lightning.llm.completion_token_ids"] for s in calls)

@@ -55,8 +55,8 @@ def test_a_tool_call_bomb_fails_its_own_call_and_the_run_ends_well(tmp_path):
     out = io.StringIO()
     Runtime(config.load(tmp_path / "lightning.toml"), console=Console(file=out, width=200)).run()  # no RunError
     (m,) = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()
-            if "reward_mean" in line]
-    assert m["failed"] == 0 and m["rollouts"] == 4, out.getvalue()
+            if "rollout/reward_mean" in line]
+    assert m["rollout/failed"] == 0 and m["rollout/rollouts"] == 4, out.getvalue()
     store = Store(tmp_path / "run/store.sqlite", read_only=True)
     calls = [s for r in store.rollouts(phase="train") for s in store.spans(r.rollout_id) if s.source == "gateway"]
     bombs = [c for c in calls if "[[[[" in c.attributes.get("gen_ai.input.messages", "")]
@@ -65,5 +65,5 @@ def test_a_tool_call_bomb_fails_its_own_call_and_the_run_ends_well(tmp_path):
     assert all("nested too deeply" in c.status_message for c in bombs)
     plain = [c for c in calls if c not in bombs]
     assert [c.status for c in plain] == ["OK"] * 4
-    assert m["transitions"] == len(plain)  # every other call trained
+    assert m["rollout/transitions"] == len(plain)  # every other call trained
     assert (tmp_path / "run/checkpoints/iter-00001").is_dir()

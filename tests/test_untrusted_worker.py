@@ -74,7 +74,7 @@ worker_timeout = 120
     calls = [s for s in store.spans(did["prompt_too_long"]["rollout_id"]) if s.source == "gateway"]
     assert [c.status for c in calls] == ["ERROR"]
     metrics = [json.loads(line) for line in (d / "run/metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in metrics if "reward_mean" in r] == [1, 2]
+    assert [r["iteration"] for r in metrics if "rollout/reward_mean" in r] == [1, 2]
     adapters = list((d / "run/checkpoints").glob("*/trainer/adapter/*.safetensors"))
     assert adapters
     for path in adapters:

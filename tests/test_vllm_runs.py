@@ -69,7 +69,7 @@ def test_a_vllm_run_trains_on_exact_ids(tmp_path, scenario, monkeypatch):
     toml = write_run(tmp_path, *SCENARIOS[scenario])
     state = ls.run(toml)
     assert [row["iteration"] for row in state.history] == [1, 2]
-    assert all(row["failed"] == 0 and row["transitions"] > 0 for row in state.history)
+    assert all(row["rollout/failed"] == 0 and row["rollout/transitions"] > 0 for row in state.history)
     gaps = [v for row in state.history for k, v in row.items() if k.endswith("logprob_gap")]  # per policy too
     assert len(gaps) >= 2 and all(math.isfinite(g) for g in gaps)
     store = Store(tmp_path / "run/store.sqlite")

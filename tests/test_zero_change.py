@@ -146,7 +146,7 @@ def test_an_unchanged_agent_trains(tmp_path, openai_elsewhere, source, backend, 
     with caplog.at_level("INFO", logger="lightning_sdk"):
         result = ls.run(project(tmp_path, source, serve=VLLM if backend == "vllm" else ""))
     assert [row["iteration"] for row in result.history] == [1, 2]
-    assert all(row["failed"] == 0 and row["transitions"] == 8 for row in result.history)
+    assert all(row["rollout/failed"] == 0 and row["rollout/transitions"] == 8 for row in result.history)
     store = Store(tmp_path / "run/store.sqlite")
     calls = [s for r in store.rollouts(phase="train") for s in store.spans(r.rollout_id) if s.source == "gateway"]
     assert len(calls) == 16 and all(s.attributes["lightning.llm.completion_token_ids"] for s in calls)

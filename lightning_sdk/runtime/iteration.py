@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lightning_sdk import data, tracing
+from lightning_sdk import metric_names as names
 from lightning_sdk.errors import CaptureError, RunError
 from lightning_sdk.failures import cannot_train
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
@@ -36,7 +37,7 @@ class Batch:
     collect_s: float
     base_calls: int  # with [policies]: calls of components in no policy, served by the base model
     failures: str = ""  # its failed rollouts in one line (failures.summary), "" when none failed
-    extra: dict[str, float] = field(default_factory=dict)  # more of its row (pipelined: the staleness)
+    extra: dict[str, float] = field(default_factory=dict)  # more of its update's numbers (pipelined: the staleness)
 
     @property
     def reward_mean(self) -> float:
@@ -44,16 +45,20 @@ class Batch:
         return float(statistics.mean(r.reward for r in self.ok))
 
     def row(self, train_metrics: dict[str, float], update_s: float, handover: dict[str, float]) -> dict:
-        """Its row of metrics.jsonl, as far as the update: the hot-load and elapsed times come after."""
+        """Its row of metrics.jsonl (names: metric_names), as far as the update: the hot-load and elapsed times
+        come after. `handover`: the server's sleep_s and wake_s."""
         results, transitions = self.results, self.transitions
         return {
-            "iteration": self.n, "policy": self.label, "reward_mean": self.reward_mean,
-            "reward_std": statistics.pstdev([r.reward for r in self.ok]),
-            "rollouts": len(results), "failed": len(results) - len(self.ok), "transitions": len(transitions),
-            "completion_tokens": sum(len(t.completion_ids) for t in transitions),
-            "failed_trained": self.penalised, **{f"skipped.{k}": v for k, v in sorted(self.skipped.items()) if v},
-            "collect_s": self.collect_s, "update_s": update_s, **handover,
-            **{f"train.{k}": v for k, v in train_metrics.items()}, **self.extra,
+            names.ITERATION: self.n, "policy": self.label, names.REWARD_MEAN: self.reward_mean,
+            names.REWARD_STD: statistics.pstdev([r.reward for r in self.ok]),
+            names.ROLLOUTS: len(results), names.FAILED: len(results) - len(self.ok),
+            names.TRANSITIONS: len(transitions),
+            names.COMPLETION_TOKENS: sum(len(t.completion_ids) for t in transitions),
+            names.FAILED_TRAINED: self.penalised,
+            **{names.skipped(k): v for k, v in sorted(self.skipped.items()) if v},
+            names.timing("collect_s"): self.collect_s, names.timing("update_s"): update_s,
+            **{names.timing(k): v for k, v in handover.items()},
+            **{names.train(k): v for k, v in {**train_metrics, **self.extra}.items()},
         }
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 
 from lightning_sdk import credit, data, models
+from lightning_sdk import metric_names as names
 from lightning_sdk.config import Config, effective, policies
 from lightning_sdk.console import print_whole, status
 from lightning_sdk.errors import CaptureError, SetupError
@@ -92,6 +93,7 @@ class Runtime:
             self.console.print(placed, highlight=False, soft_wrap=True, markup=False)
         share_cores(stack, cfg)
         state = RunState.read(checkpoint) if checkpoint is not None else RunState()
+        state.history = [names.current_row(row) for row in state.history]  # a run an earlier version checkpointed
         store = stack.enter_context(Store(self.run_dir / "store.sqlite"))  # closed (its WAL folded in) before the lock
         reopen(store, state, self.console)
         store.add_tasks((data.task_id(t), t) for t in train_tasks + eval_tasks)
@@ -210,8 +212,9 @@ class Runtime:
         new_policy = session.trained_names(n)  # trained by iteration n, sampled by iteration n + 1
         if self.multi:
             # the calls each policy trained on, and those of components in no policy (served by the base)
-            row.update({f"transitions.{p.name}": sum(t.component in p.components for t in batch.transitions)
-                        for p in self.policies}, base_calls=batch.base_calls)
+            row.update({names.policy_transitions(p.name): sum(t.component in p.components for t in batch.transitions)
+                        for p in self.policies})
+            row[names.BASE_CALLS] = batch.base_calls
             state.adapter_names = new_policy
         else:
             state.adapter_name = new_policy[self.cfg.run.name]
@@ -222,14 +225,15 @@ class Runtime:
         session.hot_load(new_policy, checkpoint, retire)
         if route:
             session.route(new_policy)
-        row["hotload_s"] = time.perf_counter() - t
-        row["elapsed_s"] = time.perf_counter() - self._started
+        row[names.timing("hotload_s")] = time.perf_counter() - t
+        row[names.timing("elapsed_s")] = time.perf_counter() - self._started
         metrics.log(row)
         failed = (f", {len(results) - len(ok)} of {len(results)} failed: {batch.failures}"
                   if len(ok) < len(results) else "")
-        self.console.print(f"iteration {n}: reward {row['reward_mean']:.3f}  ({len(ok)} rollouts{failed}, "
+        self.console.print(f"iteration {n}: reward {row[names.REWARD_MEAN]:.3f}  ({len(ok)} rollouts{failed}, "
                            f"{len(batch.transitions)} transitions, collect {batch.collect_s:.1f}s, update "
-                           f"{row['update_s']:.1f}s, hot-load {row['hotload_s']:.2f}s)", highlight=False,
+                           f"{row[names.timing('update_s')]:.1f}s, hot-load {row[names.timing('hotload_s')]:.2f}s)",
+                           highlight=False,
                            soft_wrap=True, markup=False)
         return new_policy
 

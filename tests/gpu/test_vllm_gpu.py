@@ -87,13 +87,13 @@ def test_two_iterations_through_vllm(model_path, tmp_path, quantization):
     state = Runtime(cfg).run()
     assert state.completed == 2 and [r["policy"] for r in state.history] == [MODEL, "gpu-iter1"]
     for row in state.history:
-        assert row["failed"] == 0 and row["completion_tokens"] > 0
-        assert row["sleep_s"] >= 0 and row["wake_s"] >= 0 and row["hotload_s"] >= 0
+        assert row["rollout/failed"] == 0 and row["rollout/completion_tokens"] > 0
+        assert row["time/sleep_s"] >= 0 and row["time/wake_s"] >= 0 and row["time/hotload_s"] >= 0
         # vLLM's log-probs (bf16 kernels) against the trainer's: close, not equal; reported, and corrected for
-        assert 0 <= row["train.logprob_gap"] < 0.5, row
-        assert 0 < row["train.is_weight"] <= 2.0
+        assert 0 <= row["train/logprob_gap"] < 0.5, row
+        assert 0 < row["train/is_weight"] <= 2.0
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert "wake_s" in json.loads(lines[-1])
+    assert "time/wake_s" in json.loads(lines[-1])
     # the spans hold the ids vLLM returned: the chat template's prompt exactly, and one log-prob per sampled token
     tok = models.load_tokenizer(models.resolve(MODEL))
     with Store(tmp_path / "run" / "store.sqlite") as store:
