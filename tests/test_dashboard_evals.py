@@ -122,7 +122,7 @@ def test_an_eval_on_the_training_tasks_is_named_so_with_its_standard_error(dashb
     for row in (untrained, trained):
         tr = page.locator(f"tr.eval[data-iteration='{row['iteration']}']")
         assert tr.locator("td.words").text_content().startswith("score on the training tasks, ")
-        assert tr.locator(".stderr").text_content() == f" ± {js_fixed(row['eval_stderr'])}"
+        assert tr.locator(".stderr").text_content() == f" ± {js_fixed(row['eval/stderr'])}"
         mean, err = js_fixed(row["eval/reward_mean"]), js_fixed(row["eval/stderr"])
         assert tr.locator("td").nth(2).text_content() == f"{mean} ± {err}"
     legend = page.locator("svg[aria-label='reward per iteration'] text.legend").all_text_contents()
@@ -134,8 +134,8 @@ def test_an_eval_on_the_training_tasks_is_named_so_with_its_standard_error(dashb
     page.goto(dashboard["base"] + "/#/")
     page.wait_for_selector("tr[data-run=ontrain] td.eval-score")
     assert page.locator("tr[data-run=ontrain] td.eval-score").text_content() == (
-        f"score on the training tasks after 2 iterations: {js_fixed(trained['eval.reward_mean'])} ± "
-        f"{js_fixed(trained['eval_stderr'])} (3 tasks)")
+        f"score on the training tasks after 2 iterations: {js_fixed(trained['eval/reward_mean'])} ± "
+        f"{js_fixed(trained['eval/stderr'])} (3 tasks)")
     # a run from before eval_split: "eval", as it always said, and no standard error it never logged
     assert page.locator("tr[data-run=older] td.eval-score").text_content() == "eval before training: 0.250"
     # failed eval rollouts are said beside the score they pulled down, as text (the reason is the agent's)

@@ -34,7 +34,7 @@ def test_split_stale_keeps_calls_at_most_k_updates_behind_and_counts_the_rest():
     kept, stale = split_stale(ts, versions, trained=3, max_staleness=1)  # batch 4 trains from version 3
     assert [t.policy for t in kept] == ["run-iter3", "run-iter2"]
     assert (stale.mean, stale.max, stale.dropped) == (0.5, 1, 3)  # an unrecorded adapter counts as the oldest
-    assert stale.metrics() == {"train.staleness_mean": 0.5, "train.staleness_max": 1.0, "train.stale_dropped": 3.0}
+    assert stale.metrics() == {"staleness_mean": 0.5, "staleness_max": 1.0, "stale_dropped": 3.0}
     kept, stale = split_stale(ts, versions, trained=3, max_staleness=3)
     assert len(kept) == 5 and stale.max == 3 and stale.dropped == 0
 
