@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import lightning_sdk.servers.vllm as vllm_backend  # noqa: E402
+from lightning_sdk import metric_names as names  # noqa: E402
 from lightning_sdk import models  # noqa: E402
 from lightning_sdk.config import TrainConfig  # noqa: E402
 from lightning_sdk.runtime import Runtime  # noqa: E402
@@ -95,8 +96,9 @@ def run(quantization: str, work: Path) -> None:
     t = time.perf_counter()
     state = Runtime(cfg).run()
     print(f"RESULT quantization={quantization}: {state.completed} iterations in {time.perf_counter() - t:.0f} s")
-    keep = ("iteration", "policy", "reward_mean", "failed", "completion_tokens", "collect_s", "update_s",
-            "hotload_s", "train.logprob_gap", "train.is_weight")
+    keep = (names.ITERATION, "policy", names.REWARD_MEAN, names.FAILED, names.COMPLETION_TOKENS,
+            names.timing("collect_s"), names.timing("update_s"), names.timing("hotload_s"), names.train("logprob_gap"),
+            names.train("is_weight"))
     for row in state.history:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k in keep}))
 
