@@ -276,4 +276,4 @@ def test_kill_9_during_collection_and_during_update_then_resume_loses_nothing(pr
     assert listed == trained_3, shown.stdout
     print(f"kill -9 x2: {len(before_2)} rollouts and {len(stored)} spans stored before the kills, "
           f"{lost} lost or changed after resume ({len(stored) - len(changed)} kept with their content); "
-          f"training steps {[r['train.step'] for r in rows]}")
+          f"training steps {[r['train/step'] for r in rows]}")

@@ -291,7 +291,7 @@ def test_two_policies_each_call_served_by_its_components_adapter(two_policy_run)
         assert r["rollout/transitions/writer"] == r["rollout/transitions/rewriter"] == 12 and r["rollout/base_calls"] == 12
         assert r["rollout/transitions"] == 24 and "train/loss" not in r
         assert r["train/writer/num_transitions"] + r["train/writer/num_skipped"] == 12
-        assert all(isinstance(r[f"train.{p}.{k}"], float) for p in ("writer", "rewriter") for k in ("loss", "lr"))
+        assert all(isinstance(r[f"train/{p}/{k}"], float) for p in ("writer", "rewriter") for k in ("loss", "lr"))
 
 
 def test_two_policies_both_adapters_change_and_the_base_stays(two_policy_run):
