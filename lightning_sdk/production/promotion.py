@@ -105,7 +105,8 @@ class Promoter:
     def consider(self, update: Update) -> gate.Decision:
         name, adapter, version = self.serving
         candidate = self.scorer(update.adapter_path, update.version)
-        if self.serving_scores is None:
+        # scores kept from before a restart are re-made where data.eval has since changed its number of tasks
+        if self.serving_scores is None or len(self.serving_scores) != len(candidate):
             self.serving_scores = self.scorer(adapter, version)
         serving = self.serving_scores
         decision = gate.decide(update.adapter, candidate, name, serving, margin=self.margin, z=self.z)
