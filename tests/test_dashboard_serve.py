@@ -9,8 +9,6 @@ import json
 import math
 import os
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from lightning_sdk.production import canary, gate, learner
 from lightning_sdk.production.ledger import FeedbackLedger
 from lightning_sdk.store import Store
 from tests.test_dashboard import js_fixed
+from tests.test_dashboard_evals import launch
 from tests.test_serve_canary import served
 
 CHROMIUM = "/usr/bin/chromium"
@@ -77,13 +76,8 @@ def dashboard(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
     (root / "serve").mkdir()
     write_serve(root / "serve")
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "dashboard", "--run-dir", str(root),
-                             "--port", "0"], env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    line = proc.stdout.readline()
-    assert "http://127.0.0.1:" in line, line + (proc.stdout.read() if proc.poll() is not None else "")
-    url = line.split(" at ", 1)[1].split()[0]
-    yield {"url": url, "base": url.split("/?", 1)[0], "token": url.split("token=", 1)[1]}
+    proc, where = launch(root)
+    yield where
     proc.terminate()
     proc.wait(30)
 

@@ -8,8 +8,8 @@ The rule (docs/serve.md): once each side has at least `min_rewards` rewarded epi
 with c and s the two sides' per-episode rewards (production.live_reward: the episode is the unit, since its calls
 share one reward), d = mean(c) - mean(s) and se = sqrt(var(c)/n_c + var(s)/n_s) (the two samples are different
 episodes, so Welch's standard error, not the gate's paired one): promote iff d - z * se >= -margin, else roll back:
-the gate's bound on live traffic. A canary and its decision are rows of the
-store's `canaries` table, so a restart (kill -9) resumes the canary it was running, or serves what was decided.
+the gate's bound on live traffic. A canary and its decision are rows of the store's `canaries` table, so a restart
+(kill -9) resumes the canary it was running, or serves what was decided.
 """
 
 from __future__ import annotations
