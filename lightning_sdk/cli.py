@@ -412,7 +412,7 @@ def dashboard(run_dir: Path | None, config_path: Path | None, host: str, port: i
         from lightning_sdk.dashboard import CreditSettings, RunReader, bind, new_token, serve
     except ImportError as e:
         _fail(console, missing_train_extra(e, "lightning dashboard") or str(e))
-    settings = CreditSettings()
+    settings, reward_name = CreditSettings(), "reward"
     if config_path is not None:
         try:
             cfg = config_mod.load(config_path)
@@ -423,12 +423,13 @@ def dashboard(run_dir: Path | None, config_path: Path | None, host: str, port: i
         settings = CreditSettings(rule=r.credit, components=tuple(trained), error_reward=r.error_reward,
                                   scale=cfg.train.scale_rewards, failed_reward=r.failed_reward,
                                   drop_zero_variance=cfg.train.drop_zero_variance_groups, source=str(config_path))
+        reward_name = cfg.learn.reward_name if cfg.learn is not None else reward_name
         run_dir = run_dir or Path(cfg.run.dir).parent
     run_dir = run_dir or Path("runs")
     if not run_dir.is_dir():
         _fail(console, f"--run-dir {run_dir}: no such directory (a run directory or a folder of runs)")
     try:
-        reader = RunReader(run_dir, settings)
+        reader = RunReader(run_dir, settings, reward_name)
     except ValueError as e:
         _fail(console, str(e))
     try:

@@ -397,8 +397,17 @@ class LearnConfig(_Section):
     canary_share: float | None = Field(None, gt=0, lt=1, description="a candidate past the gate first serves this "
                                        "share of new episodes, then is promoted or rolled back by live reward "
                                        "(production.canary); none: promoted at once")
-    canary_min_rewards: int = Field(30, ge=2, le=1_000_000, description="the canary is decided once it and the "
-                                    "serving adapter each have this many rewarded calls since it started")
+    canary_min_rewards: int = Field(30, description="the canary is decided once it and the serving adapter each "
+                                    "have this many rewarded episodes since it started (2 to 10^6; the episode is "
+                                    "the unit: its calls share one reward; a call of no episode rewarded by its id "
+                                    "counts as one)")
+
+    @field_validator("canary_min_rewards")
+    @classmethod
+    def _episodes(cls, v: int) -> int:
+        if not 2 <= v <= 1_000_000:
+            raise ValueError("expected 2 to 10^6 rewarded episodes a side (the canary's unit is the episode)")
+        return v
 
 
 class PolicyConfig(_Section):

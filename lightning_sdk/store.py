@@ -95,6 +95,12 @@ def eval_score(reward: float | None) -> float:
     return FAILED_EVAL_SCORE if reward is None else reward
 
 
+def connect_read_only(path: str | Path) -> sqlite3.Connection:
+    """An existing SQLite file opened read-only, as a reader such as the dashboard opens it: it creates nothing and
+    writes nothing (every write fails)."""
+    return sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=30)
+
+
 def seal(path: str | Path) -> None:
     """Make a closed store one self-contained file: its write-ahead log folded in and WAL mode left, so a read-only
     reader (`lightning traces`) creates no -wal/-shm beside it. For a store nothing writes to any more."""
@@ -136,8 +142,7 @@ class Store:
         self.span_conflicts = 0  # spans refused by write_spans: their id held another span
         self.read_only = read_only
         if read_only:
-            self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False,
-                                       timeout=30)
+            self._db = connect_read_only(self.path)
             self._db.row_factory = sqlite3.Row
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -79,16 +79,21 @@ def dashboard(tmp_path_factory):
                                                 failures=f"19 x RewardError: @reward returned None {PROBE}"), 0)
     (root / "failing/metrics.jsonl").write_text(json.dumps(failed) + "\n")
     before = _files(root / "ontrain")
+    proc, where = launch(root)
+    yield {**where, "rows": rows, "root": root, "before": before}
+    proc.terminate()
+    proc.wait(30)
+
+
+def launch(root: Path) -> tuple[subprocess.Popen, dict[str, str]]:
+    """`lightning dashboard --run-dir ROOT --port 0`, listening: the process, and its url, base and token."""
     proc = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "dashboard", "--run-dir", str(root),
                              "--port", "0"], env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     line = proc.stdout.readline()
     assert "http://127.0.0.1:" in line, line + (proc.stdout.read() if proc.poll() is not None else "")
     url = line.split(" at ", 1)[1].split()[0]
-    yield {"url": url, "base": url.split("/?", 1)[0], "token": url.split("token=", 1)[1], "rows": rows,
-           "root": root, "before": before}
-    proc.terminate()
-    proc.wait(30)
+    return proc, {"url": url, "base": url.split("/?", 1)[0], "token": url.split("token=", 1)[1]}
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,8 @@ def test_learn_is_validated_at_the_edge(tmp_path):
                            ('[learn]\n', r"data.eval"),
                            ('eval = "train.jsonl"\n[learn]\ncanary_share = 1.0\n', r"learn.canary_share"),
                            ('eval = "train.jsonl"\n[learn]\ncanary_share = 0\n', r"learn.canary_share"),
-                           ('eval = "train.jsonl"\n[learn]\ncanary_min_rewards = 1\n', r"learn.canary_min_rewards")):
+                           ('eval = "train.jsonl"\n[learn]\ncanary_min_rewards = 1\n',
+                            r"learn.canary_min_rewards: expected 2 to 10\^6 rewarded episodes")):
         (tmp_path / "l.toml").write_text('[data]\ntrain = "train.jsonl"\n' + body)
         with pytest.raises(config.ConfigError, match=expected):
             config.load(tmp_path / "l.toml")

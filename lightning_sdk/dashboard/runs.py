@@ -18,11 +18,12 @@ from typing import Any
 
 from lightning_sdk import config as config_mod
 from lightning_sdk import credit as credit_mod
+from lightning_sdk import metric_names as names
 from lightning_sdk.constraint import Constraint
 from lightning_sdk.dashboard.explain import Scoring, explain, view
+from lightning_sdk.dashboard.versions import SERVE_FILE, timeline
 from lightning_sdk.errors import CaptureError
 from lightning_sdk.evals import EVALS_DIR, score_words, split_of
-from lightning_sdk import metric_names as names
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.records import messages
 from lightning_sdk.tracing.records import (COMPLETION_IDS, COMPLETION_LOGPROBS, COMPLETION_TOKENS, CONSTRAINT,
@@ -60,7 +61,8 @@ class CreditSettings:
 
 
 def is_run(path: Path) -> bool:
-    return (path / STORE_FILE).is_file() or (path / METRICS_FILE).is_file() or (path / "checkpoints").is_dir()
+    """A run directory, or a `lightning serve --dir` (its serve.sqlite: its versions are shown)."""
+    return any((path / f).is_file() for f in (STORE_FILE, METRICS_FILE, SERVE_FILE)) or (path / "checkpoints").is_dir()
 
 
 def discover(root: Path, depth: int = 2) -> list[Path]:
@@ -81,9 +83,10 @@ def discover(root: Path, depth: int = 2) -> list[Path]:
 class RunReader:
     """All runs under one root; every method takes a run's id (its path relative to the root, '.' for the root)."""
 
-    def __init__(self, root: Path, credit: CreditSettings = CreditSettings()):
+    def __init__(self, root: Path, credit: CreditSettings = CreditSettings(), reward_name: str = "reward"):
         self.root = Path(root).resolve()
         self.credit = credit
+        self.reward_name = reward_name  # a serve directory's live reward: learn.reward_name of --config
         self._rule = credit_mod.resolve(credit.rule)  # ValueError naming rollout.credit: bad input, at start
 
     # ------------------------------------------------------------------------------------------------ runs
@@ -156,6 +159,7 @@ class RunReader:
                 "modified": max((p.stat().st_mtime for p in (path / STORE_FILE, path / METRICS_FILE) if p.exists()),
                                 default=None),
                 "outcome": outcome(path),
+                "serve": (path / SERVE_FILE).is_file(),
             })
         return out
 
@@ -191,6 +195,8 @@ class RunReader:
             "policies": sorted((cfg or {}).get("policies") or {}) or sorted(
                 {k.removeprefix(names.policy_transitions("")) for h in history for k in h
                  if k.startswith(names.policy_transitions(""))}),
+            # a `lightning serve --dir`: its versions in order, with the gate's and canary's numbers and live reward
+            "serve": timeline(path / SERVE_FILE, self.reward_name) if (path / SERVE_FILE).is_file() else None,
         }
 
     # -------------------------------------------------------------------------------------------- rollouts
@@ -370,10 +376,13 @@ def _metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 def outcome(path: Path) -> dict[str, Any]:
     """The run's status and why it stopped (outcome.json, which `lightning run` keeps); "unknown" for a run that
-    has none (an older one), "killed" for one whose process ended without writing how."""
+    has none (an older one), "serve" for a `lightning serve` directory, "killed" for one whose process ended without
+    writing how."""
     try:
         row = json.loads((path / config_mod.OUTCOME_FILE).read_text())
     except (OSError, ValueError):
+        if (path / SERVE_FILE).is_file():
+            return {"status": "serve", "reason": "a lightning serve directory: its versions are below"}
         return {"status": "unknown", "reason": "an older run (no outcome.json)"}
     if not isinstance(row, dict):
         return {"status": "unknown", "reason": "outcome.json is not an object"}

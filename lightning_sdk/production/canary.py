@@ -4,11 +4,12 @@ serving adapter, then is promoted to all traffic or rolled back by the live rewa
 Routing is by episode (trace id, gateway.canary_share), so one episode stays on one adapter and the record's policy
 attribute names which served each call.
 
-The rule (docs/serve.md): once each side has at least `min_rewards` rewarded calls since the canary started, with
-c and s the two sides' per-call rewards, d = mean(c) - mean(s) and se = sqrt(var(c)/n_c + var(s)/n_s) (the two
-samples are independent episodes, so Welch's standard error, not the gate's paired one): promote iff
-d - z * se >= -margin, else roll back: the gate's bound on live traffic. A canary and its decision are rows of the
-store's `canaries` table, so a restart (kill -9) resumes the canary it was running, or serves what was decided.
+The rule (docs/serve.md): once each side has at least `min_rewards` rewarded episodes since the canary started,
+with c and s the two sides' per-episode rewards (production.live_reward: the episode is the unit, since its calls
+share one reward), d = mean(c) - mean(s) and se = sqrt(var(c)/n_c + var(s)/n_s) (the two samples are different
+episodes, so Welch's standard error, not the gate's paired one): promote iff d - z * se >= -margin, else roll back:
+the gate's bound on live traffic. A canary and its decision are rows of the store's `canaries` table, so a restart
+(kill -9) resumes the canary it was running, or serves what was decided.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
+
+from lightning_sdk.store import connect_read_only
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS canaries (
@@ -40,12 +43,12 @@ class Verdict:
     candidate: str
     serving: str
     promoted: bool
-    mean_difference: float  # canary - serving, per rewarded call
+    mean_difference: float  # canary - serving, per rewarded episode
     stderr: float
     lower_bound: float  # mean_difference - z * stderr
     margin: float
     z: float
-    canary_rewards: int
+    canary_rewards: int  # rewarded episodes (a call of no episode rewarded by its id counts as one)
     serving_rewards: int
     canary_mean: float
     serving_mean: float
@@ -54,7 +57,8 @@ class Verdict:
 
 def judge(candidate: str, canary: Sequence[float], serving: str, served: Sequence[float], *, min_rewards: int,
           margin: float, z: float) -> Verdict | None:
-    """The canary's verdict, or None while either side has fewer than `min_rewards` (>= 2) rewarded calls."""
+    """The canary's verdict, or None while either side has fewer than `min_rewards` (>= 2) rewarded episodes;
+    `canary` and `served`: one reward per episode (live_reward.by_adapter)."""
     c = [float(v) for v in canary if math.isfinite(v)]
     s = [float(v) for v in served if math.isfinite(v)]
     if len(c) < max(2, min_rewards) or len(s) < max(2, min_rewards):
@@ -77,11 +81,13 @@ class Running:
     share: float
 
 
-def _execute(path: str | Path, sql: str, args: tuple = ()) -> list[tuple]:
-    """One statement on its own connection, committed (autocommit) before it returns."""
-    db = sqlite3.connect(path, isolation_level=None, timeout=30)
+def _execute(path: str | Path, sql: str, args: tuple = (), *, read_only: bool = False) -> list[tuple]:
+    """One statement on its own connection, committed (autocommit) before it returns; `read_only`: a reader's
+    (sqlite3.OperationalError where the table does not exist)."""
+    db = connect_read_only(path) if read_only else sqlite3.connect(path, isolation_level=None, timeout=30)
     try:
-        db.executescript(SCHEMA)
+        if not read_only:
+            db.executescript(SCHEMA)
         return db.execute(sql, args).fetchall()
     finally:
         db.close()
@@ -108,30 +114,11 @@ def conclude(path: str | Path, verdict: Verdict) -> None:
              (time.time(), int(verdict.promoted), json.dumps(asdict(verdict)), verdict.candidate))
 
 
-def history(path: str | Path) -> list[dict]:
+def history(path: str | Path, *, read_only: bool = False) -> list[dict]:
     """Every canary, started and decided, in order: {started_at, candidate, serving, share, decided_at, promoted,
     evidence (a dict or None)}."""
     rows = _execute(path, "SELECT started_at, candidate, serving, share, decided_at, promoted, evidence FROM canaries "
-                          "ORDER BY rowid")
+                          "ORDER BY rowid", read_only=read_only)
     return [dict(started_at=r[0], candidate=r[1], serving=r[2], share=r[3], decided_at=r[4],
                  promoted=None if r[5] is None else bool(r[5]), evidence=json.loads(r[6]) if r[6] else None)
             for r in rows]
-
-
-def live_rewards(call_rewards: dict[str, float], store_path: str | Path, *,
-                 since: float = 0.0) -> dict[str, list[float]]:
-    """Rewarded calls' rewards (FeedbackLedger.call_rewards) grouped by the adapter that served each (the record's
-    policy attribute), for calls started at or after `since` (unix seconds)."""
-    from lightning_sdk.tracing.records import GATEWAY, POLICY
-
-    db = sqlite3.connect(store_path, timeout=30)
-    try:
-        rows = db.execute("SELECT span_id, json_extract(attributes, ?) FROM spans WHERE source=? AND start_ns>=?",
-                          (f'$."{POLICY}"', GATEWAY, int(since * 1e9))).fetchall()
-    finally:
-        db.close()
-    out: dict[str, list[float]] = {}
-    for span_id, policy in rows:
-        if span_id in call_rewards:
-            out.setdefault(policy or "", []).append(call_rewards[span_id])
-    return out

@@ -14,7 +14,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_sdk import credit, models
+from lightning_sdk import models
 from lightning_sdk.config import Config
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.production.episodes import TraceEpisodes
@@ -106,13 +106,12 @@ def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | 
         gateway.policy = cfg.model.name
         schedule = None
         if cfg.learn is not None:
-            rule = credit.resolve(cfg.rollout.credit)
             learner = Learner(cfg, directory, store, ledger, base=cfg.model.name)
             stack.callback(learner.close)
             promoter = Promoter(store.path, server, gateway, scorer or eval_scorer(cfg), margin=cfg.learn.gate_margin,
                                 z=cfg.learn.gate_z, canary_share=cfg.learn.canary_share,
                                 canary_min_rewards=cfg.learn.canary_min_rewards,
-                                rewards=lambda: ledger.call_rewards(store, rule, cfg.learn.reward_name))
+                                reward_name=cfg.learn.reward_name)
             schedule = Schedule(learner, promoter, cfg.learn.poll_seconds)
             schedule.start()
             stack.callback(schedule.stop)

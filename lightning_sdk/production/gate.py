@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from lightning_sdk.store import connect_read_only
+
 DEFAULT_Z = 1.645
 
 SCHEMA = """
@@ -86,9 +88,17 @@ def record(path: str | Path, decision: Decision) -> None:
 
 
 def decisions(path: str | Path) -> list[Decision]:
-    db = sqlite3.connect(path, isolation_level=None, timeout=30)
+    return [d for _, d in timed(path)]
+
+
+def timed(path: str | Path, *, read_only: bool = False) -> list[tuple[float, Decision]]:
+    """Every decision, in order, with when it was made (unix seconds); `read_only`: a reader's (sqlite3.
+    OperationalError where the table does not exist)."""
+    db = connect_read_only(path) if read_only else sqlite3.connect(path, isolation_level=None, timeout=30)
     try:
-        db.executescript(SCHEMA)
-        return [Decision(**json.loads(r[0])) for r in db.execute("SELECT evidence FROM promotions ORDER BY rowid")]
+        if not read_only:
+            db.executescript(SCHEMA)
+        return [(r[0], Decision(**json.loads(r[1])))
+                for r in db.execute("SELECT decided_at, evidence FROM promotions ORDER BY rowid")]
     finally:
         db.close()

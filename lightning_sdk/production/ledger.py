@@ -46,6 +46,7 @@ CREATE TABLE IF NOT EXISTS feedback (
 );
 CREATE INDEX IF NOT EXISTS feedback_by_rollout ON feedback (rollout_id);
 CREATE INDEX IF NOT EXISTS feedback_by_name ON feedback (name);
+CREATE INDEX IF NOT EXISTS feedback_by_arrival ON feedback (name, received_at);  -- a canary's window
 CREATE TABLE IF NOT EXISTS learn_consumed (
     feedback_id TEXT PRIMARY KEY,
     version     INTEGER,              -- the update that trained on it; NULL: read, but nothing in it could train

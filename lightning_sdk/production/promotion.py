@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from lightning_sdk.gateway.proxy import Gateway
-from lightning_sdk.production import canary, gate
+from lightning_sdk.production import canary, gate, live_reward
 from lightning_sdk.production.learner import Update
 from lightning_sdk.servers import InferenceServer
 from lightning_sdk.train.checkpoint import ADAPTER
@@ -65,12 +65,11 @@ class Promoter:
 
     def __init__(self, store_path: Path, server: InferenceServer, gateway: Gateway, scorer: Scorer, *,
                  margin: float, z: float, canary_share: float | None = None, canary_min_rewards: int = 30,
-                 rewards: Callable[[], dict[str, float]] | None = None):
+                 reward_name: str = "reward"):
         self.path, self.server, self.gateway, self.scorer = store_path, server, gateway, scorer
         self.margin, self.z = margin, z
         self.canary_share, self.canary_min_rewards = canary_share, canary_min_rewards
-        # Each rewarded call's live reward (FeedbackLedger.call_rewards over the store): what a canary is judged on.
-        self.rewards = rewards
+        self.reward_name = reward_name  # the feedback a canary is judged on (live_reward.by_adapter)
         self.canary: canary.Running | None = None
         self.canary_scores: list[float] | None = None
         self.serving: tuple[str, Path | None, int] = (gateway.policy, None, 0)  # the base model until a promotion
@@ -85,6 +84,9 @@ class Promoter:
         if resumed is not None:
             self.server.load_adapter(left.candidate, str(resumed[1]))
             self.canary = left
+            # its gate scores, kept with the gate's decision: if promoted, the next gate compares against them
+            self.canary_scores = next((d.candidate_scores for d in reversed(gate.decisions(store_path))
+                                       if d.candidate == left.candidate and d.promoted), None)
             self.gateway.canary = (left.candidate, left.share)
 
     def serve(self, name: str, adapter: Path, version: int) -> None:
@@ -103,7 +105,8 @@ class Promoter:
     def consider(self, update: Update) -> gate.Decision:
         name, adapter, version = self.serving
         candidate = self.scorer(update.adapter_path, update.version)
-        if self.serving_scores is None:
+        # scores kept from before a restart are re-made where data.eval has since changed its number of tasks
+        if self.serving_scores is None or len(self.serving_scores) != len(candidate):
             self.serving_scores = self.scorer(adapter, version)
         serving = self.serving_scores
         decision = gate.decide(update.adapter, candidate, name, serving, margin=self.margin, z=self.z)
@@ -122,9 +125,9 @@ class Promoter:
         """The running canary's verdict once both sides have enough live rewards: promoted to all traffic, or
         rolled back (its episodes go back to the serving adapter); None while it runs or with none."""
         running = self.canary
-        if running is None or self.rewards is None:
+        if running is None:
             return None
-        live = canary.live_rewards(self.rewards(), self.path, since=running.started_at)
+        live = live_reward.by_adapter(self.path, self.reward_name, since=running.started_at)
         verdict = canary.judge(running.candidate, live.get(running.candidate, []), running.serving,
                                live.get(running.serving, []), min_rewards=self.canary_min_rewards,
                                margin=self.margin, z=self.z)

@@ -334,7 +334,9 @@ function smallChart(spec, runs, smoothing) {
     const raw = runs[s.run].history.map((h) => { const v = s.value(h); return finite(v) ? v : null; });
     return { ...s, raw, smooth: ema(raw, smoothing), c: color(spec.series.length > runs.length ? n : s.run) };
   });
-  const all = lines.flatMap((l) => l.raw.filter(finite));
+  // a series' band (mean ± standard error): [low, high] per row, drawn under its line
+  const bands = lines.map((l) => (l.band ? runs[l.run].history.map((h) => l.band(h)) : []));
+  const all = [...lines.flatMap((l) => l.raw.filter(finite)), ...bands.flat(2).filter(finite)];
   const xs = lines.flatMap((l) => l.xs.filter(finite));
   const scale = all.length ? niceScale(Math.min(...all), Math.max(...all)) : niceScale(0, 1), lo = scale.lo, hi = scale.hi;
   const W = 420, H = 170, L = scale.width, R = 10, T = 10, B = 22;
@@ -343,10 +345,14 @@ function smallChart(spec, runs, smoothing) {
   const y = (v) => T + (1 - (v - lo) / (hi - lo)) * (H - T - B);
   const g = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": spec.title });
   axes(g, { W, H, L, R, T, B, scale, x0, x1, x, y });
+  lines.forEach((l, n) => {
+    const pts = l.xs.map((i, k) => [i, ...(bands[n][k] || [])]).filter((p) => finite(p[1]) && finite(p[2]));
+    if (pts.length) g.append(svg("path", { class: "band", fill: l.c, d: pathOf([...pts.map(([i, , top]) => [x(i), y(top)]), ...pts.map(([i, bottom]) => [x(i), y(bottom)]).reverse()]) + "Z" }));
+  });
   for (const l of lines) {
     if (smoothing > 0) for (const seg of segments(l.xs, l.raw)) g.append(svg("path", { class: "raw", stroke: l.c, d: pathOf(seg.map(([i, v]) => [x(i), y(v)])) }));
     for (const seg of segments(l.xs, l.smooth)) g.append(svg("path", { class: "line", stroke: l.c, d: pathOf(seg.map(([i, v]) => [x(i), y(v)])) }));
-    l.xs.forEach((i, k) => { if (finite(l.raw[k])) g.append(svg("circle", { fill: l.c, cx: x(i), cy: y(l.raw[k]), r: 2 }, svg("title", {}, `${l.label} iteration ${i}: ${sig(l.raw[k])}`))); });
+    l.xs.forEach((i, k) => { if (finite(l.raw[k])) g.append(svg("circle", { fill: l.c, cx: x(i), cy: y(l.raw[k]), r: 2 }, svg("title", {}, `${l.label} ${spec.x || "iteration"} ${i}: ${sig(l.raw[k])}`))); });
   }
   const legend = lines.length > 1 ? el("div", { class: "legend" }, lines.map((l) => el("span", { class: "key", "data-color": l.c }, svgSwatch(l.c), l.label))) : null;
   return el("div", { class: "chart", "data-key": spec.id }, el("div", { class: "title", title: spec.id }, spec.title), g, legend);
@@ -469,11 +475,44 @@ function evalStores(s, browse) {
         el("td", { class: "l" }, el("a", { href: "#", class: "browse", onclick: (ev) => { ev.preventDefault(); browse(e.name); } }, "its rollouts"))))));
 }
 
+// A `lightning serve` directory's versions: each update's candidate, the gate's numbers, its canary's, what became of
+// it and when, and the live reward of each version that served (mean ± standard error over rewarded episodes).
+const when = (t) => (t ? new Date(t * 1000).toLocaleString() : "");
+const liveText = (l) => (l ? `${num(l.mean)}${finite(l.stderr) ? ` ± ${num(l.stderr)}` : ""} (${l.episodes} episode${l.episodes === 1 ? "" : "s"})` : "no reward yet");
+const bound = (e) => `${num(e.mean_difference, 4)} ± ${num(e.stderr, 4)} (se), lower bound ${num(e.lower_bound, 4)} ${e.promoted ? "≥" : "<"} −margin ${num(-e.margin, 4)}`;
+function gateText(g) {
+  if (!g) return "";
+  if (!finite(g.mean_difference)) return [badge(g.promoted ? "promoted" : "rejected"), ` ${g.reason}`];
+  return [badge(g.promoted ? "passed" : "rejected"), ` ${bound(g)} over ${g.tasks} eval tasks (${num(g.candidate_mean)} against ${num(g.serving_mean)} for ${g.serving})`];
+}
+function canaryText(c) {
+  if (!c) return "";
+  if (c.promoted === undefined) return [badge("running"), ` on ${Math.round(c.share * 100)}% of new episodes since ${when(c.started_at)}`];
+  return [badge(c.promoted ? "promoted" : "rolled back"), ` live ${bound(c)}: ${c.canary_rewards} against ${c.serving_rewards} rewarded episodes (${num(c.canary_mean)} against ${num(c.serving_mean)}), ${Math.round(c.share * 100)}% of new episodes`];
+}
+function versionsCard(v) {
+  const served = v.versions.filter((r) => r.live);
+  const chart = served.length ? smallChart({ id: "live", x: "version", title: `live ${v.reward_name} by version: mean ± standard error over rewarded episodes`,
+    series: [{ label: "live reward", run: 0, value: (h) => h.live.mean, band: (h) => (finite(h.live.stderr) ? [h.live.mean - h.live.stderr, h.live.mean + h.live.stderr] : []), xs: served.map((r) => r.version) }] },
+  [{ history: served }], 0) : null;
+  return el("div", { class: "card versions" },
+    el("h3", {}, `Versions (lightning serve): ${v.versions.length}`),
+    el("p", {}, "serving now: ", el("b", { id: "serving" }, v.serving ?? (v.versions[0] ? v.versions[0].adapter : "the base model"))),
+    table([["version"], ["adapter", "l"], ["outcome", "l"], [`live ${v.reward_name}`, "l"], ["gate (eval tasks)", "l"], ["canary (live)", "l"], ["trained on"], ["made", "l"], ["decided", "l"]],
+      v.versions.map((r) => el("tr", { "data-version": r.version, "data-adapter": r.adapter },
+        el("td", {}, r.version), el("td", { class: "l" }, r.adapter), el("td", { class: "l outcome" }, r.outcome),
+        el("td", { class: "l live", "data-episodes": r.live ? r.live.episodes : 0 }, liveText(r.live)),
+        el("td", { class: "l gate" }, gateText(r.gate)), el("td", { class: "l canary" }, canaryText(r.canary)),
+        el("td", {}, r.calls === null ? "" : `${r.calls} calls, ${r.rewards} rewards`),
+        el("td", { class: "l" }, when(r.made_at)), el("td", { class: "l" }, when(r.decided_at))))),
+    chart);
+}
+
 function runView(main, run, query) {
   const filters = listState(query);
   const state = { smoothing: 0 };
   const head = el("div"), chart = el("div", { class: "card" }), charts = el("div"), config = el("div"), iters = el("div"), list = el("div");
-  const evals = el("div");
+  const evals = el("div"), versions = el("div");
   const comp = el("select", { name: "component" }, el("option", { value: "" }, "any"));
   const stores = el("select", { name: "store" }, el("option", { value: "" }, "the run's (store.sqlite)"));
   const controls = {};
@@ -507,7 +546,7 @@ function runView(main, run, query) {
   const has = (select, v) => [...select.options].some((o) => o.value === v);
   const showControls = () => { for (const [k, c] of Object.entries(controls)) if ((c !== comp && c !== stores) || has(c, filters[k])) c.value = filters[k]; };
   showControls();
-  fill(main, el("p", {}, el("a", { href: "#/" }, "← runs")), head, chart, charts, config, el("h3", {}, "Iterations"), iters,
+  fill(main, el("p", {}, el("a", { href: "#/" }, "← runs")), head, versions, chart, charts, config, el("h3", {}, "Iterations"), iters,
     evals, el("h3", {}, "Rollouts"), bar, list);
   let components = "", storeNames = "";
   const browse = (name) => {
@@ -518,6 +557,7 @@ function runView(main, run, query) {
   const changed = differ();
   let summary = null;
   const drawCharts = () => {
+    chart.hidden = Boolean(summary.serve) && !summary.history.length; // a serve directory: no iterations
     fill(chart, el("b", {}, "Reward per iteration"), el("br"), rewardChart([{ name: run, history: summary.history, evals: summary.evals, range: summary.reward_range }], state.smoothing));
     fill(charts, metricCharts([{ name: run, history: summary.history, policies: summary.policies, sections: summary.sections }], state, drawCharts));
   };
@@ -547,6 +587,7 @@ function runView(main, run, query) {
         fill(config, configCard(s));
         fill(iters, iterationTable(s, false, trainedOn));
         fill(evals, evalStores(s, browse));
+        fill(versions, s.serve ? versionsCard(s.serve) : null);
       }
       if (components !== JSON.stringify(s.components)) {
         components = JSON.stringify(s.components);
