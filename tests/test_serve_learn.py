@@ -230,3 +230,44 @@ def test_a_batch_whose_update_keeps_failing_is_quarantined_and_learning_goes_on(
         assert ledger.consumed_through("reward") == 9 and [r["seq"] for r in ledger.unread("thumbs")] == [5]
     finally:
         dep.close()
+
+
+def test_serve_store_text_false_keeps_no_message_text_and_still_trains(tmp_path):
+    """serve.store_text = false: the records keep token ids, log-probs and settings, no text of the app's anywhere
+    in the directory (the raw bytes of the store, its WAL, the log, the checkpoints); a reward by response id still
+    finds its call, the update still trains from the records, `lightning traces` says the text was not stored."""
+    from lightning_sdk.cli import conversation
+    from lightning_sdk.gateway.capture import TEXT_ATTRIBUTES
+    from lightning_sdk.tracing.records import COMPLETION_IDS, COMPLETION_LOGPROBS, GATEWAY, PROMPT_IDS, TEXT
+
+    (tmp_path / "bad.toml").write_text('[serve]\nstore_text = "maybe"\n')
+    with pytest.raises(config.ConfigError, match=r"serve.store_text"):
+        config.load(tmp_path / "bad.toml")
+    cfg = project(tmp_path)
+    cfg.serve.store_text = False
+    secret = "Quokka zebra 7731 says hello"
+    d = tmp_path / "serve"
+    dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key=None, retention_s=3600, scorer=no_gate)
+    try:
+        client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key=dep.api_key, max_retries=0)
+        replies = [client.chat.completions.create(model="gpt-4o-mini", max_tokens=4, temperature=1.0,
+                                                  messages=[{"role": "user", "content": secret}])
+                   for _ in range(4)]
+        dep.gateway.capture.flush()
+        for i, r in enumerate(replies):
+            dep.ledger.give({"response_id": r.id, "value": float(i % 2)})  # found by the response id alone
+        u = dep.schedule.run_once()
+        assert (u.version, u.rewards, u.calls) == (1, 4, 4) and u.metrics["grad_norm"] > 0
+        calls = [s for s in dep.store.spans("") if s.source == GATEWAY]
+    finally:
+        dep.close()
+    assert len(calls) == 4
+    for c in calls:
+        assert c.attributes[TEXT] == "not stored" and not set(TEXT_ATTRIBUTES) & set(c.attributes)
+        assert c.attributes[PROMPT_IDS] and len(c.attributes[COMPLETION_IDS]) == len(c.attributes[COMPLETION_LOGPROBS])
+        assert conversation(c.attributes) == [("text", "not stored (serve.store_text = false): token ids and "
+                                                       "log-probs only")]
+    files = [p for p in d.rglob("*") if p.is_file()]
+    assert any(p.name == "serve.sqlite" for p in files)
+    for word in (secret, "Quokka", "zebra 7731"):
+        assert not [p for p in files if word.encode() in p.read_bytes()], word
