@@ -232,9 +232,12 @@ def eval_(config_path: Path, trained: bool, checkpoint: Path | None, run_dir: Pa
 @click.option("--max-calls", type=click.IntRange(min=1, max=10**9),
               help="Keep at most this many stored calls: the oldest beyond it are deleted (but those an unconsumed "
                    "reward needs); default: no cap.")
+@click.option("--store-text/--no-store-text", default=None,
+              help="Keep each call's message text (for the dashboard and `lightning traces`), or only the token ids, "
+                   "log-probs and settings training reads; default: serve.store_text (true).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def serve(config_path: Path, directory: Path | None, host: str, port: int, retention_days: float,
-          max_calls: int | None, sets: tuple[str, ...]) -> None:
+          max_calls: int | None, store_text: bool | None, sets: tuple[str, ...]) -> None:
     """Serve the model behind an OpenAI-compatible address until Ctrl-C or SIGTERM; the key is
     LIGHTNING_SERVE_KEY, else serve.api_key, else the one kept in the directory's serve.key."""
     console = make_console()
@@ -242,6 +245,8 @@ def serve(config_path: Path, directory: Path | None, host: str, port: int, reten
         cfg = _load(config_path, sets)
     except config_mod.ConfigError as e:
         _fail(console, str(e))
+    if store_text is not None:
+        cfg.serve.store_text = store_text
     from lightning_sdk.errors import ServerError
     from lightning_sdk.production import deployment
 
@@ -264,7 +269,8 @@ def serve(config_path: Path, directory: Path | None, host: str, port: int, reten
         _fail(console, f"the inference server did not start: {e}")
     console.print(f"serving {cfg.model.name} at {served.url}/v1 (key: LIGHTNING_SERVE_KEY or "
                   f"{directory / deployment.KEY_FILE}); feedback: POST {served.url}/v1/feedback; "
-                  f"calls and rewards: {served.store.path}", highlight=False, soft_wrap=True, markup=False)
+                  f"calls and rewards: {served.store.path}" + ("" if cfg.serve.store_text else " (no message text)"),
+                  highlight=False, soft_wrap=True, markup=False)
     if served.schedule is not None:
         console.print(f"learning: an update every {cfg.learn.every_rewarded} rewards, each candidate gated on "
                       f"{cfg.data.eval}; serving now: {served.gateway.policy}", highlight=False, soft_wrap=True,
@@ -518,8 +524,10 @@ def describe(record: Any) -> str:
 def conversation(attrs: dict[str, Any]) -> list[tuple[str, str]]:
     """An LLM call's messages as (role, text): the system instructions, the prompt (system, user, assistant and
     tool turns), then the completion (role "assistant" shown as "→ reply")."""
-    from lightning_sdk.tracing.records import messages
+    from lightning_sdk.tracing.records import TEXT, TEXT_NOT_STORED, messages
 
+    if attrs.get(TEXT) == TEXT_NOT_STORED:
+        return [("text", "not stored (serve.store_text = false): token ids and log-probs only")]
     out = []
     raw = attrs.get("gen_ai.system_instructions")  # a list of parts, not of messages
     if raw:

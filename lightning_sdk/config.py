@@ -163,6 +163,10 @@ class ServeConfig(_Section):
         if any(not n or not n.isprintable() for n in v):
             raise ValueError("expected non-empty printable model names")
         return v
+    store_text: bool = Field(True, description="keep each call's message text (the prompt's messages, the reply, "
+                             "completion token texts, tool definitions) in its record, for the dashboard and "
+                             "`lightning traces`; false keeps only what training reads: token ids, log-probs, the "
+                             "constraint and sampling settings")
     max_batch_size: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=16, description="prompt + completion tokens one call may hold; none = "
                                       "the model's own context (max_position_embeddings; 4096 for builtin: and tiny: "

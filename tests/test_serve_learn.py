@@ -4,7 +4,11 @@ candidate with the eval machinery against the serving adapter and promotes (hot-
 parts throughout: the tiny model's CPU server and the gateway on 127.0.0.1, SQLite, GRPO optimizer steps."""
 
 import json
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -12,8 +16,12 @@ from pathlib import Path
 import openai
 import pytest
 
+import lightning_sdk as ls
+
 from lightning_sdk import config
 from lightning_sdk.production import deployment, gate
+
+ROOT = Path(__file__).resolve().parents[1]
 
 AGENT = '''
 import lightning_sdk as ls
@@ -77,6 +85,24 @@ def lora_b(checkpoint: Path) -> float:
     return float(sum(v.abs().sum() for k, v in w.items() if "lora_B" in k))
 
 
+def start_serve(project: Path, directory: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400", "LIGHTNING_SERVE_KEY": "app-key"}
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_sdk.cli", "serve", "-c", str(project), "--dir",
+                             str(directory), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=project.parent)
+    deadline = time.monotonic() + 180
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("serving "):
+            return proc, line.split(" at ", 1)[1].split()[0]
+    proc.kill()
+    raise AssertionError("lightning serve did not start: " + "".join(lines))
+
+
 def no_gate(adapter, version):  # a gate that never promotes: these tests look at the updates alone
     return [0.0, 0.0] if adapter is None else [-1.0, -1.0]
 
@@ -89,7 +115,8 @@ def test_learn_is_validated_at_the_edge(tmp_path):
                            ('eval = "train.jsonl"\n[learn]\ncanary_share = 1.0\n', r"learn.canary_share"),
                            ('eval = "train.jsonl"\n[learn]\ncanary_share = 0\n', r"learn.canary_share"),
                            ('eval = "train.jsonl"\n[learn]\ncanary_min_rewards = 1\n',
-                            r"learn.canary_min_rewards: expected 2 to 10\^6 rewarded episodes")):
+                            r"learn.canary_min_rewards: expected 2 to 10\^6 rewarded episodes"),
+                           ('[serve]\nstore_text = "maybe"\n', r"serve.store_text")):
         (tmp_path / "l.toml").write_text('[data]\ntrain = "train.jsonl"\n' + body)
         with pytest.raises(config.ConfigError, match=expected):
             config.load(tmp_path / "l.toml")
@@ -231,3 +258,89 @@ def test_a_batch_whose_update_keeps_failing_is_quarantined_and_learning_goes_on(
         assert ledger.consumed_through("reward") == 9 and [r["seq"] for r in ledger.unread("thumbs")] == [5]
     finally:
         dep.close()
+
+
+
+def test_kill_9_while_an_update_commits_loses_no_call_or_reward_and_makes_the_update_once(tmp_path):
+    """A real `lightning serve --no-store-text` with [learn] is killed (SIGKILL) after update 1's checkpoint is
+    written and before its commit: the test holds SQLite's write lock (as a slow disk or another writer would), so
+    the learner is waiting on its commit when it dies. Restarted with the same --dir: no answered call or reward is
+    lost, a retried reward is not counted twice, update 1 is made once (from the base: its uncommitted checkpoint
+    replaced) and each reward is read once. Without text: the records keep token ids and log-probs, no byte of the
+    app's prompt is anywhere in the directory, rewards by response id find their calls and the update trains;
+    `lightning traces` says the text was not stored."""
+    from lightning_sdk.cli import conversation
+    from lightning_sdk.gateway.capture import TEXT_ATTRIBUTES
+    from lightning_sdk.tracing.records import COMPLETION_IDS, COMPLETION_LOGPROBS, GATEWAY, PROMPT_IDS, TEXT
+    from tests.test_serve import ask, traced
+
+    project(tmp_path)
+    d = tmp_path / "serve"
+    flags = ("--no-store-text", "--set", "learn.poll_seconds=0.1")
+    key = {"base_url": None, "api_key": "app-key"}
+    proc, key["base_url"] = start_serve(tmp_path / "lightning.toml", d, *flags)
+    lock = None
+    try:
+        client = openai.OpenAI(base_url=key["base_url"], api_key="app-key", max_retries=0)
+        episode = "56" * 16
+        secret = "Quokka zebra 7731 says hello"  # every call's prompt: one group of 4 same-prompt samples
+        ids = [ask(client, traced(episode, f"{i + 1:016x}"), text=secret)[1] for i in range(3)]
+        assert ls.feedback(1.0, episode_id=episode, **key).calls == 3  # the calls answered before it are found
+        ls.feedback(0.5, call_id=ids[0], name="late", **key)  # another name: stored, never trained on
+        for value in (0.0, 1.0, 0.0):  # rewards by response id; the 4th reward makes update 1 due
+            response_id, call_id = ask(client, text=secret)
+            ids.append(call_id)
+            ls.feedback(value, response_id=response_id, **key)  # its 200: committed
+        lock = sqlite3.connect(d / deployment.STORE_FILE, isolation_level=None, timeout=30)
+        lock.execute("BEGIN IMMEDIATE")  # before the trainer (torch, the model) has even loaded: seconds ahead
+        assert lock.execute("SELECT COUNT(*) FROM learn_consumed").fetchone()[0] == 0
+        wait_for(lambda: (d / "learn" / "v000001").is_dir(), timeout=60)  # appears whole (atomic_dir)
+        time.sleep(0.2)  # ... then the learner waits on its commit
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        if lock is not None:
+            lock.rollback()
+            lock.close()
+    db = sqlite3.connect(d / deployment.STORE_FILE)
+    assert {r[0] for r in db.execute("SELECT span_id FROM spans WHERE source='gateway'")} == set(ids)
+    assert db.execute("SELECT COUNT(*) FROM feedback").fetchone()[0] == 5
+    assert db.execute("SELECT COUNT(*) FROM learn_updates").fetchone()[0] == 0  # killed before the commit
+    assert db.execute("SELECT COUNT(*) FROM learn_consumed").fetchone()[0] == 0
+    cfg = config.load(tmp_path / "lightning.toml")
+    cfg.serve.store_text = False
+    dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key="app-key", retention_s=3600, scorer=no_gate)
+    try:  # the restart, in process (what the command runs), polled here
+        key["base_url"] = f"{dep.url}/v1"
+        again = ls.feedback(1.0, episode_id=episode, **key)
+        assert again.duplicate and again.calls == 3
+        assert dep.schedule.learner.version == 0 and len(dep.schedule.learner.pending()) == 4
+        u = dep.schedule.run_once()
+        assert (u.version, u.rewards, u.calls) == (1, 4, 6) and dep.schedule.learner.trainer().global_step == 1
+        ask(openai.OpenAI(base_url=key["base_url"], api_key="app-key", max_retries=0), text=secret)
+        dep.gateway.capture.flush()
+        calls = [s for s in dep.store.spans("") if s.source == GATEWAY]
+    finally:
+        dep.close()
+    rows = db.execute("SELECT kind, name, value FROM feedback ORDER BY rowid").fetchall()
+    assert rows == [("episode_id", "reward", 1.0), ("call_id", "late", 0.5)] + [("response_id", "reward", v)
+                                                                                  for v in (0.0, 1.0, 0.0)]
+    assert db.execute("SELECT COUNT(*) FROM spans WHERE source='gateway'").fetchone()[0] == len(ids) + 1
+    (version, evidence), = db.execute("SELECT version, evidence FROM learn_updates").fetchall()
+    assert version == 1 and json.loads(evidence)["rewards"] == 4
+    consumed = db.execute("SELECT feedback_id, version FROM learn_consumed ORDER BY feedback_id").fetchall()
+    fids = db.execute("SELECT feedback_id FROM feedback WHERE name='reward' ORDER BY feedback_id").fetchall()
+    assert consumed == [(f, 1) for f, in fids]  # each reward read once, by update 1
+    state = json.loads((d / "learn" / "v000001" / "trainer_state.json").read_text())
+    assert state["global_step"] == 1  # redone from the base model, not stepped on top of the lost attempt
+    db.close()
+    assert len(calls) == 4  # the calls of no episode (by response id, and the last one)
+    for c in calls:
+        assert c.attributes[TEXT] == "not stored" and not set(TEXT_ATTRIBUTES) & set(c.attributes)
+        assert c.attributes[PROMPT_IDS] and len(c.attributes[COMPLETION_IDS]) == len(c.attributes[COMPLETION_LOGPROBS])
+        assert conversation(c.attributes) == [("text", "not stored (serve.store_text = false): token ids and "
+                                                       "log-probs only")]
+    files = [p for p in d.rglob("*") if p.is_file()]
+    assert any(p.name == deployment.STORE_FILE for p in files)
+    for word in (secret, "Quokka", "zebra 7731"):  # the raw bytes: the store, its WAL, the logs, checkpoints
+        assert not [p for p in files if word.encode() in p.read_bytes()], word

@@ -32,10 +32,14 @@ from lightning_sdk.drain import Drain
 from lightning_sdk.tracing.context import COMPONENT_KEY, PROPAGATOR, ROLLOUT_KEY
 from lightning_sdk.tracing.propagation import CALL_ID_HEADER, CLAIM_HEADER
 from lightning_sdk.tracing.records import (API, ATTEMPT, COMPLETION_IDS, COMPLETION_LOGPROBS, COMPLETION_TOKENS,
-                                           COMPONENT, CONSTRAINT, GATEWAY, POLICY, PROMPT_IDS, ROLLOUT_ID, UNREPRODUCIBLE, CallSink,
-                                           SpanRecord)
+                                           COMPONENT, CONSTRAINT, GATEWAY, POLICY, PROMPT_IDS, ROLLOUT_ID, TEXT,
+                                           TEXT_NOT_STORED, UNREPRODUCIBLE, CallSink, SpanRecord)
 
 __all__ = ["CALL_ID_HEADER", "Call", "Capture", "OpenRollouts", "Origin", "Rollout", "origin", "unreproducible"]
+
+# What a record without text (serve.store_text = false) leaves out: the app's and the model's words. Training reads
+# none of them (the token ids, log-probs, constraint and sampling settings stay).
+TEXT_ATTRIBUTES = ("gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.tool.definitions", COMPLETION_TOKENS)
 
 MAX_OPEN = 100_000  # open rollouts remembered: a runtime that forgot to close some cannot grow this forever
 
@@ -262,6 +266,10 @@ class Call:
                 a["gen_ai.response.id"] = str(self.response_id)
         else:
             a["error.type"] = str(self.status)
+        if not self.capture.store_text:
+            for key in TEXT_ATTRIBUTES:
+                a.pop(key, None)
+            a[TEXT] = TEXT_NOT_STORED
         return SpanRecord(
             span_id=self.call_id, trace_id=o.trace_id or "0" * 32, parent_id=o.parent_id,
             rollout_id=o.rollout.rollout_id if o.rollout else "", attempt=o.rollout.attempt if o.rollout else 0,
@@ -354,11 +362,12 @@ class Capture:
 
     Records go to `sink` (the run's store) from a writer thread of their own (`drain.Drain`); `flush` waits until
     every ended call is written (the runtime calls it before it reads a phase's calls back). Without a sink
-    nothing is recorded.
+    nothing is recorded. `store_text` False: records keep no message text (TEXT_ATTRIBUTES).
     """
 
-    def __init__(self, rollouts: OpenRollouts):
+    def __init__(self, rollouts: OpenRollouts, *, store_text: bool = True):
         self.rollouts = rollouts
+        self.store_text = store_text
         self.sink: CallSink | None = None
         self.exported: Callable[[list[SpanRecord], str], None] | None = None  # records also go to the user's tools
         self.recorded = 0

@@ -53,12 +53,13 @@ class Gateway:
     """See the module docstring. `Gateway(...)` binds; `add_routes` (optional) then `start` serves; `stop` ends."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, api_key: str, model_names: Sequence[str] = (),
-                 rollouts: OpenRollouts | None = None):
+                 rollouts: OpenRollouts | None = None, store_text: bool = True):
         if not api_key:
             raise ValueError("api_key must not be empty")
         self.api_key = api_key
         self.rollouts = rollouts or OpenRollouts()  # the runtime opens each rollout here before its agent runs
-        self.capture = Capture(self.rollouts)  # records every call served; `capture.record_to(store)` turns it on
+        # records every call served (its text too, unless store_text is False); `capture.record_to(store)` turns it on
+        self.capture = Capture(self.rollouts, store_text=store_text)
         self._route_keys: dict[str, str] = {}
         self.model_names = tuple(model_names)
         self.policy: str | None = None  # every request is served by this adapter (or base model) name

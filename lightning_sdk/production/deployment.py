@@ -84,7 +84,8 @@ def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | 
     stack = ExitStack()
     try:
         gateway = Gateway(host=host, port=port, api_key=key or secrets.token_urlsafe(32),
-                          model_names=cfg.serve.model_names, rollouts=TraceEpisodes())
+                          model_names=cfg.serve.model_names, rollouts=TraceEpisodes(),
+                          store_text=cfg.serve.store_text)
         stack.callback(gateway.stop)
         directory.mkdir(parents=True, exist_ok=True)  # only once the address is ours: a refusal writes nothing
         if key is None:

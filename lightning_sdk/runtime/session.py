@@ -111,7 +111,8 @@ def bind_gateway(cfg: Config, stack: ExitStack, run_dir: Path, *, resume: bool) 
     api_key = cfg.serve.api_key or new_api_key()
 
     def listen(port: int) -> Gateway:
-        return Gateway(host=cfg.serve.host, port=port, api_key=api_key, model_names=cfg.serve.model_names)
+        return Gateway(host=cfg.serve.host, port=port, api_key=api_key, model_names=cfg.serve.model_names,
+                       store_text=cfg.serve.store_text)
 
     gateway = None
     if resume and cfg.serve.port == 0 and (port := previous_port(run_dir)):

@@ -26,6 +26,9 @@ POLICY = "lightning.llm.policy"  # the adapter (or base model) name that served 
 API = "lightning.llm.api"  # "chat.completions" | "completions" | "responses": the route the agent called
 CONSTRAINT = "lightning.llm.constraint"  # the output constraint it was sampled under (constraint.Constraint.to_json)
 UNREPRODUCIBLE = "lightning.llm.unreproducible"  # sampling settings of the call the trainer cannot reproduce
+# "not stored": the call's text (messages, reply, token texts, tool definitions) was left out (serve.store_text)
+TEXT = "lightning.llm.text"
+TEXT_NOT_STORED = "not stored"
 AFTER_CALL = "lightning.after_call"  # on agent spans: the latest LLM call (span id) the agent had seen a reply of
 CLAIM = "lightning.claim"  # on a remote worker's spans: its claim's secret (checked, then dropped by the server)
 REWARD_VALUE = "lightning.reward.value"
