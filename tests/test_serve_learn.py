@@ -103,8 +103,12 @@ def start_serve(project: Path, directory: Path, *flags: str) -> tuple[subprocess
     raise AssertionError("lightning serve did not start: " + "".join(lines))
 
 
-def no_gate(adapter, version):  # a gate that never promotes: these tests look at the updates alone
+def no_gate(adapter, version):  # a gate that never promotes: the test looks at the updates alone
     return [0.0, 0.0] if adapter is None else [-1.0, -1.0]
+
+
+def every_one_better(adapter, version):  # each version scores above the one before: the gate passes every candidate
+    return [float(version), float(version)]
 
 
 def test_learn_is_validated_at_the_edge(tmp_path):
@@ -125,10 +129,12 @@ def test_learn_is_validated_at_the_edge(tmp_path):
 def test_the_trainer_consumes_rewarded_calls_a_restart_repeats_no_update_and_stale_calls_are_counted(tmp_path):
     cfg = project(tmp_path)
     d = tmp_path / "serve"
-    dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key=None, retention_s=3600, scorer=no_gate)
+    dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key=None, retention_s=3600,
+                           scorer=every_one_better)
     try:
         learner = dep.schedule.learner
         first = traffic(dep, 4)
+        late = traffic(dep, 4, prompt="What is 3 + 3?")  # served by the base model, rewarded after two updates
         dep.gateway.capture.flush()
         reward_all(dep, first[:3])
         assert not learner.due()  # 3 of every_rewarded = 4
@@ -139,10 +145,11 @@ def test_the_trainer_consumes_rewarded_calls_a_restart_repeats_no_update_and_sta
         ev = json.loads(u["evidence"])
         # 4 same-prompt episodes: leave-one-out baselines for all, rewards 0,1,0,1: every call trains
         assert (u["version"], ev["rewards"], ev["calls"], ev["stale"], ev["no_baseline"]) == (1, 4, 4, 0, 0)
-        assert ev["metrics"]["num_transitions"] == 4 and ev["metrics"]["grad_norm"] > 0
+        assert ev["parent"] == 0 and ev["metrics"]["num_transitions"] == 4 and ev["metrics"]["grad_norm"] > 0
         assert "kl" in ev["metrics"]  # train.beta > 0: the KL to the reference is in the loss
         assert lora_b(Path(u["checkpoint"])) > 0  # the optimizer stepped (LoRA B starts at zero)
         assert not learner.due() and learner.pending() == []
+        assert dep.gateway.policy == "app-serve-v1"  # promoted: what serves from here
         consumed = sqlite3.connect(dep.store.path).execute("SELECT COUNT(*), MIN(version) FROM learn_consumed")
         assert consumed.fetchone() == (4, 1)
         second = traffic(dep, 2, prompt="What is 3 + 3?")
@@ -153,7 +160,8 @@ def test_the_trainer_consumes_rewarded_calls_a_restart_repeats_no_update_and_sta
         dep.close()
     assert step == 1
     cfg.learn.poll_seconds = 0.2  # from here the background thread runs the updates on its schedule
-    dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key=None, retention_s=3600, scorer=no_gate)
+    dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key=None, retention_s=3600,
+                           scorer=every_one_better)
     try:
         learner = dep.schedule.learner
         assert learner.version == 1 and len(learner.pending()) == 2  # update 1 not redone, the 2 new kept
@@ -164,12 +172,11 @@ def test_the_trainer_consumes_rewarded_calls_a_restart_repeats_no_update_and_sta
         wait_for(lambda: learner.version == 2)
         assert [u["version"] for u in learner.updates()] == [1, 2]
         ev = json.loads(learner.updates()[1]["evidence"])
-        # the base model (version 0) served these calls, read by the update after version 1: 1 <= K old, kept
-        assert (ev["rewards"], ev["calls"], ev["stale"]) == (4, 4, 0) and learner.trainer().global_step == 2
-        # Calls of an adapter more than K versions old are left out and counted: the base model served these too
-        # (nothing was promoted), and the update after version 2 reads them 2 > K = 1 versions old.
-        late = traffic(dep, 4, prompt="What is 3 + 3?")
-        dep.gateway.capture.flush()
+        # version 1 served these calls, and update 2 trains from it: 0 versions old, kept
+        assert (ev["rewards"], ev["calls"], ev["stale"], ev["parent"]) == (4, 4, 0, 1)
+        assert learner.trainer().global_step == 2
+        # Calls of an adapter more than K versions old are left out and counted: the base model served `late`,
+        # and the update after version 2 reads them 2 > K = 1 versions old.
         reward_all(dep, late, salt="d")
         wait_for(lambda: not learner.pending())
         left = dep.schedule.last
@@ -207,11 +214,26 @@ def test_the_gate_promotes_a_better_candidate_and_rejects_a_worse_one_end_to_end
         assert promoted.candidate_scores == [1.0] * 3 and promoted.serving_scores == [0.0] * 3
         assert (rejected.candidate, rejected.serving, rejected.promoted) == ("app-serve-v2", "app-serve-v1", False)
         assert rejected.candidate_scores == [0.0] * 3 and rejected.mean_difference == -1.0
+        # The rejected candidate is never trained on: the next update starts again from what serves (version 1's
+        # checkpoint), so version 3's parent is 1; ages are counted in the tree of versions (2 -> 1 -> 0, 3 -> 1)
+        assert learner.parent == 1 and learner.trainer().global_step == 1
+        more = traffic(dep, 2)
+        dep.gateway.capture.flush()
+        reward_all(dep, more, salt="m")
+        dep.schedule.run_once()  # version 3, from version 1: scores 0,0,0, rejected
+        assert learner.version == 3 and json.loads(learner.updates()[-1]["evidence"])["parent"] == 1
+        # from version 1 (rejected, 3 is dropped): the base model, 2 and 3 are each one update away
+        assert learner.parent == 1 and learner.versions() == (
+            {"builtin:tiny-arith": 0, "app-serve-v1": 1, "app-serve-v2": 0, "app-serve-v3": 0}, 1)
     finally:
         dep.close()
     dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600)
     try:
         assert dep.gateway.policy == "app-serve-v1"  # a restart serves what was promoted last
+        assert dep.schedule.learner.parent == 1  # ... and trains from it, not from the rejected version 3
+        dep.schedule.learner.follow(3)  # seen from 3: 1 is one update away, the base model and 2 (a sibling) two
+        assert dep.schedule.learner.versions() == (
+            {"builtin:tiny-arith": 0, "app-serve-v1": 1, "app-serve-v2": 0, "app-serve-v3": 2}, 2)
     finally:
         dep.close()
 
@@ -309,7 +331,8 @@ def test_kill_9_while_an_update_commits_loses_no_call_or_reward_and_makes_the_up
     assert db.execute("SELECT COUNT(*) FROM learn_consumed").fetchone()[0] == 0
     cfg = config.load(tmp_path / "lightning.toml")
     cfg.serve.store_text = False
-    dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key="app-key", retention_s=3600, scorer=no_gate)
+    dep = deployment.start(cfg, d, host="127.0.0.1", port=0, api_key="app-key", retention_s=3600,
+                           scorer=every_one_better)
     try:  # the restart, in process (what the command runs), polled here
         key["base_url"] = f"{dep.url}/v1"
         again = ls.feedback(1.0, episode_id=episode, **key)

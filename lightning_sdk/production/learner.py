@@ -3,10 +3,14 @@ the calls they score into transitions (transitions.to_transitions, from the reco
 log-probs), gives each call its traffic advantage (rewarded.call_advantages) and takes one GRPO update
 (train.trainer.GRPOTrainer, with [train]'s KL to the reference and its safeguards).
 
-Versions: update n makes adapter version n (the base model is version 0). A call served by version v is
-`trained - v` updates old when the update after `trained` reads it; more than learn.max_versions_behind and it is
-left out, counted (pipeline.split_stale, as pipelined training does). The calls kept all came from this or older
-adapters, so the importance weight against their sampler log-probs is always on ('auto' = AUTO_IS_CAP).
+Versions: update n makes adapter version n (the base model is version 0) from its parent, the version the trainer
+stood at: the newest version in service (serving, or serving a canary), which the schedule sets (`follow`). So a
+candidate the gate rejects (or whose canary is rolled back) is never trained on: the next update starts again from
+what serves. The versions form a tree (each update's parent is in its evidence); a call served by version v is as
+many updates old as the path from v to the parent is long (v's ancestors: parent's depth - v's depth), more than
+learn.max_versions_behind and it is left out, counted (pipeline.split_stale, as pipelined training does). The
+calls kept came from the parent or other versions, so the importance weight against their sampler log-probs is
+always on ('auto' = AUTO_IS_CAP).
 
 Restart: update n's trainer checkpoint (adapter, optimizer, schedule, RNG) is written first, then one SQLite
 transaction records the update and every feedback id it read. A kill before the commit leaves the rewards unread
@@ -87,6 +91,7 @@ class Learner:
         self._db.row_factory = sqlite3.Row
         self._db.executescript(SCHEMA)
         self.version = self._db.execute("SELECT COALESCE(MAX(version), 0) AS v FROM learn_updates").fetchone()["v"]
+        self.parent = self.version  # what the next update starts from, until the schedule says what serves
         self._last = time.monotonic()
         self._through = ledger.consumed_through(self.learn.reward_name)  # every reward up to this seq is consumed
         self.failed = 0  # updates that raised in a row
@@ -117,18 +122,50 @@ class Learner:
         waited = self.learn.every_minutes is not None and time.monotonic() - self._last >= self.learn.every_minutes * 60
         return n >= self.learn.every_rewarded or (n > 0 and waited)
 
+    def follow(self, version: int) -> None:
+        """The next update starts from `version` (the newest in service): after a rejection or a rollback, the
+        candidate it had trained is dropped and the trainer resumes from that version's checkpoint (the base model:
+        a new trainer)."""
+        with self._making:
+            if version != self.parent:
+                self.parent, self._trainer = version, None
+
     def trainer(self):
-        """The GRPO trainer, made on first use and resumed from the newest committed update."""
+        """The GRPO trainer, made on first use and resumed from its parent's committed update."""
         with self._making:  # made once, whichever thread asks first
             if self._trainer is None:
                 from lightning_sdk.train.trainer import GRPOTrainer  # torch: only a serve that learns loads it
 
                 t = GRPOTrainer(models.resolve(self.cfg.model.name), self.cfg.train, seed=self.cfg.run.seed)
                 t.importance_sampling_cap = sampling_cap(self.cfg)
-                if self.version:
-                    t.load_state(self.checkpoint(self.version))
+                if self.parent:
+                    t.load_state(self.checkpoint(self.parent))
                 self._trainer = t
         return self._trainer
+
+    def versions(self) -> tuple[dict[str, int], int]:
+        """For `split_stale`: each version's adapter name -> the parent's depth minus the number of updates
+        between the two in the tree of versions (an ancestor: parent's depth - its depth; a sibling: through their
+        common ancestor), and the parent's depth; so the age split_stale takes is that number of updates."""
+        up = {0: 0}
+        for row in self.updates():
+            up[row["version"]] = json.loads(row["evidence"]).get("parent", row["version"] - 1)
+
+        def path(v: int) -> list[int]:  # v, its parent, ..., 0
+            out = [v]
+            while out[-1]:
+                out.append(up[out[-1]])
+            return out
+
+        mine = path(self.parent)
+        depth = len(mine) - 1
+        at = {v: i for i, v in enumerate(mine)}
+        out = {}
+        for v in up:
+            theirs = path(v)
+            common = next(i for i, a in enumerate(theirs) if a in at)  # steps from v up to the common ancestor
+            out[self.base if v == 0 else self.adapter_name(v)] = depth - (common + at[theirs[common]])
+        return out, depth
 
     def transitions(self, rows: list[sqlite3.Row]) -> tuple[list[Transition], dict[str, float], int, Counter]:
         """The calls the rewards `rows` score, as transitions, with their advantages by span id; and how many calls
@@ -196,8 +233,8 @@ class Learner:
 
     def _train(self, rows: list[sqlite3.Row]) -> Update:
         ts, adv, no_baseline, skipped = self.transitions(rows)
-        versions = {self.base: 0, **{self.adapter_name(v): v for v in range(1, self.version + 1)}}
-        kept, age = split_stale(ts, versions, self.version, self.learn.max_versions_behind)
+        versions, depth = self.versions()
+        kept, age = split_stale(ts, versions, depth, self.learn.max_versions_behind)
         metrics: dict[str, float] = {}
         made = None
         if kept:
@@ -209,10 +246,10 @@ class Learner:
                 trainer.save_state(self.checkpoint(made))  # before the commit: see the module docstring
         metrics.update(age.metrics())
         evidence = {"rewards": len(rows), "calls": len(kept) if made else 0, "stale": age.dropped,
-                    "no_baseline": no_baseline, "skipped": dict(skipped), "metrics": metrics}
+                    "no_baseline": no_baseline, "skipped": dict(skipped), "metrics": metrics, "parent": self.parent}
         self._commit(rows, made, evidence)
         if made is not None:
-            self.version = made
+            self.version = self.parent = made
         return Update(made, self.adapter_name(made) if made else None,
                       self.checkpoint(made) / ADAPTER if made else None, len(rows), evidence["calls"],
                       age.dropped, no_baseline, dict(skipped), metrics)

@@ -12,6 +12,7 @@ it is), and resumes a canary left undecided.
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from pathlib import Path
 from typing import Callable
@@ -71,6 +72,7 @@ class Promoter:
         self.canary_share, self.canary_min_rewards = canary_share, canary_min_rewards
         self.reward_name = reward_name  # the feedback a canary is judged on (live_reward.by_adapter)
         self.canary: canary.Running | None = None
+        self.canary_version = 0
         self.canary_scores: list[float] | None = None
         self.serving: tuple[str, Path | None, int] = (gateway.policy, None, 0)  # the base model until a promotion
         # The serving adapter's scores on the same tasks and seeds: from its own promotion, or scored once here.
@@ -83,7 +85,7 @@ class Promoter:
             left.serving == self.serving[0] else None
         if resumed is not None:
             self.server.load_adapter(left.candidate, str(resumed[1]))
-            self.canary = left
+            self.canary, self.canary_version = left, resumed[2]
             # its gate scores, kept with the gate's decision: if promoted, the next gate compares against them
             self.canary_scores = next((d.candidate_scores for d in reversed(gate.decisions(store_path))
                                        if d.candidate == left.candidate and d.promoted), None)
@@ -102,6 +104,11 @@ class Promoter:
         self.serving = (name, adapter, version)
         self.serving_scores = None
 
+    def in_service(self) -> int:
+        """The newest version that serves traffic: the running canary's, else the serving adapter's (what the
+        learner trains from next)."""
+        return self.canary_version if self.canary is not None else self.serving[2]
+
     def consider(self, update: Update) -> gate.Decision:
         name, adapter, version = self.serving
         candidate = self.scorer(update.adapter_path, update.version)
@@ -110,6 +117,10 @@ class Promoter:
             self.serving_scores = self.scorer(adapter, version)
         serving = self.serving_scores
         decision = gate.decide(update.adapter, candidate, name, serving, margin=self.margin, z=self.z)
+        if decision.promoted and self.canary_share is not None and self.canary is not None:
+            # one canary at a time: a pass now is not served, so it is not a promotion (a restart must not serve it)
+            decision = dataclasses.replace(decision, promoted=False, reason=(
+                f"{decision.reason}; not served: the canary {self.canary.candidate} is still being judged"))
         gate.record(self.path, decision)
         if decision.promoted and self.canary_share is None:
             self.serve(update.adapter, update.adapter_path, update.version)
@@ -117,7 +128,7 @@ class Promoter:
         elif decision.promoted and self.canary is None:
             self.server.load_adapter(update.adapter, str(update.adapter_path))
             self.canary = canary.start(self.path, update.adapter, name, self.canary_share)
-            self.canary_scores = candidate
+            self.canary_version, self.canary_scores = update.version, candidate
             self.gateway.canary = (update.adapter, self.canary_share)
         return decision
 

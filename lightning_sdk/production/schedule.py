@@ -20,6 +20,7 @@ log = logging.getLogger("lightning_sdk")
 class Schedule:
     def __init__(self, learner: Learner, promoter: Promoter, poll_seconds: float):
         self.learner, self.promoter, self.poll_seconds = learner, promoter, poll_seconds
+        learner.follow(promoter.in_service())  # after a restart: never from a candidate that was not put in service
         self.last: Update | None = None  # what the latest update read, trained and left out
         self._thread = Periodic(self.run_once, poll_seconds, name="lightning-learn",
                                 on_failure="learn: the update or its gate failed; serving goes on with the adapter "
@@ -42,6 +43,7 @@ class Schedule:
         verdict = self.promoter.check_canary()
         if verdict is not None:
             log.info("learn: canary %s %s", verdict.candidate, verdict.reason)
+            self.learner.follow(self.promoter.in_service())
         if not self.learner.due():
             return None
         update = self.learner.update()
@@ -55,6 +57,7 @@ class Schedule:
                      update.rewards, update.stale, update.no_baseline)
             return update
         decision = self.promoter.consider(update)
+        self.learner.follow(self.promoter.in_service())  # a candidate not put in service is not trained on
         log.info("learn: update %d on %d call(s) (%d stale left out): %s, %s", update.version, update.calls,
                  update.stale, "promoted" if decision.promoted else "rejected", decision.reason)
         return update
