@@ -4,6 +4,7 @@ served, mean ± standard error over rewarded episodes, from the JSON API and in 
 production modules themselves (Store, FeedbackLedger, gate.record, canary.start/conclude, the learner's schema);
 names and reasons are hostile markup, shown as text."""
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lightning_sdk.dashboard import versions
 from lightning_sdk.production import canary, gate, learner
 from lightning_sdk.production.ledger import FeedbackLedger
 from lightning_sdk.store import Store
@@ -60,7 +62,9 @@ def write_serve(d: Path) -> None:
     with db:
         for v in (1, 2, 3):
             db.execute("INSERT INTO learn_updates VALUES (?, ?, ?, ?, ?)", (v, t0 + 100 * v, f"app-serve-v{v}",
-                       str(d / f"learn/v{v:06d}"), json.dumps({"rewards": 4 * v, "calls": 3 * v})))
+                       str(d / f"learn/v{v:06d}"),
+                       # v3 from v1 (v2's canary was rolled back); v1 and v2 without a parent: the version before
+                       json.dumps({"rewards": 4 * v, "calls": 3 * v, **({"parent": 1} if v == 3 else {})})))
     db.close()
     gate.record(path, gate.decide(V1, [1, 1, 0.5], BASE, [0, 1, 0], margin=0.1))  # lower +0.025: passed
     canary.start(path, V1, BASE, 0.5)
@@ -109,6 +113,11 @@ def test_the_api_gives_each_version_with_its_gate_canary_outcome_and_live_reward
         math.sqrt(1 / 8)) and (k["canary_rewards"], k["serving_rewards"], k["share"]) == (2, 4, 0.5)
     assert not rows[V3]["gate"]["promoted"] and rows[V3]["canary"] is None
     assert (rows[V2]["calls"], rows[V2]["rewards"]) == (6, 8)
+    assert [rows[v]["parent"] for v in (V1, V2, V3)] == [0, 1, 1]
+    # a gate pass while a canary ran is stored as not promoted (promotion.Promoter.consider): said as such
+    passed = dataclasses.replace(gate.decide(V3, [1, 1, 1], V1, [0, 0, 0], margin=0.1), promoted=False)
+    assert versions.outcome(passed, None) == "passed the gate, not served (a canary was running)"
+    assert versions.outcome(gate.decide(V3, [0, 0, 0], V1, [1, 1, 1], margin=0.1), None) == "rejected by the gate"
     assert rows[V2]["decided_at"] >= rows[V2]["canary"]["started_at"]
 
 

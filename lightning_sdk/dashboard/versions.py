@@ -47,7 +47,8 @@ def outcome(decision: gate.Decision | None, trial: dict[str, Any] | None) -> str
     if decision is None:
         return "not decided yet"  # its gate is running, or its eval failed (not retried)
     if not decision.promoted:
-        return "rejected by the gate"
+        passed = decision.lower_bound is not None and decision.lower_bound >= -decision.margin
+        return "passed the gate, not served (a canary was running)" if passed else "rejected by the gate"
     if trial is None:
         return "promoted"
     if trial["promoted"] is None:
@@ -57,7 +58,8 @@ def outcome(decision: gate.Decision | None, trial: dict[str, Any] | None) -> str
 
 def timeline(path: Path, reward_name: str = "reward") -> dict[str, Any]:
     """{versions: [...], serving: the adapter promoted last (None: the base model), reward_name}; each version:
-    version (0: the base model), adapter, made_at, rewards/calls the update trained on, gate, canary, outcome,
+    version (0: the base model), adapter, made_at, rewards/calls the update trained on, parent (the version it was
+    trained from), gate, canary, outcome,
     decided_at, live (mean, stderr, episodes, or None)."""
     updates = _read(lambda: _updates(path), [])
     decided = {d.candidate: (at, d) for at, d in _read(lambda: gate.timed(path, read_only=True), [])}
@@ -69,7 +71,7 @@ def timeline(path: Path, reward_name: str = "reward") -> dict[str, Any]:
     first = next(iter(decided.values()), None)
     base = sorted(set(live) - mine) or ([first[1].serving] if first else [])
     rows: list[dict[str, Any]] = [{"version": 0, "adapter": name, "made_at": None, "rewards": None, "calls": None,
-                                   "gate": None, "canary": None, "outcome": "base model", "decided_at": None}
+                                   "parent": None, "gate": None, "canary": None, "outcome": "base model", "decided_at": None}
                                   for name in base]
     for u in updates:
         at, d = decided.get(u["adapter"], (None, None))
@@ -77,6 +79,8 @@ def timeline(path: Path, reward_name: str = "reward") -> dict[str, Any]:
         rows.append({
             "version": u["version"], "adapter": u["adapter"], "made_at": u["made_at"],
             "rewards": u["evidence"].get("rewards"), "calls": u["evidence"].get("calls"),
+            # the version it was trained from (the one in service then); evidence without it: the version before
+            "parent": u["evidence"].get("parent", u["version"] - 1),
             "gate": None if d is None else {
                 **{k: v for k, v in asdict(d).items() if k not in ("candidate", "candidate_scores", "serving_scores")},
                 # the two adapters' eval scores, each over the same tasks and seeds

@@ -503,7 +503,7 @@ function versionsCard(v) {
         el("td", {}, r.version), el("td", { class: "l" }, r.adapter), el("td", { class: "l outcome" }, r.outcome),
         el("td", { class: "l live", "data-episodes": r.live ? r.live.episodes : 0 }, liveText(r.live)),
         el("td", { class: "l gate" }, gateText(r.gate)), el("td", { class: "l canary" }, canaryText(r.canary)),
-        el("td", {}, r.calls === null ? "" : `${r.calls} calls, ${r.rewards} rewards`),
+        el("td", {}, r.calls === null ? "" : `${r.calls} calls, ${r.rewards} rewards` + (r.parent === null ? "" : `, from v${r.parent}`)),
         el("td", { class: "l" }, when(r.made_at)), el("td", { class: "l" }, when(r.decided_at))))),
     chart);
 }
