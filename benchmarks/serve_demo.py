@@ -5,7 +5,8 @@
 The default job's parts (README: the builtin tiny model, cookbook/arith's agent and tasks, lightning.toml's [train]),
 served by the real `lightning serve` command (a subprocess, with [learn]). An app sends the agent's questions at a
 steady rate, one episode each; a feedback client sends each call's reward (cookbook/arith's own: the bare number)
-after a random delay. Then a period of poisoned feedback (1 - reward). In the middle of the honest period the server
+after a random delay. Then a period of poisoned feedback (1 - reward), then honest feedback again (`after`: what
+serves once the poisoned candidates were judged). In the middle of the honest period the server
 is killed with SIGKILL and restarted on the same --dir and port; the app holds new calls until it answers and
 retries the calls in flight, the feedback client the rewards it could not send.
 
@@ -122,6 +123,7 @@ class Demo:
         self.pending: set[asyncio.Task] = set()
         self.t0 = time.monotonic()
         self.poison_at: float | None = None
+        self.after_at: float | None = None
         self.killed_at: float | None = None
 
     async def call(self, client: httpx.AsyncClient, task: dict, phase: str) -> None:
@@ -158,15 +160,18 @@ class Demo:
 
     async def traffic(self) -> None:
         a = self.args
-        total = a.honest + a.poison
+        total = a.honest + a.poison + a.after
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
             for i in range(total):
                 if i == a.honest:
                     self.poison_at = time.monotonic() - self.t0
+                if i == a.honest + a.poison:
+                    self.after_at = time.monotonic() - self.t0
                 if i == a.honest // 2 and a.kill:
                     await self.kill_and_restart()
                 task = self.rng.choice(self.tasks)
-                t = asyncio.create_task(self.call(client, task, "poison" if i >= a.honest else "honest"))
+                phase = "honest" if i < a.honest else "poison" if i < a.honest + a.poison else "after"
+                t = asyncio.create_task(self.call(client, task, phase))
                 self.pending.add(t)
                 t.add_done_callback(self.pending.discard)
                 await asyncio.sleep(1 / a.rate)
@@ -210,6 +215,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=8.0, help="calls per second the app sends")
     p.add_argument("--honest", type=int, default=3200, help="calls with true rewards")
     p.add_argument("--poison", type=int, default=800, help="calls after them whose rewards are inverted")
+    p.add_argument("--after", type=int, default=1200, help="calls after those, with true rewards again")
     p.add_argument("--max-delay", type=float, default=5.0, help="each reward arrives after U(0, this) seconds")
     p.add_argument("--every", type=int, default=128, help="learn.every_rewarded")
     p.add_argument("--behind", type=int, default=2, help="learn.max_versions_behind")
@@ -272,6 +278,7 @@ def report(demo: Demo, server: Server, args, traffic_s: float) -> dict:
         print(f"{policy:<28} {phase:<7} {len(rs):>6} {sum(rs) / len(rs):>7.3f}")
 
     print(f"\nLive reward by {args.window:g} s window (poisoned feedback from t = {demo.poison_at:.0f} s"
+          + (f", honest again from t = {demo.after_at:.0f} s" if demo.after_at is not None else "")
           + (f"; kill -9 at t = {demo.killed_at:.0f} s, serving again at {demo.restarted_at:.0f} s)"
              if demo.killed_at is not None else ")"))
     print(f"{'window':<12} {'calls':>6} {'reward':>7}  served by")
@@ -305,8 +312,8 @@ def report(demo: Demo, server: Server, args, traffic_s: float) -> dict:
     print("\nUpdates:")
     for u in updates:
         ev = json.loads(u["evidence"])
-        print(f"v{u['version']}: {ev['rewards']} rewards read, {ev['calls']} calls trained, {ev['stale']} stale, "
-              f"{ev['no_baseline']} without a baseline")
+        print(f"v{u['version']} (from v{ev.get('parent', u['version'] - 1)}): {ev['rewards']} rewards read, "
+              f"{ev['calls']} calls trained, {ev['stale']} stale, {ev['no_baseline']} without a baseline")
 
     versions = [u["version"] for u in updates]
     answered = {c["call_id"] for c in demo.calls}
@@ -323,7 +330,7 @@ def report(demo: Demo, server: Server, args, traffic_s: float) -> dict:
     }
     print("\nkill -9 check:", json.dumps(check))
     return {"by_version": rows_v, "by_window": rows_t, "gate": rows_g, "check": check, "traffic_s": traffic_s,
-            "poison_at_s": demo.poison_at, "killed_at_s": demo.killed_at,
+            "poison_at_s": demo.poison_at, "after_at_s": demo.after_at, "killed_at_s": demo.killed_at,
             "restarted_at_s": getattr(demo, "restarted_at", None),
             "server_log_tail": server.lines[-20:]}
 
