@@ -105,21 +105,22 @@ def proof_run(model_dir: Path, params: int, device: str, checkpointing: bool, sm
     served = server_peaks(run_dir / "server.log")
     worst = None
     for row in state.history:
-        tokens = row["train.num_input_tokens"] * cfg.train.epochs
+        tokens = row["train/num_input_tokens"] * cfg.train.epochs
         flops = 6 * params * tokens / row[names.timing("update_s")]
         mfu = f"MFU {flops / PEAK_BF16_FLOPS:.2%} of {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s" if device == "cuda" \
             else f"{flops / 1e9:.2f} GFLOP/s (CPU: no MFU)"
         server = served.get(f"{cfg.run.name}-iter{row['iteration']}")
-        trainer = row.get("train.max_memory_allocated")
+        trainer = row.get("train/max_memory_allocated")
         trainer = None if trainer is None else trainer / 2**20
         if device == "cuda" and server is not None and trainer is not None:
             worst = max(worst or 0, int(server + trainer))
         memory = (f"peak GPU memory server {_mib(server)}, trainer {_mib(trainer)}" if device == "cuda" else
                   f"peak memory server {_mib(server)} (RSS), trainer n/a (CPU)")
-        lines.append(f"{mode} iteration {row['iteration']}: collect {row['completion_tokens'] / row['collect_s']:.0f} "
-                     f"tokens/s ({row['completion_tokens']} tokens in {row['collect_s']:.2f} s) | update "
-                     f"{row['update_s']:.2f} s, {tokens:.0f} tokens, {mfu} | {memory} | hot-load "
-                     f"{row['hotload_s']:.2f} s")
+        tokens_made, collect_s = row["rollout/completion_tokens"], row["time/collect_s"]
+        lines.append(f"{mode} iteration {row['iteration']}: collect {tokens_made / collect_s:.0f} "
+                     f"tokens/s ({tokens_made} tokens in {collect_s:.2f} s) | update "
+                     f"{row['time/update_s']:.2f} s, {tokens:.0f} tokens, {mfu} | {memory} | hot-load "
+                     f"{row['time/hotload_s']:.2f} s")
         print(lines[-1], flush=True)
     lines.append(f"{mode} 3 iterations in {wall:.0f} s (server and trainer start included)")
     print(lines[-1], flush=True)
@@ -139,11 +140,12 @@ def vllm_runs(model_dir: Path, work: Path, lines: list[str]) -> None:
         t0 = time.perf_counter()
         state = Runtime(cfg).run()
         for row in state.history:
+            nan = float("nan")
             lines.append(f"[vllm {quantization}] iteration {row['iteration']}: collect "
-                         f"{row['completion_tokens'] / row['collect_s']:.0f} tokens/s | update {row['update_s']:.2f} s "
-                         f"| logprob_gap {row.get('train.logprob_gap', float('nan')):.4f}, is_weight "
-                         f"{row.get('train.is_weight', float('nan')):.3f} | sleep "
-                         f"{row.get('sleep_s', float('nan')):.2f} s, wake {row.get('wake_s', float('nan')):.2f} s | hot-load {row['hotload_s']:.2f} s")
+                         f"{row['rollout/completion_tokens'] / row['time/collect_s']:.0f} tokens/s | update "
+                         f"{row['time/update_s']:.2f} s | logprob_gap {row.get('train/logprob_gap', nan):.4f}, is_weight "
+                         f"{row.get('train/is_weight', nan):.3f} | sleep {row.get('time/sleep_s', nan):.2f} s, wake "
+                         f"{row.get('time/wake_s', nan):.2f} s | hot-load {row['time/hotload_s']:.2f} s")
             print(lines[-1], flush=True)
         lines.append(f"[vllm {quantization}] 3 iterations in {time.perf_counter() - t0:.0f} s (vLLM start included)")
         print(lines[-1], flush=True)

@@ -92,13 +92,14 @@ def main() -> int:
     wall = time.perf_counter() - t0
     for row in state.history:
         tok_s = row[names.COMPLETION_TOKENS] / row[names.timing("collect_s")]
-        handover = row.get("sleep_s", 0.0) + row.get("wake_s", 0.0)
-        print(f"iteration {row['iteration']}: collect {row['completion_tokens']} tokens in "
-              f"{row['collect_s']:.2f} s = {tok_s:.0f} tokens/s | update step {row['update_s']:.2f} s | "
-              f"hot-load {row['hotload_s']:.3f} s | sleep {row.get('sleep_s', float('nan')):.2f} s, "
-              f"wake {row.get('wake_s', float('nan')):.2f} s (sleep+wake / update step = "
-              f"{handover / row['update_s']:.2f}) | logprob gap trainer-vLLM {row['train.logprob_gap']:.4f} | "
-              f"importance weight {row.get(names.train('is_weight'), float('nan')):.3f} | reward {row[names.REWARD_MEAN]:.3f}")
+        handover = row.get("time/sleep_s", 0.0) + row.get("time/wake_s", 0.0)
+        print(f"iteration {row['iteration']}: collect {row['rollout/completion_tokens']} tokens in "
+              f"{row['time/collect_s']:.2f} s = {tok_s:.0f} tokens/s | update step {row['time/update_s']:.2f} s | "
+              f"hot-load {row['time/hotload_s']:.3f} s | sleep {row.get('time/sleep_s', float('nan')):.2f} s, "
+              f"wake {row.get('time/wake_s', float('nan')):.2f} s (sleep+wake / update step = "
+              f"{handover / row['time/update_s']:.2f}) | logprob gap trainer-vLLM {row['train/logprob_gap']:.4f} | "
+              f"importance weight {row.get(names.train('is_weight'), float('nan')):.3f} | "
+              f"reward {row[names.REWARD_MEAN]:.3f}")
     print(f"peak GPU memory: device {mem.peak_mib} MiB (nvidia-smi, vLLM + trainer); trainer "
           f"{torch.cuda.max_memory_allocated() / 2**20:.0f} MiB allocated (torch)")
     print(f"RESULT gpu_smoke: {len(state.history)} iterations in {wall:.0f} s wall (server start included)")

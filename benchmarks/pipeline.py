@@ -40,7 +40,7 @@ def one_run(example: str, seed: int, staleness: int, iterations: int | None, log
     return {"example": example, "seed": seed, "k": staleness, "iterations": len(its), "total_s": r.wall_s,
             "iteration_s": wall / len(its), "collect_s": collect / len(its), "update_s": update / len(its),
             "collect_busy": collect / wall, "update_busy": update / wall,
-            "staleness_mean": statistics.mean(row.get("train.staleness_mean", 0.0) for row in its),
+            "staleness_mean": statistics.mean(row.get("train/staleness_mean", 0.0) for row in its),
             "before": r.eval_before, "after": r.eval_after}
 
 
