@@ -5,11 +5,8 @@ test_serve_learn.py)."""
 
 import json
 import math
-import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +21,6 @@ from lightning_sdk.production import deployment
 from lightning_sdk.production.episodes import episode_id
 from lightning_sdk.production.ledger import FeedbackError, FeedbackLedger
 
-ROOT = Path(__file__).resolve().parents[1]
 TRACE = "ab" * 16
 
 
@@ -153,6 +149,19 @@ def test_an_episode_reward_is_shared_over_its_calls_by_the_credit_rule(served, c
             if k in (a, b)} == {a: 0.8 + 0.25, b: 0.8}
     assert {k: v for k, v in served.ledger.call_rewards(served.store, last_call, "solved").items()
             if k in (a, b)} == {a: 0.0 + 0.25, b: 0.8}
+
+
+def test_sigterm_writes_every_answered_call_and_exits_0(tmp_path):
+    from tests.test_serve_learn import start_serve
+
+    directory = tmp_path / "served"
+    proc, base = start_serve(write_project(tmp_path), directory)
+    try:
+        _, call_id = ask(openai.OpenAI(base_url=base, api_key="app-key", max_retries=0))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert [c["span_id"] for c in gateway_calls(directory / deployment.STORE_FILE)] == [call_id]
 
 
 def test_the_traffic_advantage_matches_a_hand_computation():
