@@ -144,28 +144,27 @@ class Learner:
         return self._trainer
 
     def versions(self) -> tuple[dict[str, int], int]:
-        """For `split_stale`: each version's adapter name -> the parent's depth minus the number of updates
-        between the two in the tree of versions (an ancestor: parent's depth - its depth; a sibling: through their
-        common ancestor), and the parent's depth; so the age split_stale takes is that number of updates."""
-        up = {0: 0}
-        for row in self.updates():
-            up[row["version"]] = json.loads(row["evidence"]).get("parent", row["version"] - 1)
+        """For `split_stale`: each version's adapter name -> 2 * depth(common ancestor with the parent) - its own
+        depth, and the parent's depth; so the age split_stale takes (the parent's depth minus that) is the number of
+        updates between the two in the tree of versions (an ancestor: the difference of their depths; a sibling:
+        up to their common ancestor and down again)."""
+        up, depth = {0: 0}, {0: 0}
+        for row in self.updates():  # in version order: a parent is always made before its children
+            v = row["version"]
+            up[v] = json.loads(row["evidence"]).get("parent", v - 1)
+            depth[v] = depth[up[v]] + 1
+        line, v = {0}, self.parent  # the parent and its ancestors
+        while v:
+            line.add(v)
+            v = up[v]
 
-        def path(v: int) -> list[int]:  # v, its parent, ..., 0
-            out = [v]
-            while out[-1]:
-                out.append(up[out[-1]])
-            return out
+        def common(v: int) -> int:
+            while v not in line:
+                v = up[v]
+            return v
 
-        mine = path(self.parent)
-        depth = len(mine) - 1
-        at = {v: i for i, v in enumerate(mine)}
-        out = {}
-        for v in up:
-            theirs = path(v)
-            common = next(i for i, a in enumerate(theirs) if a in at)  # steps from v up to the common ancestor
-            out[self.base if v == 0 else self.adapter_name(v)] = depth - (common + at[theirs[common]])
-        return out, depth
+        return ({self.base if v == 0 else self.adapter_name(v): 2 * depth[common(v)] - depth[v] for v in depth},
+                depth[self.parent])
 
     def transitions(self, rows: list[sqlite3.Row]) -> tuple[list[Transition], dict[str, float], int, Counter]:
         """The calls the rewards `rows` score, as transitions, with their advantages by span id; and how many calls
