@@ -101,6 +101,20 @@ def connect_read_only(path: str | Path) -> sqlite3.Connection:
     return sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=30)
 
 
+def connect_tables(path: str | Path, schema: str, *, read_only: bool = False) -> sqlite3.Connection:
+    """A connection for one module's tables in a store: `read_only`, as a reader opens it (it creates nothing; a
+    table not made yet is sqlite3.OperationalError), else a writer's, autocommit, with `schema` created if missing."""
+    if read_only:
+        return connect_read_only(path)
+    db = sqlite3.connect(path, isolation_level=None, timeout=30)
+    try:
+        db.executescript(schema)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
 def seal(path: str | Path) -> None:
     """Make a closed store one self-contained file: its write-ahead log folded in and WAL mode left, so a read-only
     reader (`lightning traces`) creates no -wal/-shm beside it. For a store nothing writes to any more."""

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-import sqlite3
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from lightning_sdk.store import connect_read_only
+from lightning_sdk.store import connect_tables
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS canaries (
@@ -84,10 +83,8 @@ class Running:
 def _execute(path: str | Path, sql: str, args: tuple = (), *, read_only: bool = False) -> list[tuple]:
     """One statement on its own connection, committed (autocommit) before it returns; `read_only`: a reader's
     (sqlite3.OperationalError where the table does not exist)."""
-    db = connect_read_only(path) if read_only else sqlite3.connect(path, isolation_level=None, timeout=30)
+    db = connect_tables(path, SCHEMA, read_only=read_only)
     try:
-        if not read_only:
-            db.executescript(SCHEMA)
         return db.execute(sql, args).fetchall()
     finally:
         db.close()

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import sqlite3
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from lightning_sdk.store import connect_read_only
+from lightning_sdk.store import connect_tables
 
 DEFAULT_Z = 1.645
 
@@ -78,9 +77,8 @@ def decide(candidate: str, candidate_scores: Sequence[float], serving: str, serv
 
 def record(path: str | Path, decision: Decision) -> None:
     """Store the decision with its evidence (one committed row)."""
-    db = sqlite3.connect(path, isolation_level=None, timeout=30)
+    db = connect_tables(path, SCHEMA)
     try:
-        db.executescript(SCHEMA)
         db.execute("INSERT INTO promotions VALUES (?, ?, ?, ?, ?)", (time.time(), decision.candidate,
                    decision.serving, int(decision.promoted), json.dumps(asdict(decision))))
     finally:
@@ -94,10 +92,8 @@ def decisions(path: str | Path) -> list[Decision]:
 def timed(path: str | Path, *, read_only: bool = False) -> list[tuple[float, Decision]]:
     """Every decision, in order, with when it was made (unix seconds); `read_only`: a reader's (sqlite3.
     OperationalError where the table does not exist)."""
-    db = connect_read_only(path) if read_only else sqlite3.connect(path, isolation_level=None, timeout=30)
+    db = connect_tables(path, SCHEMA, read_only=read_only)
     try:
-        if not read_only:
-            db.executescript(SCHEMA)
         return [(r[0], Decision(**json.loads(r[1])))
                 for r in db.execute("SELECT decided_at, evidence FROM promotions ORDER BY rowid")]
     finally:

@@ -125,7 +125,7 @@ class Promoter:
         if decision.promoted and self.canary_share is None:
             self.serve(update.adapter, update.adapter_path, update.version)
             self.serving_scores = candidate
-        elif decision.promoted and self.canary is None:
+        elif decision.promoted:  # with a canary share, none running (a pass beside a running one was made a no)
             self.server.load_adapter(update.adapter, str(update.adapter_path))
             self.canary = canary.start(self.path, update.adapter, name, self.canary_share)
             self.canary_version, self.canary_scores = update.version, candidate
