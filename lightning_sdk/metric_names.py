@@ -34,10 +34,10 @@ _ROLLOUT_COUNTS = ("reward_mean", "reward_std", "rollouts", "failed", "failed_tr
                    "completion_tokens", "base_calls")
 
 
-def train(key: str, policy: str | None = None) -> str:
-    """An update's number (the trainer's `loss`, `kl`, ...), with [policies] one per policy (the trainer names
-    those `planner.loss`)."""
-    return "train/" + key.replace(".", "/") if policy is None else f"train/{policy}/{key}"
+def train(key: str) -> str:
+    """An update's number as the trainer names it (`loss`, `kl`, ...; with [policies] one per policy, `planner.loss`
+    -> `train/planner/loss`)."""
+    return "train/" + key.replace(".", "/")
 
 
 def skipped(reason: str) -> str:

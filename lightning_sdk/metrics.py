@@ -137,10 +137,8 @@ class MetricsLog:
         atomic_write_text(self.run_dir / OUTCOME_FILE, json.dumps(row) + "\n")
 
     def rewrite(self, history: list[dict[str, Any]], *, baseline_eval: EvalScore | None = None) -> None:
-        """Make metrics.jsonl hold exactly the checkpointed iterations (after a resume nothing is doubled), each
-        under today's names."""
-        rows = ([eval_row("untrained", baseline_eval, 0)] if baseline_eval is not None else []) + [
-            names.current_row(row) for row in history]
+        """Make metrics.jsonl hold exactly the checkpointed iterations (after a resume nothing is doubled)."""
+        rows = ([eval_row("untrained", baseline_eval, 0)] if baseline_eval is not None else []) + history
         atomic_write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in rows))
 
     def log(self, row: dict[str, Any]) -> None:

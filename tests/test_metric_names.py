@@ -21,7 +21,7 @@ def test_old_names_read_as_todays():
         names.skipped("truncated"): 2, names.timing("collect_s"): 1.5, names.timing("update_s"): 0.7,
         names.timing("sleep_s"): 0.1, names.timing("hotload_s"): 0.2, names.timing("elapsed_s"): 9.0,
         names.train("loss"): -0.01, names.train("kl"): 0.002, names.train("seconds"): 0.6,
-        names.train("staleness_mean"): 0.5, names.train("loss", "planner"): 0.3,
+        names.train("staleness_mean"): 0.5, names.train("planner.loss"): 0.3,
         names.policy_transitions("planner"): 6, names.BASE_CALLS: 2}
     assert names.current_row(OLD_EVAL) == {
         "phase": "eval", "eval": "trained", "iteration": 3, names.EVAL_REWARD_MEAN: 0.8, names.EVAL_STDERR: 0.05,
