@@ -79,14 +79,18 @@ def transitions_of(cfg_path: Path) -> tuple[Store, list, list]:
     return store, rollouts, out
 
 
-def trained_example(example: str, tmp: Path, backend: str = "cpu") -> tuple[Path, Store, list, list]:
-    """A one-iteration run of the example with its untrained and trained evals; all 9 training rollouts succeed,
+def trained_example(example: str, tmp: Path, backend: str = "cpu", *, unparsed: int = 0) -> tuple[Path, Store, list,
+                                                                                                list]:
+    """A one-iteration run of the example with its untrained and trained evals; all 9 training rollouts succeed
+    (but at most `unparsed`, each failed by DSPy's AdapterParseError on a sample neither of its adapters can read),
     every recorded call has exact ids, and the trained eval is served by the hot-loaded adapter."""
     toml = small_run(example, tmp, eval_tasks=2, backend=backend)
     out = lightning("run", "-c", str(toml), cwd=tmp, timeout=300 if backend == "cpu" else 1500)
     assert "eval (untrained" in out and "eval (trained" in out
     store, rollouts, trained = transitions_of(toml)
-    assert len(rollouts) == 9 and all(r.status == "succeeded" for r in rollouts)
+    failed = [r for r in rollouts if r.status != "succeeded"]
+    assert len(rollouts) == 9 and len(failed) <= unparsed, [r.error for r in failed]
+    assert all(r.status == "failed" and "AdapterParseError" in (r.error or "") for r in failed)
     assert all(t.logprobs is not None and all(map(math.isfinite, t.logprobs)) for t in trained)
     evals = [s for r in store.rollouts(phase="eval") for s in store.spans(r.rollout_id) if transitions.is_llm_call(s)]
     assert {s.attributes[POLICY] for s in evals} >= {f"{config.load(toml).run.name}-iter1"}
@@ -175,11 +179,11 @@ def test_dspy_react_trains_through_its_chat_adapter(tmp_path):
     """dspy.ReAct with DSPy's default adapters: the tiny model writes the ChatAdapter's fields, so DSPy's own parser
     reads its calls and the run trains. A sample the ChatAdapter cannot parse is asked again through DSPy's
     JSONAdapter under `response_format` (which samples do differs by CPU): that call is recorded with its schema and
-    trains under it."""
-    _, store, rollouts, trained = trained_example("react_dspy", tmp_path)
+    trains under it. A sample neither adapter reads fails its rollout (seen on CI: 1 of 9), the run goes on."""
+    _, store, rollouts, trained = trained_example("react_dspy", tmp_path, unparsed=2)
     assert trained and all(t.completion_ids for t in trained)
-    assert all(r.reward in (0.0, 1.0) for r in rollouts)
-    everything = rollouts + store.rollouts(phase="eval")
+    everything = [r for r in rollouts + store.rollouts(phase="eval") if r.status == "succeeded"]
+    assert all(r.reward in (0.0, 1.0) for r in everything if r.phase == "train")
     steps, fallback = [], set()
     for r in everything:
         calls = [s for s in store.spans(r.rollout_id) if transitions.is_llm_call(s)]
@@ -198,7 +202,8 @@ def test_dspy_react_trains_through_its_chat_adapter(tmp_path):
     assert len(steps) >= 3 * len(everything) // 4, f"{len(everything) - len(steps)} rollouts fell back to JSON"
     assert all(s[-1] == "finish" or len(s) == 3 for s in steps)  # agent.py's max_iters
     assert all(t.constraint for t in trained if t.span_id in fallback)
-    print("react steps:", steps, "rewards:", [r.reward for r in rollouts], "json fallbacks:", len(fallback))
+    print("react steps:", steps, "rewards:", [r.reward for r in rollouts], "json fallbacks:", len(fallback),
+          "unparsed:", sum(r.status == "failed" for r in rollouts))
 
 
 def test_failed_autogen_tool_call_is_a_negative_intermediate_reward(gw, store):
