@@ -88,3 +88,9 @@ def eval_seed(run_seed: int, task_id: str) -> int:
     less noisy)."""
     digest = hashlib.sha256(f"{run_seed}:{task_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1  # below 2**63: what the servers' seed field takes
+
+
+def draw_seed(run_seed: int, draw: int) -> int:
+    """The run seed of the `draw`-th of several paired evals (the gate's decisions): both sides of one draw sample
+    with the same seeds, and each draw with new ones, so a score selected in one draw is not reused in the next."""
+    return eval_seed(run_seed, f"draw:{draw}")

@@ -63,8 +63,8 @@ def test_the_canary_verdict_matches_a_hand_computation_with_the_episode_as_its_u
     assert live_reward.summarize("s", live["s"]) == live_reward.Live("s", 2 / 3, pytest.approx(math.sqrt(1 / 9)), 3)
 
 
-def always_passes(adapter, version):  # the gate passes every candidate: the canary decides
-    return [float(version), float(version)]
+def always_passes(candidate, serving, draw):  # the gate passes every candidate: the canary decides
+    return [float(candidate[1])] * 2, [float(serving[1])] * 2
 
 
 def episodes(dep, salt: str, n: int) -> tuple[list[str], list[str]]:
@@ -112,8 +112,7 @@ def test_a_canary_is_routed_a_share_resumed_after_a_restart_then_promoted_or_rol
         v = dep.schedule.promoter.check_canary()  # d = 1/3, lower -0.442 >= -0.5: promoted
         assert v.promoted and v.lower_bound == pytest.approx(1 / 3 - 1.645 * math.sqrt(2 / 9))
         assert dep.gateway.policy == "app-serve-v1" and dep.gateway.canary is None
-        # its gate scores came back with the canary (its promotions row): the next gate is not re-scoring v1
-        assert dep.schedule.promoter.serving_scores == always_passes(None, 1)
+        assert dep.schedule.promoter.serving[2] == 1  # the next gate scores candidates against v1
         # v2: passes the gate, then its live reward falls: canary 0,0,1 against 1,1,0, lower -1.109 < -0.5
         second = traffic(dep, 4)
         dep.gateway.capture.flush()

@@ -103,12 +103,12 @@ def start_serve(project: Path, directory: Path, *flags: str) -> tuple[subprocess
     raise AssertionError("lightning serve did not start: " + "".join(lines))
 
 
-def no_gate(adapter, version):  # a gate that never promotes: the test looks at the updates alone
-    return [0.0, 0.0] if adapter is None else [-1.0, -1.0]
+def no_gate(candidate, serving, draw):  # a gate that never promotes: the test looks at the updates alone
+    return [-1.0, -1.0], [0.0, 0.0]
 
 
-def every_one_better(adapter, version):  # each version scores above the one before: the gate passes every candidate
-    return [float(version), float(version)]
+def every_one_better(candidate, serving, draw):  # each version scores above the one before: the gate passes each
+    return [float(candidate[1])] * 2, [float(serving[1])] * 2
 
 
 def test_learn_is_validated_at_the_edge(tmp_path):

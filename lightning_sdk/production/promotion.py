@@ -1,7 +1,11 @@
-"""The gate wired: a candidate adapter from the learner is scored on data.eval's tasks by the eval machinery
-(runtime.evaluation.evaluate: each task once, seeded per task, so the candidate and the serving adapter are scored
-on the same tasks with the same seeds), `gate.decide` compares the paired scores, `gate.record` keeps the decision
-with its evidence, and only a promoted candidate is hot-loaded into the serving backend and routed to.
+"""The gate wired: a candidate adapter from the learner and the serving adapter are scored on data.eval's tasks by
+the eval machinery, both in one session with the same seeds (runtime.evaluation.paired), `gate.decide` compares the
+paired scores, `gate.record` keeps the decision with its evidence, and only a promoted candidate is hot-loaded into
+the serving backend and routed to.
+
+Each decision draws new seeds (evals.draw_seed of its number) and scores the serving adapter again: the score an
+adapter was promoted with is the best the gate saw, biased up by that selection, so comparing later candidates
+against it would reject candidates that are as good or slightly better.
 
 With learn.canary_share, a candidate past the gate is loaded and serves that share of new episodes first
 (production.canary); `check_canary` promotes it to all traffic or rolls it back by live reward.
@@ -23,23 +27,27 @@ from lightning_sdk.production.learner import Update
 from lightning_sdk.servers import InferenceServer
 from lightning_sdk.train.checkpoint import ADAPTER
 
-# (a PEFT adapter directory or None for the base model, its version) -> one score per eval task, in task order.
-Scorer = Callable[[Path | None, int], list[float]]
+# An adapter to score: its PEFT directory (None: the base model) and its version.
+Side = tuple[Path | None, int]
+# (candidate, serving, draw) -> each one's score per eval task, in task order, both sampled with the draw's seeds.
+Scorer = Callable[[Side, Side, int], tuple[list[float], list[float]]]
 
 
 def eval_scorer(cfg) -> Scorer:
-    """data.eval's tasks scored through the user's agent and reward, as `lightning eval` scores them; the tasks are
-    read now (data.DatasetError if they cannot be)."""
-    from rich.console import Console
-
+    """data.eval's tasks scored through the user's agent and reward, as `lightning eval` scores them, both sides in
+    one session; the tasks are read now (data.DatasetError if they cannot be)."""
     from lightning_sdk import credit, data
-    from lightning_sdk.runtime.evaluation import evaluate
+    from lightning_sdk.evals import draw_seed
+    from lightning_sdk.runtime.evaluation import paired
 
     tasks = data.load(cfg.data.eval, cfg.data.required_fields)
     rule = credit.resolve(cfg.rollout.credit)
-    quiet = Console(quiet=True)
-    # The eval serves version n as `<run>-iter<n>` and stores its rollouts at iteration n, as `lightning eval` does.
-    return lambda adapter, version: evaluate(cfg, quiet, rule, tasks, adapter, iteration=version).scores
+
+    def scorer(candidate: Side, serving: Side, draw: int) -> tuple[list[float], list[float]]:
+        ours, theirs = paired(cfg, rule, tasks, [candidate, serving], draw_seed(cfg.run.seed, draw))
+        return ours, theirs
+
+    return scorer
 
 
 def kept_adapter(path: str | Path, name: str) -> tuple[str, Path, int] | None:
@@ -73,10 +81,7 @@ class Promoter:
         self.reward_name = reward_name  # the feedback a canary is judged on (live_reward.by_adapter)
         self.canary: canary.Running | None = None
         self.canary_version = 0
-        self.canary_scores: list[float] | None = None
         self.serving: tuple[str, Path | None, int] = (gateway.policy, None, 0)  # the base model until a promotion
-        # The serving adapter's scores on the same tasks and seeds: from its own promotion, or scored once here.
-        self.serving_scores: list[float] | None = None
         kept = last_promoted(store_path)
         if kept is not None:
             self.serve(*kept)
@@ -86,9 +91,6 @@ class Promoter:
         if resumed is not None:
             self.server.load_adapter(left.candidate, str(resumed[1]))
             self.canary, self.canary_version = left, resumed[2]
-            # its gate scores, kept with the gate's decision: if promoted, the next gate compares against them
-            self.canary_scores = next((d.candidate_scores for d in reversed(gate.decisions(store_path))
-                                       if d.candidate == left.candidate and d.promoted), None)
             self.gateway.canary = (left.candidate, left.share)
 
     def serve(self, name: str, adapter: Path, version: int) -> None:
@@ -102,7 +104,6 @@ class Promoter:
         self.gateway.retired.add(self.gateway.policy)
         self.gateway.policy = name
         self.serving = (name, adapter, version)
-        self.serving_scores = None
 
     def in_service(self) -> int:
         """The newest version that serves traffic: the running canary's, else the serving adapter's (what the
@@ -111,11 +112,8 @@ class Promoter:
 
     def consider(self, update: Update) -> gate.Decision:
         name, adapter, version = self.serving
-        candidate = self.scorer(update.adapter_path, update.version)
-        # scores kept from before a restart are re-made where data.eval has since changed its number of tasks
-        if self.serving_scores is None or len(self.serving_scores) != len(candidate):
-            self.serving_scores = self.scorer(adapter, version)
-        serving = self.serving_scores
+        draw = len(gate.decisions(self.path))  # this decision's number: new seeds, the serving adapter scored again
+        candidate, serving = self.scorer((update.adapter_path, update.version), (adapter, version), draw)
         decision = gate.decide(update.adapter, candidate, name, serving, margin=self.margin, z=self.z)
         if decision.promoted and self.canary_share is not None and self.canary is not None:
             # one canary at a time: a pass now is not served, so it is not a promotion (a restart must not serve it)
@@ -124,11 +122,10 @@ class Promoter:
         gate.record(self.path, decision)
         if decision.promoted and self.canary_share is None:
             self.serve(update.adapter, update.adapter_path, update.version)
-            self.serving_scores = candidate
         elif decision.promoted:  # with a canary share, none running (a pass beside a running one was made a no)
             self.server.load_adapter(update.adapter, str(update.adapter_path))
             self.canary = canary.start(self.path, update.adapter, name, self.canary_share)
-            self.canary_version, self.canary_scores = update.version, candidate
+            self.canary_version = update.version
             self.gateway.canary = (update.adapter, self.canary_share)
         return decision
 
@@ -148,9 +145,7 @@ class Promoter:
         self.gateway.canary = None
         self.canary = None
         if verdict.promoted:
-            scores = self.canary_scores
             self.route(*kept_adapter(self.path, running.candidate))  # loaded when its canary started
-            self.serving_scores = scores
         else:
             self.gateway.retired.add(running.candidate)  # calls already routed to it finish
         return verdict

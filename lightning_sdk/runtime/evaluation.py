@@ -34,15 +34,16 @@ class Evaluated:
 
 
 def score(session: Session, tasks: list[dict], policy: dict[str, str], label: str, split: tuple[str, int],
-          iteration: int | None = None, *, say: bool = True) -> EvalScore:
+          iteration: int | None = None, *, say: bool = True, run_seed: int | None = None) -> EvalScore:
     """Each task once under `policy`; rollouts stored with phase 'eval' at `iteration` (default: 0 untrained,
-    run.iterations trained), each sampling with its task's seed (evals.eval_seed). `say`: print the score line
-    (`lightning eval` prints its own)."""
+    run.iterations trained), each sampling with its task's seed (evals.eval_seed of `run_seed`, default run.seed).
+    `say`: print the score line (`lightning eval` prints its own)."""
     cfg = session.cfg
+    seeded = cfg.run.seed if run_seed is None else run_seed
     phase_it = iteration if iteration is not None else 0 if label == "untrained" else cfg.run.iterations
     jobs = [RolloutJob(rollout_id=f"eval-{label}-{i:04d}-{uuid.uuid4().hex[:8]}", task_id=data.task_id(t),
                        group_id=f"eval:{label}:{i}", task=t, iteration=phase_it, phase="eval",
-                       seed=eval_seed(cfg.run.seed, data.task_id(t)))
+                       seed=eval_seed(seeded, data.task_id(t)))
             for i, t in enumerate(tasks)]
     results = session.collect(jobs, policy, f"eval ({label})")
     failed = sum(r.status != "succeeded" for r in results)
@@ -66,9 +67,7 @@ def evaluate(cfg: Config, console: Console, credit_rule: Any, tasks: list[dict],
     dashboard reads per iteration): with `keep` (a run's evals/ folder) a new file there,
     `<UTC time>-iter<N>.sqlite`, that appears only complete and never replaces one; else a throwaway store.
     """
-    name = cfg.run.name
-    train = data.load(cfg.data.train, cfg.data.required_fields)
-    split = split_of(map(data.task_id, tasks), map(data.task_id, train))
+    split = split_against_train(cfg, tasks)
     tag = "untrained" if adapter is None else f"iter{iteration}" if iteration is not None else "adapter"
     with ExitStack() as stack:
         if keep is None:
@@ -80,20 +79,56 @@ def evaluate(cfg: Config, console: Console, credit_rule: Any, tasks: list[dict],
             db, folder = kept.tmp, Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lightning-eval-")))
         with store_session(cfg, console, tasks, db, folder, credit_rule, run_dir=Path(cfg.run.dir),
                            resume=resume) as session:
-            policy = {p.name: session.base for p in session.policies}
-            adapters = {name: adapter} if isinstance(adapter, Path) else adapter or {}
-            for policy_name, path in adapters.items():
-                policy[policy_name] = f"{name}-{tag}" if not session.multi else f"{name}-{policy_name}-{tag}"
-                session.collector.hot_load(policy[policy_name], path)
-            scored = score(session, tasks, policy, "trained" if adapter is not None else "untrained", split,
-                           iteration=0 if adapter is None else iteration or 0, say=False)
+            policy = serve_adapter(session, adapter, tag)
+            label = "trained" if adapter is not None else "untrained"
+            scored = score(session, tasks, policy, label, split, iteration=0 if adapter is None else iteration or 0,
+                           say=False)
             served = session.label(policy)
-            per_task = task_scores(session.store.rollouts(phase="eval"))
+            per_task = task_scores(session.store.rollouts(phase="eval"), label)
         if keep is not None:
             seal(db)  # before it appears: readers of it then write nothing beside it
     return Evaluated(scored, served, kept.path if keep is not None else None, per_task)
 
 
-def task_scores(rollouts: list) -> list[float]:
-    """The eval rollouts' scores in task order (their group ids end in the task's index: `score` names them)."""
-    return [eval_score(r.reward) for r in sorted(rollouts, key=lambda r: int(r.group_id.rsplit(":", 1)[1]))]
+def paired(cfg: Config, credit_rule: Any, tasks: list[dict], sides: list[tuple[Path | None, int]],
+           run_seed: int) -> list[list[float]]:
+    """Each side (a PEFT directory or None for the base model, and the version that names it) scored on `tasks`
+    in one throwaway session, every side with the same seeds (evals.eval_seed of `run_seed`): one score per task,
+    in task order, per side."""
+    split = split_against_train(cfg, tasks)
+    quiet = Console(quiet=True)
+    with tempfile.TemporaryDirectory(prefix="lightning-scratch-") as tmp, \
+            store_session(cfg, quiet, tasks, Path(tmp) / "store.sqlite", Path(tmp), credit_rule,
+                          run_dir=Path(cfg.run.dir), resume=False) as session:
+        out = []
+        for k, (adapter, version) in enumerate(sides):
+            label = f"side{k}"
+            score(session, tasks, serve_adapter(session, adapter, f"iter{version}"), label, split,
+                  iteration=version, say=False, run_seed=run_seed)
+            out.append(task_scores(session.store.rollouts(phase="eval"), label))
+    return out
+
+
+def split_against_train(cfg: Config, tasks: list[dict]) -> tuple[str, int]:
+    """Whether `tasks` are held out from data.train (evals.split_of)."""
+    train = data.load(cfg.data.train, cfg.data.required_fields)
+    return split_of(map(data.task_id, tasks), map(data.task_id, train))
+
+
+def serve_adapter(session: Session, adapter: Path | dict[str, Path] | None, tag: str) -> dict[str, str]:
+    """The policy that serves `adapter` (one per [policies] entry, or None: the base model), hot-loaded as
+    `<run>-<tag>` (`<run>-<policy>-<tag>` with [policies])."""
+    name = session.cfg.run.name
+    policy = {p.name: session.base for p in session.policies}
+    adapters = {name: adapter} if isinstance(adapter, Path) else adapter or {}
+    for policy_name, path in adapters.items():
+        policy[policy_name] = f"{name}-{tag}" if not session.multi else f"{name}-{policy_name}-{tag}"
+        session.collector.hot_load(policy[policy_name], path)
+    return policy
+
+
+def task_scores(rollouts: list, label: str) -> list[float]:
+    """The scores of the eval rollouts `score` made under `label`, in task order (their group ids are
+    `eval:<label>:<task index>`)."""
+    mine = [r for r in rollouts if r.group_id.rsplit(":", 1)[0] == f"eval:{label}"]
+    return [eval_score(r.reward) for r in sorted(mine, key=lambda r: int(r.group_id.rsplit(":", 1)[1]))]
