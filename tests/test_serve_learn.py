@@ -19,7 +19,8 @@ import pytest
 import lightning_sdk as ls
 
 from lightning_sdk import config
-from lightning_sdk.production import deployment, gate
+from lightning_sdk.evals import draw_seed
+from lightning_sdk.production import deployment, gate, promotion
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,9 +192,17 @@ def test_the_trainer_consumes_rewarded_calls_a_restart_repeats_no_update_and_sta
 
 def test_the_gate_promotes_a_better_candidate_and_rejects_a_worse_one_end_to_end(tmp_path):
     """The eval machinery scores each adapter on data.eval's 3 tasks through the agent (seeded per task); the
-    reward is deterministic: 1 where the adapter serving the eval call is version 1 (served there as app-iter1)."""
+    reward is deterministic: 1 where the adapter serving the eval call is version 1 (served there as app-iter1).
+    Each decision scores the serving adapter again, both sides with that decision's seeds, new ones each time."""
     cfg = project(tmp_path, every=2)
-    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600)
+    scored, scorer = [], promotion.eval_scorer(cfg)
+
+    def recorded(candidate, serving, draw):  # (candidate version, serving version, draw) of each decision
+        scored.append((candidate[1], serving[1], draw))
+        return scorer(candidate, serving, draw)
+
+    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
+                           scorer=recorded)
     try:
         learner = dep.schedule.learner
         calls = traffic(dep, 4)
@@ -225,6 +234,8 @@ def test_the_gate_promotes_a_better_candidate_and_rejects_a_worse_one_end_to_end
         # from version 1 (rejected, 3 is dropped): the base model, 2 and 3 are each one update away
         assert learner.parent == 1 and learner.versions() == (
             {"builtin:tiny-arith": 0, "app-serve-v1": 1, "app-serve-v2": 0, "app-serve-v3": 0}, 1)
+        assert scored == [(1, 0, 0), (2, 1, 1), (3, 1, 2)]  # v1 scored again against v2 and v3, new draws
+        assert len({draw_seed(cfg.run.seed, d) for d in range(3)}) == 3
     finally:
         dep.close()
     dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600)
