@@ -15,6 +15,7 @@ thread, off the event loop that relays the calls.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import itertools
 import json
@@ -26,6 +27,7 @@ from typing import Any, Callable, Iterator, Mapping
 from urllib.parse import urlsplit
 
 from opentelemetry import baggage, trace
+from opentelemetry.context import Context
 
 from lightning_sdk.constraint import ConstraintError, from_request
 from lightning_sdk.drain import Drain
@@ -116,12 +118,9 @@ def origin(headers: Mapping[str, str], rollouts: OpenRollouts, key: str | None =
     `TRACE_ID.SECRET` for a worker's rollout. A worker's rollout takes only calls that carry its claim's secret
     (in the URL, or the CLAIM_HEADER its propagation adds); any other call naming it is recorded as a call of no
     rollout."""
-    ctx = PROPAGATOR.extract(headers)
-    span = trace.get_current_span(ctx).get_span_context()
-    trace_id = format(span.trace_id, "032x") if span.is_valid else None
-    parent_id = format(span.span_id, "016x") if span.is_valid else None
-    comp = baggage.get_baggage(COMPONENT_KEY, ctx)
-    comp = comp if isinstance(comp, str) and 0 < len(comp) <= 200 and comp.isprintable() else None
+    w3c = tuple(headers.get(name) for name in W3C_HEADERS)
+    trace_id, parent_id, comp, named = (_w3c if sum(len(v) for v in w3c if v) > _CACHED_W3C_CHARS else
+                                        _w3c_cached)(*w3c)
     secret = headers.get(CLAIM_HEADER)
     if key is not None:
         key, dot, in_url = key.partition(".")
@@ -130,9 +129,30 @@ def origin(headers: Mapping[str, str], rollouts: OpenRollouts, key: str | None =
         return Origin(rollout, key, parent_id if trace_id == key else None, comp)
     rollout = rollouts.get(trace_id)
     if rollout is None:  # under a span that started a trace of its own: the rollout's baggage entry still says
-        named = baggage.get_baggage(ROLLOUT_KEY, ctx)
-        rollout = rollouts.get(named if isinstance(named, str) else None)
+        rollout = rollouts.get(named)
     return Origin(rollout if rollout is not None and rollout.admits(secret) else None, trace_id, parent_id, comp)
+
+
+W3C_HEADERS = ("traceparent", "tracestate", "baggage")  # what PROPAGATOR reads
+_CACHED_W3C_CHARS = 2048  # longer headers are read afresh, so the cache holds at most ~2 MB whatever calls send
+
+
+def _w3c(traceparent: str | None, tracestate: str | None, bag: str | None) -> tuple[str | None, ...]:
+    """(trace id, parent span id, component, the rollout its baggage names) of a call's W3C headers."""
+    carrier = {k: v for k, v in zip(W3C_HEADERS, (traceparent, tracestate, bag)) if v is not None}
+    ctx = PROPAGATOR.extract(carrier, context=Context())
+    span = trace.get_current_span(ctx).get_span_context()
+    comp = baggage.get_baggage(COMPONENT_KEY, ctx)
+    named = baggage.get_baggage(ROLLOUT_KEY, ctx)
+    return (format(span.trace_id, "032x") if span.is_valid else None,
+            format(span.span_id, "016x") if span.is_valid else None,
+            comp if isinstance(comp, str) and 0 < len(comp) <= 200 and comp.isprintable() else None,
+            named if isinstance(named, str) else None)
+
+
+# A rollout's calls mostly carry the same headers (its span's, its component's), and OpenTelemetry's propagators
+# cost more of the gateway's loop than the rest of the call's bookkeeping (benchmarks/README.md, issue 38).
+_w3c_cached = functools.lru_cache(maxsize=1024)(_w3c)
 
 
 @dataclass
