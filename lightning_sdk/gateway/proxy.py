@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -226,11 +227,11 @@ class Gateway:
                 call.end()
                 return Response(content, upstream.status_code, headers=headers)
             try:
-                reply = await parse_off_loop(content, json.loads)
+                reply, exact = await parse_off_loop(content, _loads_reply)
                 call.whole(reply)
                 if sent.strip(reply):  # a long conversation's reply is serialised off the loop, as it was parsed
-                    content = _dumps(reply) if len(content) <= PARSE_INLINE_BYTES else \
-                        await asyncio.to_thread(_dumps, reply)
+                    content = _dumps_reply(reply, exact) if len(content) <= PARSE_INLINE_BYTES else \
+                        await asyncio.to_thread(_dumps_reply, reply, exact)
             except (ValueError, TypeError, AttributeError, KeyError) as e:
                 call.fail(502, f"the backend's reply is malformed: {type(e).__name__}: {e}")
             finally:
@@ -250,14 +251,14 @@ class Gateway:
                         finished = True
                         call.end()
                     else:
-                        chunk = json.loads(data)
+                        chunk, exact = _loads_reply(data)
                         if isinstance(chunk, dict) and chunk.get("error") is not None:
                             err = chunk["error"]
                             call.fail(int(err.get("code") or 500) if isinstance(err, dict) else 500, str(err))
                         elif isinstance(chunk, dict):
                             call.chunk(chunk)
                             if sent.strip(chunk):
-                                data = json.dumps(chunk)
+                                data = _dumps_reply(chunk, exact).decode()
                     yield f"data: {data}\n\n"
                 finished = True
             except (*BackendError, ValueError, TypeError, AttributeError, KeyError) as e:
@@ -408,6 +409,27 @@ def _vary(seed: int, key: str) -> int:
 
 def _dumps(value: Any) -> bytes:
     return json.dumps(value).encode()
+
+
+# A backend's replies are parsed and written back by orjson (a few times faster than the standard library, which
+# the loop pays on every call); what orjson refuses to read (NaN, Infinity, a lone surrogate, a BOM) the standard
+# library reads and writes back, as it did everything before. An integer past 64 bits, which no backend sends,
+# orjson reads as a float.
+def _loads_reply(raw: bytes | str) -> tuple[Any, bool]:
+    """The parsed reply, and whether orjson parsed it (then orjson writes it back as it came)."""
+    try:
+        return orjson.loads(raw), True
+    except orjson.JSONDecodeError:
+        return json.loads(raw), False
+
+
+def _dumps_reply(value: Any, exact: bool) -> bytes:
+    if exact:
+        try:
+            return orjson.dumps(value)
+        except orjson.JSONEncodeError:  # nested deeper than orjson writes (254)
+            pass
+    return _dumps(value)
 
 
 async def _json_body(request: Request) -> tuple[Any, int]:
