@@ -28,7 +28,7 @@ import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request
@@ -151,23 +151,12 @@ class Gateway:
 
     # --------------------------------------------------------------------------------------------- the app
 
-    def _app(self) -> FastAPI:
+    def _app(self) -> Any:
         # No /docs or /openapi.json: they would list every route (the work routes too) to whoever holds a key.
         app = FastAPI(title="lightning-sdk gateway", telemetry={"tracing": False}, docs_url=None, redoc_url=None,
                       openapi_url=None)
-        @app.exception_handler(GatewayError)
-        async def _gateway_error(request: Request, e: GatewayError) -> JSONResponse:
-            if e.status >= 500:
-                log.warning("gateway: %s %s -> %d: %s", request.method, request.url.path, e.status, e.message)
-            return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
-
-        @app.exception_handler(RecursionError)
-        async def _too_deep(request: Request, e: RecursionError) -> JSONResponse:
-            # A body nested thousands deep parses (or not) into Python's recursion limit wherever it is walked: one
-            # line and a 400, never a traceback per request.
-            message = f"the request body is nested too deeply ({RecursionError.__name__}: {e})"
-            log.warning("gateway: %s %s -> 400: %s", request.method, request.url.path, message)
-            return JSONResponse(error_body(400, message), status_code=400)
+        app.add_exception_handler(GatewayError, _gateway_error)
+        app.add_exception_handler(RecursionError, _too_deep)
 
         @app.get("/health")
         async def health() -> dict:
@@ -186,8 +175,6 @@ class Gateway:
             return {"policy": self.policy, "by_component": self.by_component, "base_served": dict(self.base_served),
                     "asked": dict(self.asked), "backends": b.urls, "in_flight": b.in_flight, "served": b.served}
 
-        # The two routes every call takes, as plain Starlette routes: FastAPI's dependency and validation machinery
-        # has nothing to do for a handler that reads the request itself, and costs the loop on every call.
         async def chat(request: Request) -> Response:
             body, size = await _json_body(request)
             return await self._relay(await self.send_chat(body, request, "chat.completions", body_bytes=size))
@@ -196,16 +183,15 @@ class Gateway:
             body, size = await _json_body(request)
             return await self._relay(await self.send_chat(body, request, "completions", body_bytes=size))
 
-        app.add_route("/v1/chat/completions", chat, methods=["POST"])
-        app.add_route("/v1/completions", completions, methods=["POST"])
-
+        calls = {"/v1/chat/completions": chat, "/v1/completions": completions}
+        for path, handler in calls.items():  # POSTs are served by CallRoutes; here the app's 405 to other methods
+            app.add_route(path, handler, methods=["POST"])
         for router in self._routers:  # before the Responses route: an added /v1/responses (a test's) wins
             app.include_router(router)
         app.include_router(responses_router(self.send_chat))
-        app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
-        app.add_middleware(RolloutPath)
-        app.add_middleware(KeyCheck, api_key=self.api_key, route_keys=self._route_keys)  # added last = runs first
-        return app
+        # The key check runs first, then the rollout's path, then the body limit, whatever route follows.
+        return KeyCheck(RolloutPath(BodyLimit(CallRoutes(app, calls), limit=MAX_BODY_BYTES)), api_key=self.api_key,
+                        route_keys=self._route_keys)
 
     async def _relay(self, sent: Sent) -> Response:
         """The backend's reply to the agent, recorded on the way: token ids and log-probs it did not ask for are
@@ -401,6 +387,44 @@ class RolloutPath:
                 scope = {**scope, "path": "/" + rest, "raw_path": ("/" + rest).encode(),
                          "state": {**scope.get("state", {}), ROLLOUT_KEY: key}}
         await self.app(scope, receive, send)
+
+
+async def _gateway_error(request: Request, e: GatewayError) -> JSONResponse:
+    if e.status >= 500:
+        log.warning("gateway: %s %s -> %d: %s", request.method, request.url.path, e.status, e.message)
+    return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
+
+
+async def _too_deep(request: Request, e: RecursionError) -> JSONResponse:
+    # A body nested thousands deep parses (or not) into Python's recursion limit wherever it is walked: one line and
+    # a 400, never a traceback per request.
+    message = f"the request body is nested too deeply ({RecursionError.__name__}: {e})"
+    log.warning("gateway: %s %s -> 400: %s", request.method, request.url.path, message)
+    return JSONResponse(error_body(400, message), status_code=400)
+
+
+class CallRoutes:
+    """ASGI: a POST to one of `routes` (path -> handler: the routes every LLM call takes) is served here, its
+    GatewayError and RecursionError answered as the app's exception handlers answer them; anything else goes to
+    `app`. FastAPI's and Starlette's layers (error and telemetry middleware, the exit stack, matching every route)
+    have nothing to do for these handlers and cost the loop ~30 us a call (benchmarks/README.md, issue 38). An
+    exception of any other kind goes to uvicorn, which answers 500 and logs it, as the app's outer layer did."""
+
+    def __init__(self, app: Any, routes: dict[str, Callable[[Request], Awaitable[Response]]]):
+        self.app, self.routes = app, routes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        handler = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handler is None:
+            return await self.app(scope, receive, send)
+        request = Request(scope, receive, send)
+        try:
+            response = await handler(request)
+        except GatewayError as e:
+            response = await _gateway_error(request, e)
+        except RecursionError as e:
+            response = await _too_deep(request, e)
+        await response(scope, receive, send)
 
 
 def _vary(seed: int, key: str) -> int:
