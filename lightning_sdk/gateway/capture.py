@@ -57,9 +57,12 @@ _NEUTRAL = {"top_k": (0, -1), "min_p": (0, 0.0), "typical_p": (1, 1.0), "presenc
             "use_beam_search": (False,)}
 
 
+_UNSET = {k: (None, [], {}, *_NEUTRAL.get(k, ())) for k in UNREPRODUCIBLE_SETTINGS}  # values that change nothing
+
+
 def unreproducible(body: Mapping[str, Any]) -> list[str]:
     """The sampling settings of a chat/completions request body the trainer cannot reproduce."""
-    return [k for k in UNREPRODUCIBLE_SETTINGS if body.get(k) not in (None, [], {}, *_NEUTRAL.get(k, ()))]
+    return [k for k, unset in _UNSET.items() if body.get(k) not in unset]
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,17 @@ class _Choice:
     logprobs: list[float] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    # A whole reply's token ids and log-probs as the backend sent them, read into the lists above on the writer
+    # thread (`settle`): a long completion's entries are never walked on the event loop.
+    sent: tuple[Any, Any] | None = None
+
+    def settle(self) -> None:
+        if self.sent is not None:
+            ids, logprobs = self.sent
+            self.sent = None
+            self.token_ids = list(ids or ())
+            self.logprobs = _logprob_values(logprobs)
+            self.tokens = _logprob_tokens(logprobs)
 
 
 class Call:
@@ -192,9 +206,7 @@ class Call:
             ch = self._choice(c.get("index", 0))
             ch.text.append(msg.get("content") or c.get("text") or "")
             ch.tool_calls = dict(enumerate(msg.get("tool_calls") or ()))
-            ch.token_ids = list(c.get("token_ids") or ())
-            ch.logprobs = _logprob_values(c.get("logprobs"))
-            ch.tokens = _logprob_tokens(c.get("logprobs"))
+            ch.sent = (c.get("token_ids"), c.get("logprobs"))
             ch.finish_reason = c.get("finish_reason")
 
     def chunk(self, chunk: dict) -> None:
@@ -237,6 +249,11 @@ class Call:
 
     def record(self) -> SpanRecord:
         o, body = self.origin, self.request
+        try:
+            for ch in self.choices.values():
+                ch.settle()
+        except (ValueError, TypeError, AttributeError, KeyError) as e:  # as the route reports a malformed reply
+            self.fail(502, f"the backend's reply is malformed: {type(e).__name__}: {e}")
         operation = "text_completion" if self.api == "completions" else "chat"
         first = self.choices.get(0)
         ok = self.status < 400 and first is not None and self.prompt_ids is not None
@@ -264,10 +281,9 @@ class Call:
         if constraint is not None:  # by value: the trainer replays this grammar over the completion ids
             a[CONSTRAINT] = constraint.to_json()
         if self.server is not None:  # which replica served it (OpenTelemetry's server.* attributes)
-            where = urlsplit(self.server)
-            a["server.address"] = where.hostname or ""
-            if where.port is not None:
-                a["server.port"] = where.port
+            a["server.address"], port = _address(self.server)
+            if port is not None:
+                a["server.port"] = port
         if o.rollout is not None:
             a[ROLLOUT_ID], a[ATTEMPT] = o.rollout.rollout_id, o.rollout.attempt
         if o.component is not None:
@@ -297,6 +313,12 @@ class Call:
             status="OK" if ok else "ERROR", status_message=None if ok else self.error, attributes=a,
             source=GATEWAY,
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _address(url: str) -> tuple[str, int | None]:
+    where = urlsplit(url)
+    return where.hostname or "", where.port
 
 
 def _prompt_ids(reply: dict) -> Any:
