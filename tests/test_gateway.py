@@ -4,7 +4,9 @@ trained, every response carries token ids, the least-loaded backend takes each r
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -151,6 +153,7 @@ def test_bad_requests_get_openai_shaped_errors(server):
                                     (b'{"messages": []}', 400, "model: expected"), (b'{"model": 7}', 400, "model")):
             r = httpx.post(url, content=body, headers=auth, timeout=30)
             assert r.status_code == status and words in r.json()["error"]["message"], r.text
+        assert httpx.get(url, headers=auth, timeout=30).status_code == 405  # only POSTs take the calls' own route
         codes = sorted(httpx.post(url, json={"model": "m", "messages": ASK, "max_tokens": 2}, headers=auth,
                                   timeout=30).status_code for _ in range(2))
         assert codes == [200, 200]  # the backend that refuses connections is taken out; the live one serves both
@@ -252,3 +255,52 @@ def test_ray_servers_load_adapters_on_every_server(tiny_model_path, tmp_path):
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_reply_orjson_refuses_is_relayed_and_recorded_as_the_standard_library_reads_it(tmp_path):
+    """The gateway parses and writes back replies with orjson; one holding what orjson does not read (a -Infinity
+    log-prob, a lone surrogate) goes through the standard library both ways: the agent gets back what the backend
+    sent, less what it did not ask for, and the record keeps it."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from lightning_sdk.gateway.listen import ThreadedServer, bind, url_of
+    from lightning_sdk.store import Store
+    from lightning_sdk.tracing import COMPLETION_LOGPROBS, is_llm_call
+
+    raw = (b'{"id": "c", "object": "chat.completion", "model": "p", "prompt_token_ids": [1, 2], "choices": [{"index": 0, '
+           b'"message": {"role": "assistant", "content": "\\ud800x"}, "finish_reason": "stop", "token_ids": [5, 6], '
+           b'"logprobs": {"content": [{"token": "a", "logprob": -Infinity}, {"token": "b", "logprob": -0.5}]}}]}')
+
+    async def chat(request):
+        return Response(raw, media_type="application/json")
+
+    sock = bind("127.0.0.1", 0)
+    backend = ThreadedServer(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])]), sock,
+                             name="orjson-refuses")
+    backend.start()
+    g = Gateway(api_key="agents")
+    g.start([url_of(sock)], backend_key=None)
+    g.policy = "p"
+    store = Store(tmp_path / "store.sqlite")
+    g.capture.record_to(store)
+    g.rollouts.open("ab" * 16, "r-1", 1, "train")
+    auth = {"Authorization": "Bearer agents", "traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"}
+    try:
+        url, body = f"{g.base_url}/chat/completions", {"model": "m", "messages": ASK}
+        plain = json.loads(httpx.post(url, json=body, headers=auth, timeout=30).text)
+        assert plain["choices"][0]["message"]["content"] == "\ud800x" and plain["choices"][0]["logprobs"] is None
+        assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
+        asked = json.loads(httpx.post(url, json={**body, "logprobs": True}, headers=auth, timeout=30).text)
+        assert [t["logprob"] for t in asked["choices"][0]["logprobs"]["content"]] == [-math.inf, -0.5]
+        assert g.capture.flush()
+        calls = [c for c in store.spans("r-1") if is_llm_call(c)]
+        assert len(calls) == 2 and all(c.status == "OK" for c in calls)
+        assert all(c.attributes[COMPLETION_LOGPROBS] == [-math.inf, -0.5] for c in calls)
+    finally:
+        g.capture.record_to(None)
+        g.stop()
+        backend.stop()
+        sock.close()
+        store.close()
