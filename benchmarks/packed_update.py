@@ -6,12 +6,14 @@
 Records: each example's own lightning.toml, shrunk to one iteration (8 tasks x groups of 4, 1 eval task), run with
 `lightning run` in a temporary directory; its train rollouts' transitions are the batch. Then, per example, rounds
 alternate the two sides, each in a fresh subprocess: the example's trainer settings with pack_calls off or on, one
-warm-up update, then one timed update of the same batch (`GRPOTrainer.step` seconds), the tokens its forward passes
-read (num_input_tokens) and the process's peak RSS growth over the updates (ru_maxrss minus the RSS before).
+warm-up update, then one timed update of the same batch (`GRPOTrainer.step` seconds, and the process's CPU seconds in
+it: on a shared machine the wall clock also counts waiting for a core), the tokens its forward passes read
+(num_input_tokens, padding not counted) and the process's peak RSS growth over the updates (ru_maxrss minus the RSS before).
 Each side also runs with the LM head over every position (`full head`: what a model the head check rejects takes,
 train/head.py) against the head on the trained tokens only, in the same rounds.
 Prints a table per example (median and spread over rounds), `head_ratio=` (full head / trained tokens only, one row
-per call then packed, per example) and `ratio=` (one row per call / packed seconds, head on trained tokens) last.
+per call then packed, per example), `cpu_ratio=` and `ratio=` (one row per call / packed, CPU then wall seconds, head
+on trained tokens) last.
 """
 
 from __future__ import annotations
@@ -72,11 +74,11 @@ def side(config: str, packed: bool, full_head: bool) -> dict:
         tr.head.full_head_reason = "benchmarked against the full head"
     rss0 = _rss_kib()
     tr.step(ts)  # warm-up: first-call costs, on both sides alike
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     m = tr.step(ts)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"seconds": seconds, "read": m["num_input_tokens"], "tokens": m["num_tokens"], "calls": len(ts),
+    return {"seconds": seconds, "cpu": cpu, "read": m["num_input_tokens"], "tokens": m["num_tokens"], "calls": len(ts),
             "peak_mib": (peak - rss0) / 1024}
 
 
@@ -102,7 +104,7 @@ def main() -> None:
         print(json.dumps(side(a.side[0], a.side[1] == "on", a.side[2] == "full")))
         return
     configs = a.config or [str(records(ex, Path(tempfile.mkdtemp(prefix=f"packed-{ex}-")))) for ex in a.examples]
-    ratios, head_ratios = [], []
+    ratios, cpu_ratios, head_ratios = [], [], []
     names = ("today", "packed", "today, full head", "packed, full head")
     for config in configs:
         results: dict[str, list[dict]] = {name: [] for name in names}
@@ -124,13 +126,16 @@ def main() -> None:
                                / statistics.median(r["seconds"] for r in results[name]))
         print(f"\n{config}: {today[0]['calls']} calls, {today[0]['tokens']:.0f} completion tokens; load "
               f"{min(loads)}-{max(loads)}")
-        print("| side | update s (median, min-max) | tokens read | peak RSS growth MiB |")
-        print("| --- | --- | --- | --- |")
+        print("| side | update s (median, min-max) | CPU s | tokens read | peak RSS growth MiB |")
+        print("| --- | --- | --- | --- | --- |")
         for name, rs in results.items():
-            print(f"| {name} | {spread([r['seconds'] for r in rs])} | {rs[0]['read']:.0f} | "
-                  f"{spread([r['peak_mib'] for r in rs])} |")
-        print(f"speedup {ratio:.2f}x, tokens read {packed[0]['read'] / today[0]['read']:.2f} of today's")
+            print(f"| {name} | {spread([r['seconds'] for r in rs])} | {spread([r['cpu'] for r in rs])} | "
+                  f"{rs[0]['read']:.0f} | {spread([r['peak_mib'] for r in rs])} |")
+        cpu_ratios.append(statistics.median(r["cpu"] for r in today) / statistics.median(r["cpu"] for r in packed))
+        print(f"speedup {ratio:.2f}x ({cpu_ratios[-1]:.2f}x in CPU seconds), tokens read "
+              f"{packed[0]['read'] / today[0]['read']:.2f} of today's")
     print("head_ratio=" + " ".join(f"{r:.3f}" for r in head_ratios))
+    print("cpu_ratio=" + " ".join(f"{r:.3f}" for r in cpu_ratios))
     print("ratio=" + " ".join(f"{r:.3f}" for r in ratios))
 
 

@@ -284,8 +284,9 @@ class TrainConfig(_Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="after warmup, over run.iterations x train.epochs optimizer steps")
     epochs: int = Field(1, ge=1, description="optimizer passes over each collected batch")
-    micro_batch_size: int = Field(32, ge=1, description="rows per forward/backward (gradient accumulation): a row is "
-                                  "one call, or with pack_calls one chain of calls packed together")
+    micro_batch_size: int = Field(32, ge=1, description="most rows per forward/backward (gradient accumulation): a "
+                                  "row is one call, or with pack_calls the calls packed together; rows of very "
+                                  "different lengths go in separate passes (less padding)")
     pack_calls: bool = Field(False, description="train the calls of a rollout (one policy) whose prompts extend the "
                              "previous call's prompt + completion token for token as one sequence, read once "
                              "(train.packing); the loss and gradients are those of separate rows. Off by default: "

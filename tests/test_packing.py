@@ -1,5 +1,5 @@
-"""Calls that extend one another, packed into one row (train.packing), train exactly as separate rows: the rag
-cookbook agent's real records (tests/rag_transitions.json: one iteration of `lightning run` on cookbook/rag, 32
+"""Calls that extend one another, packed into one row (train.packing), and rows with the same prompt read as
+branches of one sequence, train exactly as separate rows: the rag cookbook agent's real records (tests/rag_transitions.json: one iteration of `lightning run` on cookbook/rag, 32
 rollouts of 1-3 calls), every loss normaliser, GSPO, the KL term, grammar-masked calls, truncated calls, and rows
 spread over micro-batches. The update's loss, statistics and gradients are compared with the packing off."""
 
@@ -15,7 +15,9 @@ import torch
 from lightning_sdk import models
 from lightning_sdk.config import TrainConfig
 from lightning_sdk.constraint import Constraint
-from lightning_sdk.train.packing import pack
+from lightning_sdk.train.head import TrainedPositionHead
+from lightning_sdk.train.microbatch import split
+from lightning_sdk.train.packing import pack, share
 from lightning_sdk.train.trainer import GRPOTrainer
 from lightning_sdk.transitions import Transition
 
@@ -46,6 +48,20 @@ def test_the_rag_agent_s_calls_extend_one_another(records):
             t = records[s.index]
             assert (r.prompt_ids + r.tail)[:len(r.prompt_ids) + s.start + s.length] == t.prompt_ids + t.completion_ids
     assert sum(r.length for r in rows) < 0.7 * sum(len(t.prompt_ids) + len(t.completion_ids) for t in records)
+    # a group's rollouts start from the same task: their rows share it, each a branch that sees it and itself
+    shared = share(rows, records)
+    assert max(len(r.branches) for r in shared) == 4 and sum(r.length for r in shared) < sum(r.length for r in rows)
+    assert sorted(s.index for r in shared for s in r.segments) == list(range(len(records)))
+    for r in shared:
+        for s in r.segments:
+            b = max(b for b in r.branches if b <= s.start)
+            t = records[s.index]
+            assert (r.prompt_ids + r.tail[b:])[:len(r.prompt_ids) + s.start - b + s.length] == (t.prompt_ids
+                                                                                               + t.completion_ids)
+    # micro-batches: every row once, in order, at most max_rows each; rows of very different lengths apart
+    cut = split(sorted(shared, key=lambda r: r.length), 5)
+    assert [r for c in cut for r in c] == sorted(shared, key=lambda r: r.length) and max(map(len, cut)) <= 5
+    assert len(cut) > -(-len(shared) // 5)
 
 
 def update(path: str, ts: list[Transition], packed: bool, full_head: bool = False,
@@ -55,7 +71,8 @@ def update(path: str, ts: list[Transition], packed: bool, full_head: bool = Fals
     cfg = TrainConfig(lr=1.0, lora_r=8, lora_alpha=16, target_modules=["all-linear", "lm_head"], micro_batch_size=5,
                       max_grad_norm=1e9, importance_sampling_cap=2.0, pack_calls=packed, **kw)
     tr = GRPOTrainer(path, cfg, seed=0)
-    assert tr.head.full_head_reason is None  # the tiny model passes the check: the head on trained tokens only
+    # the tiny model passes both checks: the head on trained tokens only, rows with one prompt share it
+    assert tr.head.full_head_reason is None and tr.head.shared_prompt_reason is None
     if full_head:
         tr.head.full_head_reason = "compared with the full head"
     with torch.no_grad():  # a trained adapter: LoRA's B starts at 0, where A's gradient is 0
@@ -126,3 +143,18 @@ def test_the_head_on_trained_tokens_only_trains_as_the_full_head(rag_path, recor
         assert mine[k] == pytest.approx(full[k], abs=1e-6), (k, mine[k], full[k])
     assert max((g1[n] - g0[n]).abs().max().item() for n in g0) <= 1e-6
     assert max(g.abs().max().item() for g in g0.values()) > 1e-3
+
+
+def test_a_model_that_would_not_read_a_shared_prompt_as_its_rows_reads_them_apart(rag_path):
+    """The load-time check of the 4D mask (train/head.py): an attention that adds the mask as a number (eager
+    attention with a bool mask) and a sliding window are caught, with the reason."""
+    from peft import LoraConfig, get_peft_model
+
+    def head(change) -> TrainedPositionHead:
+        base = models.load_causal_lm(rag_path, dtype="float32", device="cpu")
+        change(base)
+        return TrainedPositionHead(get_peft_model(base, LoraConfig(r=4, target_modules="all-linear")))
+
+    assert head(lambda m: None).shared_prompt_reason is None
+    assert "4D attention mask" in head(lambda m: m.set_attn_implementation("eager")).shared_prompt_reason
+    assert "sliding window" in head(lambda m: setattr(m.config, "sliding_window", 64)).shared_prompt_reason

@@ -555,9 +555,8 @@ def test_with_dropout_and_one_epoch_the_importance_weight_and_gap_come_from_a_dr
                 p.normal_(0.0, 0.5)
     ts = mixed_batch(tok)
     plan = tr._prepare(ts, None)
-    (b,) = plan.batches
-    (clean,) = tr._logprobs_frozen(plan.batches, reference=False)
-    b.sampler_logp, b.has_sampler_logp = clean.clone(), b.weights > 0
+    for b, clean in zip(plan.batches, tr._logprobs_frozen(plan.batches, reference=False)):
+        b.sampler_logp, b.has_sampler_logp = clean.clone(), b.weights > 0
     m = tr._update(tr.adapters["default"], ts, plan, time.perf_counter())
     assert m["logprob_gap"] < 1e-5, m
     assert m["is_weight"] == pytest.approx(1.0, abs=1e-5) and m["is_capped_frac"] == 0

@@ -10,6 +10,11 @@ adapter on the head or the decoder applies as in the full forward.
 A family whose forward does more than `head(hidden)` must be reproduced here: Gemma 2/3's
 `final_logit_softcapping` is. Any other difference is caught by a check at load (the full forward against this
 path on a few tokens), and that model then takes the full head at every position, with the reason logged.
+
+Rows that share a prompt (train.packing.share) are read through a custom 4D attention mask (transformers takes a
+4D mask as given). A second check at load compares that with the rows read apart; a model that does not honour
+such a mask, or that attends through a sliding window (a 4D mask would replace it), has its rows read apart, with
+the reason logged.
 """
 
 from __future__ import annotations
@@ -42,18 +47,23 @@ class TrainedPositionHead:
             self.full_head_reason = self._check()
         if self.full_head_reason:
             log.warning("train: the LM head runs on every position (slower update): %s", self.full_head_reason)
+        # why rows with the same prompt are read apart (None: they share it)
+        self.shared_prompt_reason = _sliding(base) or self._check_shared()
+        if self.shared_prompt_reason:
+            log.warning("train: calls with the same prompt are read apart (slower update): %s",
+                        self.shared_prompt_reason)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 keep: torch.Tensor) -> torch.Tensor:
-        """`keep` [B, C] bool over the tail; position j of the tail is predicted by the hidden state before it."""
-        C = keep.shape[1]
+                 rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] from the hidden states at (rows[i], cols[i])."""
         if self.full_head_reason:
+            start = int(cols.min()) if cols.numel() else input_ids.shape[1] - 1
             out = self._model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              logits_to_keep=C + 1, use_cache=False)
-            return out.logits[:, :-1][keep]
+                              logits_to_keep=input_ids.shape[1] - start, use_cache=False)
+            return out.logits[rows, cols - start]
         hidden = self._decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
-        return self._logits(hidden[:, -C - 1:-1][keep])
+        return self._logits(hidden[rows, cols])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self._head(hidden)
@@ -85,6 +95,50 @@ class TrainedPositionHead:
             return (f"{type(self._model.get_base_model()).__name__}'s forward does more than head(decoder(x)) "
                     f"(max |difference| {float((mine - full).abs().max()) if mine.shape == full.shape else 'shape'})")
         return None
+
+    @torch.no_grad()
+    def _check_shared(self) -> str | None:
+        """None when two rows read as branches of one shared prompt (the 4D mask of train.microbatch) give the
+        logits they give read apart; else why not."""
+        vocab = int(self._model.get_output_embeddings().weight.shape[0])
+        device = next(self._model.parameters()).device
+        prompt, a, b = [1, 2, 3], [4, 5], [6, 7, 8]
+        ids = torch.tensor([prompt + a + b], device=device) % vocab
+        pos = torch.tensor([[0, 1, 2, 3, 4, 3, 4, 5]], device=device)
+        branch = torch.tensor([[-1, -1, -1, 0, 0, 1, 1, 1]], device=device)
+        mask = (torch.ones(8, 8, dtype=torch.bool, device=device).tril()
+                & ((branch.unsqueeze(1) == -1) | (branch.unsqueeze(1) == branch.unsqueeze(2)))).unsqueeze(1)
+        training = self._model.training
+        self._model.eval()
+        try:
+            shared = self._model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[0]
+            apart = []
+            for tail in (a, b):
+                row = torch.tensor([prompt + tail], device=device) % vocab
+                apart.append(self._model(input_ids=row, attention_mask=torch.ones_like(row),
+                                         position_ids=torch.arange(row.shape[1], device=device).unsqueeze(0),
+                                         use_cache=False).logits[0])
+        except Exception as e:  # noqa: BLE001 - any failure of the 4D mask means: read the rows apart
+            return f"a 4D attention mask failed ({type(e).__name__}: {e})"
+        finally:
+            self._model.train(training)
+        want = torch.cat([apart[0], apart[1][3:]]).float()
+        got = shared.float()
+        scale = float(want.abs().max()) or 1.0
+        if not torch.allclose(got, want, rtol=1e-3, atol=1e-3 * scale):
+            return (f"{type(self._model.get_base_model()).__name__} does not read a 4D attention mask as given "
+                    f"(max |difference| {float((got - want).abs().max())})")
+        return None
+
+
+def _sliding(base: torch.nn.Module) -> str | None:
+    """Why a 4D mask would change what `base` attends to: a sliding window (None: it has none)."""
+    c = base.config.get_text_config()
+    layers = getattr(c, "layer_types", None) or []
+    if any(t != "full_attention" for t in layers) or (getattr(c, "sliding_window", None)
+                                                      and getattr(c, "use_sliding_window", True)):
+        return f"{type(base).__name__} attends through a sliding window, which a 4D mask would replace"
+    return None
 
 
 def _sharded(model: torch.nn.Module) -> bool:

@@ -1,5 +1,5 @@
-"""Rows (train.packing) -> padded micro-batches on the device, laid out so the model needs logits only for the
-tokens after each row's prompt."""
+"""Rows (train.packing) -> padded micro-batches on the device, with where each trained token's predictor sits, so
+the model's head runs at those positions only (train.head)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,16 @@ from lightning_sdk.transitions import Transition
 
 @dataclass
 class Batch:
-    """One micro-batch on the device: prompts left-padded, tails (completions, and in a packed row the observations
-    between them) right-padded, so every tail starts at the same column and the model only needs logits for the
-    last C+1 positions. Per-call values are per token: a packed row holds several calls."""
+    """One micro-batch on the device: each row's prompt then its tail (completions, and in a packed row the
+    observations between them), right-padded to the longest row, so padding costs what the longest row is longer.
+    Per-call values are per tail token [B, C]: a packed row holds several calls."""
 
-    input_ids: torch.Tensor  # [B, P+C]
-    attention_mask: torch.Tensor  # [B, P+C]
-    position_ids: torch.Tensor  # [B, P+C] positions count from each row's first real token, as when sampling
+    input_ids: torch.Tensor  # [B, L]
+    # [B, L] (1: a real token), or [B, 1, L, L] bool (query, key) where a row has branches sharing its prompt
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor  # [B, L] from each row's first token, as when sampling (restarting after the prompt
+    # in each branch)
+    src: torch.Tensor  # [B, C] long: the column of the hidden state that predicts each tail token
     targets: torch.Tensor  # [B, C] tail ids (0 on padding)
     weights: torch.Tensor  # [B, C] loss weight per token (0 on padding and observations)
     adv: torch.Tensor  # [B, C] the advantage of the call each token belongs to
@@ -37,11 +40,15 @@ def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w:
     """`rows` index `ts`, `adv` and `w` (one advantage and one token weight per transition); a transition of weight 0
     inside a row (masked as truncated) is read as context only. `masks`: span id -> [C, words] grammar bitmask of a
     constrained call (grammar.Grammars.replay)."""
-    P = max(len(r.prompt_ids) for r in rows)
+    L = max(r.length for r in rows)
     C = max(len(r.tail) for r in rows)
     B = len(rows)
-    ids = torch.zeros(B, P + C, dtype=torch.long)
-    mask = torch.zeros(B, P + C, dtype=torch.long)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    pos = torch.zeros(B, L, dtype=torch.long)
+    # which branch each token is in: -1 the prompt (seen by every branch), -2 padding
+    branch = torch.full((B, L), -2, dtype=torch.long)
+    src = torch.zeros(B, C, dtype=torch.long)
+    targets = torch.zeros(B, C, dtype=torch.long)
     slp = torch.zeros(B, C)
     has = torch.zeros(B, C, dtype=torch.bool)
     weights = torch.zeros(B, C)
@@ -55,8 +62,15 @@ def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w:
         if p == 0:
             raise ValueError(f"transition {ts[row.segments[0].index].span_id}: empty prompt_ids (the first "
                              f"completion token needs a context)")
-        ids[r, P - p:P + c] = torch.tensor(row.prompt_ids + row.tail)
-        mask[r, P - p:P + c] = 1
+        ids[r, :p + c] = torch.tensor(row.prompt_ids + row.tail)
+        targets[r, :c] = ids[r, p:p + c]
+        pos[r, :p] = torch.arange(p)
+        branch[r, :p] = -1
+        src[r, :c] = torch.arange(p - 1, p + c - 1)
+        for k, (b0, b1) in enumerate(zip(row.branches, row.branches[1:] + (c,))):
+            pos[r, p + b0:p + b1] = torch.arange(p, p + b1 - b0)
+            branch[r, p + b0:p + b1] = k
+            src[r, b0] = p - 1  # a branch's first token is predicted from the prompt's last, as in its own row
         for k, s in enumerate(row.segments):
             t, span = ts[s.index], slice(s.start, s.start + s.length)
             if not t.temperature > 0 or not 0 < t.top_p <= 1:
@@ -73,8 +87,14 @@ def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w:
                     has[r, span] = True
             if masks and t.span_id in masks:
                 mine.append((r, s.start, masks[t.span_id]))
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    fields = (ids, mask, pos, ids[:, P:], weights, advs, temps, top_p, slp, has)
+    if any(len(row.branches) > 1 for row in rows):
+        # causal, and a branch's tokens see the prompt and their own branch only (padding sees padding: no row of
+        # the mask is empty)
+        q, k = branch.unsqueeze(2), branch.unsqueeze(1)
+        mask = (torch.ones(L, L, dtype=torch.bool).tril() & ((k == -1) | (k == q))).unsqueeze(1)
+    else:
+        mask = (branch > -2).long()
+    fields = (ids, mask, pos, src, targets, weights, advs, temps, top_p, slp, has)
     bitmask = None
     if mine:
         bitmask = torch.full((B, C, mine[0][2].shape[-1]), -1, dtype=torch.int32)
@@ -83,3 +103,26 @@ def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w:
         bitmask = bitmask.to(device)
     packed = any(len(row.segments) > 1 for row in rows)
     return Batch(*(x.to(device) for x in fields), bitmask=bitmask, segments=seg.to(device) if packed else None)
+
+
+def split(rows: Sequence[Row], max_rows: int) -> list[list[Row]]:
+    """`rows` (sorted by length) cut into micro-batches of at most `max_rows` rows, where the cuts fall so that the
+    tokens read, padding included, plus a toll of one mean row per micro-batch are fewest: a cut is made where it
+    saves more padding than one more pass costs. Rows of very different lengths (packed rows, rows sharing a
+    prompt) pad less apart; rows of similar lengths stay together."""
+    n = len(rows)
+    if not n:
+        return []
+    toll = sum(r.length for r in rows) / n
+    best = [0] + [None] * n  # best[j]: the least cost of rows[:j]; cut[j]: where its last micro-batch starts
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(max(0, j - max_rows), j):
+            cost = best[i] + (j - i) * rows[j - 1].length + toll
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    out, j = [], n
+    while j:
+        out.append(list(rows[cut[j]:j]))
+        j = cut[j]
+    return out[::-1]

@@ -7,6 +7,11 @@ it, so the calls can be one row: the first call's prompt, then each call's compl
 advantage, temperature, top-p, sampler log-probs and grammar mask) followed by what the next prompt added (the
 observation: read, never trained). The token ids are the gateway's exact ones, so "extends" is an exact prefix test,
 never a guess; calls that do not extend one another stay rows of their own, as before.
+
+Rows whose prompts are the same token for token (the rollouts of one group start from the same task) then share
+it: one sequence holds the prompt once and each row's tail after it as a branch that attends to the prompt and to
+itself only (a mask per row, train.microbatch; positions restart after the prompt in every branch), so each token
+still sees exactly what it saw in its own row.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ class Segment:
 @dataclass(frozen=True)
 class Row:
     """One sequence of a micro-batch: `prompt_ids` are context only, `tail` holds the completions (`segments`) and
-    the observations between them (not trained)."""
+    the observations between them (not trained). `branches`: where each branch starts in the tail; a branch sees the
+    prompt and its own tokens, not the branches before it."""
 
     prompt_ids: tuple[int, ...]
     tail: tuple[int, ...]
     segments: tuple[Segment, ...]
+    branches: tuple[int, ...] = (0,)
 
     @property
     def length(self) -> int:
@@ -93,3 +100,25 @@ def _row(ts: Sequence[Transition], chain: list[int]) -> Row:
         segments.append(Segment(i, len(t.prompt_ids) - base, len(t.completion_ids)))
     last = ts[chain[-1]]
     return Row(first.prompt_ids, last.prompt_ids[base:] + last.completion_ids, tuple(segments))
+
+
+def share(rows: Sequence[Row], ts: Sequence[Transition]) -> list[Row]:
+    """`rows` whose prompts are equal, token for token, and whose calls one policy (adapter) served, merged into one
+    row: the prompt once, each row's tail a branch of its own (in the order given)."""
+    by_prompt: dict[tuple[tuple[int, ...], str | None], list[Row]] = {}
+    for row in rows:
+        by_prompt.setdefault((row.prompt_ids, ts[row.segments[0].index].policy), []).append(row)
+    out = []
+    for same in by_prompt.values():
+        if len(same) == 1:
+            out.append(same[0])
+            continue
+        tail: tuple[int, ...] = ()
+        segments, branches = [], []
+        for row in same:
+            for b in row.branches:
+                branches.append(len(tail) + b)
+            segments += [Segment(s.index, len(tail) + s.start, s.length) for s in row.segments]
+            tail += row.tail
+        out.append(Row(same[0].prompt_ids, tail, tuple(segments), tuple(branches)))
+    return out

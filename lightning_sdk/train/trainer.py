@@ -34,8 +34,8 @@ from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
 from lightning_sdk.grammar import Grammars, additive_mask
 from lightning_sdk.models.adapter import first_nonfinite
-from lightning_sdk.train.microbatch import Batch, collate
-from lightning_sdk.train.packing import pack, single
+from lightning_sdk.train.microbatch import Batch, collate, split
+from lightning_sdk.train.packing import pack, share, single
 from lightning_sdk.train.checkpoint import ADAPTER, ADAPTERS
 from lightning_sdk.train.data_parallel import OneProcess, Ranks
 from lightning_sdk.advantage import batch_advantages
@@ -202,7 +202,9 @@ class GRPOTrainer:
         and outside the row's top-p nucleus of what is left (the CPU server's and vLLM's processed log-probs
         renormalise over the same set). The head runs at those positions only (train/head.py)."""
         keep = _trained(b)
-        logits = self.head(b.input_ids, b.attention_mask, b.position_ids, keep).float() / b.temperature[keep]
+        rows, cols = keep.nonzero(as_tuple=True)
+        logits = (self.head(b.input_ids, b.attention_mask, b.position_ids, rows, b.src[rows, cols]).float()
+                  / b.temperature[keep])
         if b.bitmask is not None:  # a constrained call: the tokens its grammar allowed at each position, as sampled
             logits = logits + additive_mask(b.bitmask[keep], logits.shape[-1])
         top_p = b.top_p[keep]
@@ -399,10 +401,11 @@ class GRPOTrainer:
         w = token_weights(n, args[2], cfg.loss_norm, max_completion_length=cfg.max_completion_length,
                           group_ids=args[1])
         rows = pack(ts, [k > 0 for k in n]) if cfg.pack_calls else [single(ts, i) for i in order]
+        if cfg.pack_calls and self.head.shared_prompt_reason is None:
+            rows = share(rows, ts)
         rows.sort(key=lambda r: r.length)  # similar lengths together: less padding
         mine = self.ranks.share(rows)
-        chunks = [mine[k:k + cfg.micro_batch_size] for k in range(0, len(mine), cfg.micro_batch_size)]
-        batches = [collate(c, ts, adv, w, self.device, masks) for c in chunks]
+        batches = [collate(c, ts, adv, w, self.device, masks) for c in split(mine, cfg.micro_batch_size)]
         for _ in range(self.ranks.lockstep(len(batches)) - len(batches)):  # passes that weigh 0 (data_parallel)
             b = collate(rows[:1], ts, adv, w, self.device, masks)
             batches.append(replace(b, weights=torch.zeros_like(b.weights),
