@@ -287,11 +287,11 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(32, ge=1, description="most rows per forward/backward (gradient accumulation): a "
                                   "row is one call, or with pack_calls the calls packed together; rows of very "
                                   "different lengths go in separate passes (less padding)")
-    pack_calls: bool = Field(False, description="train the calls of a rollout (one policy) whose prompts extend the "
-                             "previous call's prompt + completion token for token as one sequence, read once "
-                             "(train.packing); the loss and gradients are those of separate rows. Off by default: "
-                             "a packed row computes vocabulary-wide logits over its observations too, which on small "
-                             "models costs more than the shared prefix saves (benchmarks/packed_update.py)")
+    pack_calls: bool = Field(True, description="train the calls of a rollout (one policy) whose prompts extend the "
+                             "previous call's prompt + completion token for token as one sequence, and rows with the "
+                             "same prompt (a group's rollouts) as branches of one sequence, so shared history is read "
+                             "once (train.packing); the loss and gradients are those of separate rows. false: one row "
+                             "per call (benchmarks/packed_update.py compares the two)")
     max_grad_norm: float = Field(1.0, gt=0)
     gradient_checkpointing: bool = False
     importance_sampling_cap: Annotated[float, Field(ge=1)] | Literal["auto"] | None = Field(

@@ -23,6 +23,8 @@ import logging
 
 import torch
 
+from lightning_sdk.train.microbatch import branch_mask
+
 log = logging.getLogger("lightning_sdk")
 
 
@@ -105,9 +107,7 @@ class TrainedPositionHead:
         prompt, a, b = [1, 2, 3], [4, 5], [6, 7, 8]
         ids = torch.tensor([prompt + a + b], device=device) % vocab
         pos = torch.tensor([[0, 1, 2, 3, 4, 3, 4, 5]], device=device)
-        branch = torch.tensor([[-1, -1, -1, 0, 0, 1, 1, 1]], device=device)
-        mask = (torch.ones(8, 8, dtype=torch.bool, device=device).tril()
-                & ((branch.unsqueeze(1) == -1) | (branch.unsqueeze(1) == branch.unsqueeze(2)))).unsqueeze(1)
+        mask = branch_mask(torch.tensor([[-1, -1, -1, 0, 0, 1, 1, 1]], device=device))
         training = self._model.training
         self._model.eval()
         try:

@@ -88,10 +88,7 @@ def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w:
             if masks and t.span_id in masks:
                 mine.append((r, s.start, masks[t.span_id]))
     if any(len(row.branches) > 1 for row in rows):
-        # causal, and a branch's tokens see the prompt and their own branch only (padding sees padding: no row of
-        # the mask is empty)
-        q, k = branch.unsqueeze(2), branch.unsqueeze(1)
-        mask = (torch.ones(L, L, dtype=torch.bool).tril() & ((k == -1) | (k == q))).unsqueeze(1)
+        mask = branch_mask(branch)
     else:
         mask = (branch > -2).long()
     fields = (ids, mask, pos, src, targets, weights, advs, temps, top_p, slp, has)
@@ -103,6 +100,16 @@ def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w:
         bitmask = bitmask.to(device)
     packed = any(len(row.segments) > 1 for row in rows)
     return Batch(*(x.to(device) for x in fields), bitmask=bitmask, segments=seg.to(device) if packed else None)
+
+
+def branch_mask(branch: torch.Tensor) -> torch.Tensor:
+    """[B, 1, L, L] bool (query, key) from [B, L] branch numbers (-1: the prompt, seen by every branch; -2:
+    padding): causal, and a branch's tokens see the prompt and their own branch only (padding sees the prompt and
+    padding: no query's row is empty)."""
+    L = branch.shape[1]
+    q, k = branch.unsqueeze(2), branch.unsqueeze(1)
+    causal = torch.ones(L, L, dtype=torch.bool, device=branch.device).tril()
+    return (causal & ((k == -1) | (k == q))).unsqueeze(1)
 
 
 def split(rows: Sequence[Row], max_rows: int) -> list[list[Row]]:
