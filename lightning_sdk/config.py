@@ -285,8 +285,9 @@ class TrainConfig(_Section):
         "constant", description="after warmup, over run.iterations x train.epochs optimizer steps")
     epochs: int = Field(1, ge=1, description="optimizer passes over each collected batch")
     micro_batch_size: int = Field(32, ge=1, description="most rows per forward/backward (gradient accumulation): a "
-                                  "row is one call, or with pack_calls the calls packed together; rows of very "
-                                  "different lengths go in separate passes (less padding)")
+                                  "row is one call, or with pack_calls the calls packed together; a pass reads at "
+                                  "most as many tokens as this many of the batch's longest call (padding "
+                                  "included), and rows of very different lengths go in separate passes")
     pack_calls: bool = Field(True, description="train the calls of a rollout (one policy) whose prompts extend the "
                              "previous call's prompt + completion token for token as one sequence, and rows with the "
                              "same prompt (a group's rollouts) as branches of one sequence, so shared history is read "

@@ -49,7 +49,8 @@ def test_the_rag_agent_s_calls_extend_one_another(records):
             assert (r.prompt_ids + r.tail)[:len(r.prompt_ids) + s.start + s.length] == t.prompt_ids + t.completion_ids
     assert sum(r.length for r in rows) < 0.7 * sum(len(t.prompt_ids) + len(t.completion_ids) for t in records)
     # a group's rollouts start from the same task: their rows share it, each a branch that sees it and itself
-    shared = share(rows, records)
+    shared = share(rows, records, 4)
+    assert max(len(r.branches) for r in share(rows, records, 2)) == 2
     assert max(len(r.branches) for r in shared) == 4 and sum(r.length for r in shared) < sum(r.length for r in rows)
     assert sorted(s.index for r in shared for s in r.segments) == list(range(len(records)))
     for r in shared:
@@ -59,9 +60,12 @@ def test_the_rag_agent_s_calls_extend_one_another(records):
             assert (r.prompt_ids + r.tail[b:])[:len(r.prompt_ids) + s.start - b + s.length] == (t.prompt_ids
                                                                                                + t.completion_ids)
     # micro-batches: every row once, in order, at most max_rows each; rows of very different lengths apart
-    cut = split(sorted(shared, key=lambda r: r.length), 5)
-    assert [r for c in cut for r in c] == sorted(shared, key=lambda r: r.length) and max(map(len, cut)) <= 5
+    by_length = sorted(shared, key=lambda r: r.length)
+    cut = split(by_length, 5, 10**9)
+    assert [r for c in cut for r in c] == by_length and max(map(len, cut)) <= 5
     assert len(cut) > -(-len(shared) // 5)
+    budget = 2 * by_length[-1].length  # at most two of the longest rows' tokens a pass, padding included
+    assert all(len(c) * c[-1].length <= budget for c in split(by_length, 5, budget))
 
 
 def update(path: str, ts: list[Transition], packed: bool, full_head: bool = False,

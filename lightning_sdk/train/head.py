@@ -29,7 +29,7 @@ log = logging.getLogger("lightning_sdk")
 
 
 class TrainedPositionHead:
-    """Logits [N, V] at the N positions `keep` selects among the last C+1 (the C tail tokens' predictors)."""
+    """Logits [N, V] at the N positions that predict the trained tokens (train.microbatch.Batch.src)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         """`model`: the peft model the trainer trains (its adapters already added)."""

@@ -112,11 +112,11 @@ def branch_mask(branch: torch.Tensor) -> torch.Tensor:
     return (causal & ((k == -1) | (k == q))).unsqueeze(1)
 
 
-def split(rows: Sequence[Row], max_rows: int) -> list[list[Row]]:
-    """`rows` (sorted by length) cut into micro-batches of at most `max_rows` rows, where the cuts fall so that the
-    tokens read, padding included, plus a toll of one mean row per micro-batch are fewest: a cut is made where it
-    saves more padding than one more pass costs. Rows of very different lengths (packed rows, rows sharing a
-    prompt) pad less apart; rows of similar lengths stay together."""
+def split(rows: Sequence[Row], max_rows: int, max_tokens: int) -> list[list[Row]]:
+    """`rows` (sorted by length) cut into micro-batches of at most `max_rows` rows and `max_tokens` tokens, padding
+    included (a longer row goes alone), where the cuts fall so that the tokens read plus a toll of one mean row per
+    micro-batch are fewest: a cut is made where it saves more padding than one more pass costs. Rows of very
+    different lengths (packed rows, rows sharing a prompt) pad less apart; rows of similar lengths stay together."""
     n = len(rows)
     if not n:
         return []
@@ -124,7 +124,9 @@ def split(rows: Sequence[Row], max_rows: int) -> list[list[Row]]:
     best = [0] + [None] * n  # best[j]: the least cost of rows[:j]; cut[j]: where its last micro-batch starts
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
-        for i in range(max(0, j - max_rows), j):
+        for i in range(j - 1, max(0, j - max_rows) - 1, -1):
+            if i < j - 1 and (j - i) * rows[j - 1].length > max_tokens:
+                break
             cost = best[i] + (j - i) * rows[j - 1].length + toll
             if best[j] is None or cost < best[j]:
                 best[j], cut[j] = cost, i

@@ -102,23 +102,27 @@ def _row(ts: Sequence[Transition], chain: list[int]) -> Row:
     return Row(first.prompt_ids, last.prompt_ids[base:] + last.completion_ids, tuple(segments))
 
 
-def share(rows: Sequence[Row], ts: Sequence[Transition]) -> list[Row]:
-    """`rows` whose prompts are equal, token for token, and whose calls one policy (adapter) served, merged into one
-    row: the prompt once, each row's tail a branch of its own (in the order given)."""
+def share(rows: Sequence[Row], ts: Sequence[Transition], max_branches: int) -> list[Row]:
+    """`rows` whose prompts are equal, token for token, and whose calls one policy (adapter) served, merged into
+    rows of at most `max_branches` branches: the prompt once, each row's tail a branch of its own (in the order
+    given). A packed row is as long as its last call, so a merged row is at most `max_branches` calls long."""
     by_prompt: dict[tuple[tuple[int, ...], str | None], list[Row]] = {}
     for row in rows:
         by_prompt.setdefault((row.prompt_ids, ts[row.segments[0].index].policy), []).append(row)
     out = []
     for same in by_prompt.values():
-        if len(same) == 1:
-            out.append(same[0])
-            continue
-        tail: tuple[int, ...] = ()
-        segments, branches = [], []
-        for row in same:
-            for b in row.branches:
-                branches.append(len(tail) + b)
-            segments += [Segment(s.index, len(tail) + s.start, s.length) for s in row.segments]
-            tail += row.tail
-        out.append(Row(same[0].prompt_ids, tail, tuple(segments), tuple(branches)))
+        for k in range(0, len(same), max_branches):
+            out.append(_merged(same[k:k + max_branches]))
     return out
+
+
+def _merged(same: Sequence[Row]) -> Row:
+    if len(same) == 1:
+        return same[0]
+    tail: tuple[int, ...] = ()
+    segments, branches = [], []
+    for row in same:
+        branches += [len(tail) + b for b in row.branches]
+        segments += [Segment(s.index, len(tail) + s.start, s.length) for s in row.segments]
+        tail += row.tail
+    return Row(same[0].prompt_ids, tail, tuple(segments), tuple(branches))

@@ -402,10 +402,14 @@ class GRPOTrainer:
                           group_ids=args[1])
         rows = pack(ts, [k > 0 for k in n]) if cfg.pack_calls else [single(ts, i) for i in order]
         if cfg.pack_calls and self.head.shared_prompt_reason is None:
-            rows = share(rows, ts)
+            rows = share(rows, ts, cfg.micro_batch_size)
         rows.sort(key=lambda r: r.length)  # similar lengths together: less padding
         mine = self.ranks.share(rows)
-        batches = [collate(c, ts, adv, w, self.device, masks) for c in split(mine, cfg.micro_batch_size)]
+        # A pass reads at most what micro_batch_size rows of the longest call would (padding included), so packing
+        # never raises the memory bound micro_batch_size sets.
+        longest = max(len(ts[i].prompt_ids) + len(ts[i].completion_ids) for i in order)
+        batches = [collate(c, ts, adv, w, self.device, masks)
+                   for c in split(mine, cfg.micro_batch_size, cfg.micro_batch_size * longest)]
         for _ in range(self.ranks.lockstep(len(batches)) - len(batches)):  # passes that weigh 0 (data_parallel)
             b = collate(rows[:1], ts, adv, w, self.device, masks)
             batches.append(replace(b, weights=torch.zeros_like(b.weights),
