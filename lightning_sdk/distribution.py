@@ -18,7 +18,8 @@ OTHER = "lightning-sdk"
 
 # What the `train` extra installs, by import name: an environment without them (a worker's) has the agent side only.
 TRAIN_MODULES = frozenset({"torch", "transformers", "peft", "accelerate", "tokenizers", "safetensors", "fastapi",
-                           "starlette", "uvicorn", "tensorboard", "matplotlib", "numpy"})
+                           "starlette", "uvicorn", "uvloop", "httptools", "aiohttp", "orjson", "tensorboard",
+                           "matplotlib", "numpy", "xgrammar"})
 
 
 def missing_train_extra(error: ImportError, what: str) -> str | None:
