@@ -3,6 +3,8 @@
 import contextlib
 import os
 import secrets
+import signal
+import warnings
 
 import pytest
 
@@ -15,6 +17,29 @@ from lightning_sdk import models, tracing
 from lightning_sdk.store import Store
 
 SERVED = "tiny"
+
+
+def _sigint_state() -> tuple:
+    return signal.getsignal(signal.SIGINT), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_reaches_the_test(request):
+    """Each test starts with Ctrl-C deliverable, as in a process a terminal starts (SIGINT's default handler, not
+    blocked), whatever ran before it in this process; a test after which it is not is named (a warning) and the
+    state put back. The Ctrl-C tests (test_pipeline) send SIGINT to this process and to `lightning run`s it starts,
+    which inherit a blocked or ignored SIGINT: on CI their signal was once lost after other tests in the worker."""
+    good = (signal.default_int_handler, False)
+    if _sigint_state() != good:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    yield
+    left = _sigint_state()
+    if left != good:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        warnings.warn(f"{request.node.nodeid} left SIGINT {'blocked' if left[1] else 'unblocked'} with handler "
+                      f"{left[0]!r}; put back to the default", stacklevel=1)
 
 
 def pytest_collection_modifyitems(config, items):
