@@ -10,13 +10,15 @@
    both ways; `agent_us=<traced - untraced CPU per call, in microseconds>` and `ratio=<traced / untraced mean
    wall time>`.
 2. The gateway. The real gateway in front of the real built-in server; the same calls inside rollouts, in phases
-   that alternate recording on (records written to a SQLite store by the gateway's writer thread) and off.
-   Printed: wall time per call both ways, `gateway_ratio=<wall per call, recording off / on>`, and the writer's
-   CPU per record (`Call.record` and the store write, timed on the recorded calls afterwards: `record_us`). A third
-   phase calls the server directly, one call at a time as a sequential agent does: `hop_ms=<median wall per call
-   through the gateway (recording on) - straight to the server>` is the hop's latency, and `hop_cpu_us` the CPU
-   it costs this process per call (the gateway's threads, the records' writing included): on a loaded machine
-   the wall-clock hop is mostly waiting for a core, the CPU is not.
+   that alternate recording on (records written to a SQLite store by the gateway's writer thread) and off; in
+   every phase each call through the gateway is paired with one straight to the server, in rotating order (as a
+   sequential agent makes them, one at a time), so that both see the same drift in the server's speed.
+   Printed: wall time per call each way, `gateway_ratio=<wall per call, recording off / on>`, and the writer's
+   CPU per record (`Call.record` and the store write, timed on the recorded calls afterwards: `record_us`).
+   `hop_ms=<median wall per call through the gateway (recording on) - straight to the server, in the same
+   phases>` is the hop's latency, and `hop_cpu_us` the CPU it costs this process per call (the gateway's threads,
+   the records' writing included): on a loaded machine the wall-clock hop is mostly waiting for a core, the CPU
+   is not.
 """
 
 import argparse
@@ -129,16 +131,27 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
     ask_server = lambda: straight.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4)  # noqa
     per_phase = max(1, args.calls // args.phases)
     rounds(args.warmup, ask, ask_server)
+    # Each phase (recording on or off) is rounds of one call through the gateway and one straight to the server, in
+    # rotating order: the server's speed drifts over seconds on a shared machine, and both ways see the same drift.
     gw: dict[str, list[float]] = {"on": [], "off": [], "direct": []}
-    cpu_s = {"on": 0.0, "off": 0.0, "direct": 0.0}  # this process's CPU (the client's thread and the gateway's)
-    for phase in range(args.phases * 3):
-        mode = ("on", "off", "direct")[phase % 3]
+    direct_on: list[float] = []  # the direct calls made between recording calls: the hop's reference
+    cpu_s = {"on": 0.0, "direct": 0.0}  # this process's CPU (the client's thread and the gateway's), recording on
+    for phase in range(args.phases * 2):
+        mode = ("on", "off")[phase % 2]
         gateway.capture.record_to(store if mode == "on" else None)
-        c0 = time.process_time()
-        gw[mode] += [timed(ask_server if mode == "direct" else ask)[1] for _ in range(per_phase)]
+        for k in range(per_phase):
+            order = [(mode, ask), ("direct", ask_server)]
+            for way, fn in order[k % 2:] + order[:k % 2]:
+                c0 = time.process_time()
+                gw[way].append(timed(fn)[1])
+                if mode == "on":
+                    cpu_s[way] += time.process_time() - c0
+                    if way == "direct":
+                        direct_on.append(gw["direct"][-1])
         if mode == "on":
-            gateway.capture.flush()  # the records' writing counts against the phase that made them
-        cpu_s[mode] += time.process_time() - c0
+            c0 = time.process_time()
+            gateway.capture.flush()  # the records' writing counts against the calls that made them
+            cpu_s["on"] += time.process_time() - c0
     gateway.capture.record_to(store)
     assert gateway.capture.flush()
     # a reply as the backend sends it to the gateway, for the writer's part below
@@ -169,10 +182,11 @@ print(f"gateway, recording on : {on:8.1f} us wall per call (median {statistics.m
 print(f"gateway, recording off: {off:8.1f} us wall per call (median {statistics.median(gw['off']) * 1e6:.1f})")
 print(f"server, direct         : {statistics.mean(gw['direct']) * 1e6:8.1f} us wall per call (median "
       f"{statistics.median(gw['direct']) * 1e6:.1f})")
-print(f"hop_ms={(statistics.median(gw['on']) - statistics.median(gw['direct'])) * 1e3:.2f}  (median wall per call, "
+print(f"hop_ms={(statistics.median(gw['on']) - statistics.median(direct_on)) * 1e3:.2f}  (median wall per call, "
       f"through the gateway recording - straight to the server)")
 print(f"hop_cpu_us={(cpu_s['on'] - cpu_s['direct']) / (per_phase * args.phases) * 1e6:.0f}  (this process's CPU per "
-      f"call, through the gateway recording - straight to the server: the gateway's own work, whatever the load)")
+      f"call, through the gateway recording - straight to the server: the gateway's own work, whatever the load; the "
+      f"writer's batches count where they fall)")
 print(f"record_us={record_us:.1f}  (the gateway writer's CPU per record: Call.record + the batched store write)")
 print(f"gateway_ratio={off / on:.3f}  (wall per call through the gateway, recording off / on)")
 print(f"agent_us={cpu['traced'] - cpu['untraced']:.1f}  (calling-thread CPU per call, in a rollout - outside one)")

@@ -18,7 +18,7 @@ OTHER = "lightning-sdk"
 
 # What the `train` extra installs, by import name: an environment without them (a worker's) has the agent side only.
 TRAIN_MODULES = frozenset({"torch", "transformers", "peft", "accelerate", "tokenizers", "safetensors", "fastapi",
-                           "starlette", "uvicorn", "uvloop", "httptools", "aiohttp", "orjson", "tensorboard",
+                           "starlette", "uvicorn", "uvloop", "httptools", "orjson", "tensorboard",
                            "matplotlib", "numpy", "xgrammar"})
 
 

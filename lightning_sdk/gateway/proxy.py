@@ -247,7 +247,7 @@ class Gateway:
                                 data = _dumps_reply(chunk, exact).decode()
                     yield f"data: {data}\n\n"
                 finished = True
-            except (*BackendError, ValueError, TypeError, AttributeError, KeyError) as e:
+            except (BackendError, ValueError, TypeError, AttributeError, KeyError) as e:
                 if not finished:  # after [DONE] the record is whole, and the writer's
                     call.fail(502, f"the backend's stream failed: {type(e).__name__}: {e}")
                 raise

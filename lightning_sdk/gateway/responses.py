@@ -655,7 +655,7 @@ async def _stream(call: _Call, upstream: Upstream, kept: _Kept, record: Call) ->
             kept.put(call.response_id, reply.entry(response))
         yield event(f"response.{response['status']}", response=response)
         finished = True
-    except (*BackendError, ValueError, TypeError, AttributeError, KeyError) as e:
+    except (BackendError, ValueError, TypeError, AttributeError, KeyError) as e:
         log.warning("POST /v1/responses: the backend's stream failed: %s: %s", type(e).__name__, e)
         record.fail(502, f"the backend's stream failed: {type(e).__name__}: {e}")
         yield event("error", code="server_error", message=f"the backend's stream failed: {type(e).__name__}: {e}",
