@@ -143,19 +143,24 @@ def test_concurrent_requests_are_batched(server, client):
     kw = dict(model=NAME, temperature=0, max_tokens=8, logprobs=True)
     alone = [client.chat.completions.create(messages=m, **kw).choices[0] for m in prompts]
     stats = lambda: httpx.get(f"{server.url}/stats", headers={"Authorization": f"Bearer {KEY}"}).json()  # noqa: E731
-    before = stats()
 
     async def burst():
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key=KEY, max_retries=0) as ac:
             return await asyncio.gather(*[ac.chat.completions.create(messages=m, **kw) for m in prompts])
 
-    together = [r.choices[0] for r in asyncio.run(burst())]
-    for a, t in zip(alone, together):
-        assert t.token_ids == a.token_ids
-        assert [x.logprob for x in t.logprobs.content] == pytest.approx([x.logprob for x in a.logprobs.content],
-                                                                          abs=1e-4)
-    after = stats()
-    assert after["requests"] - before["requests"] == 16
+    # Whether requests sent together arrive while a batch runs depends on the machine's load: up to three bursts,
+    # each one's replies equal to one-at-a-time's, until one is batched.
+    for _ in range(3):
+        before = stats()
+        together = [r.choices[0] for r in asyncio.run(burst())]
+        for a, t in zip(alone, together):
+            assert t.token_ids == a.token_ids
+            assert [x.logprob for x in t.logprobs.content] == pytest.approx([x.logprob for x in a.logprobs.content],
+                                                                              abs=1e-4)
+        after = stats()
+        assert after["requests"] - before["requests"] == 16
+        if after["batches"] - before["batches"] < 16:
+            break
     assert after["batches"] - before["batches"] < 16 and after["max_batch_rows"] > 1
 
 
