@@ -255,3 +255,30 @@ def test_a_header_value_with_a_line_break_is_refused_before_anything_is_sent():
         await client.aclose()
 
     asyncio.run(run())
+
+
+def test_a_reply_that_ends_past_the_read_buffer_unread_leaves_its_connection_serving_the_next():
+    big = b"x" * ((1 << 20) + 100)  # just past the 1 MiB the client holds unread before it stops reading the socket
+
+    async def answer(request: bytes, writer) -> None:
+        if request.endswith(b"small"):
+            writer.write(reply(b"small"))
+            return
+        whole = reply(big)
+        writer.write(whole[:-200])  # under the limit: read on
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(whole[-200:])  # over it, and the end: the socket is paused as the reply ends
+
+    async def run(server) -> list[int]:
+        client = BackendClient(idle_s=2.0, read_s=5)
+        first = await client.post(server.url, b"big", {})
+        await asyncio.sleep(0.3)  # the reply has ended, not yet read: its connection goes back to the pool
+        second = await asyncio.wait_for(client.post(server.url, b"small", {}), 2)
+        sizes = [len(await asyncio.wait_for(second.aread(), 2)), len(await first.aread())]
+        await client.aclose()
+        return sizes
+
+    sizes, server = scripted(answer, run)
+    assert sizes == [5, len(big)]
+    assert server.connections == 1

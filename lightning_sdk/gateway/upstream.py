@@ -101,7 +101,7 @@ class Upstream:
             while self._chunks:
                 chunk = self._chunks.popleft()
                 self._size -= len(chunk)
-                if self._size < _HIGH_WATER // 2:
+                if self._size < _HIGH_WATER // 2 and not self._ended:  # once ended, the connection is not ours
                     self._connection.resume()
                 yield chunk
             if self._error is not None:
@@ -192,8 +192,10 @@ class _Connection(asyncio.Protocol):
             if reply is not None:
                 reply._fail(error)
             self.open = False
-        elif reply is not None:
-            reply._end()
+        else:
+            self.resume()  # a reply that ended while its reader was behind: the next exchange reads again
+            if reply is not None:
+                reply._end()
         if self._busy:
             self._busy = False
             self.client.release(self, error is None and self._parser.should_keep_alive())
