@@ -133,21 +133,19 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
     rounds(args.warmup, ask, ask_server)
     # Each phase (recording on or off) is rounds of one call through the gateway and one straight to the server, in
     # rotating order: the server's speed drifts over seconds on a shared machine, and both ways see the same drift.
-    gw: dict[str, list[float]] = {"on": [], "off": [], "direct": []}
-    direct_on: list[float] = []  # the direct calls made between recording calls: the hop's reference
-    cpu_s = {"on": 0.0, "direct": 0.0}  # this process's CPU (the client's thread and the gateway's), recording on
+    # "direct on": the direct calls made between recording calls, the hop's reference
+    gw: dict[str, list[float]] = {"on": [], "off": [], "direct on": [], "direct off": []}
+    cpu_s = {"on": 0.0, "direct on": 0.0}  # this process's CPU (the client's thread and the gateway's), recording on
     for phase in range(args.phases * 2):
         mode = ("on", "off")[phase % 2]
         gateway.capture.record_to(store if mode == "on" else None)
         for k in range(per_phase):
-            order = [(mode, ask), ("direct", ask_server)]
+            order = [(mode, ask), (f"direct {mode}", ask_server)]
             for way, fn in order[k % 2:] + order[:k % 2]:
                 c0 = time.process_time()
                 gw[way].append(timed(fn)[1])
                 if mode == "on":
                     cpu_s[way] += time.process_time() - c0
-                    if way == "direct":
-                        direct_on.append(gw["direct"][-1])
         if mode == "on":
             c0 = time.process_time()
             gateway.capture.flush()  # the records' writing counts against the calls that made them
@@ -180,11 +178,12 @@ store.close()
 on, off = statistics.mean(gw["on"]) * 1e6, statistics.mean(gw["off"]) * 1e6
 print(f"gateway, recording on : {on:8.1f} us wall per call (median {statistics.median(gw['on']) * 1e6:.1f})")
 print(f"gateway, recording off: {off:8.1f} us wall per call (median {statistics.median(gw['off']) * 1e6:.1f})")
-print(f"server, direct         : {statistics.mean(gw['direct']) * 1e6:8.1f} us wall per call (median "
-      f"{statistics.median(gw['direct']) * 1e6:.1f})")
-print(f"hop_ms={(statistics.median(gw['on']) - statistics.median(direct_on)) * 1e3:.2f}  (median wall per call, "
+direct = gw["direct on"] + gw["direct off"]
+print(f"server, direct         : {statistics.mean(direct) * 1e6:8.1f} us wall per call (median "
+      f"{statistics.median(direct) * 1e6:.1f})")
+print(f"hop_ms={(statistics.median(gw['on']) - statistics.median(gw['direct on'])) * 1e3:.2f}  (median wall per call, "
       f"through the gateway recording - straight to the server)")
-print(f"hop_cpu_us={(cpu_s['on'] - cpu_s['direct']) / (per_phase * args.phases) * 1e6:.0f}  (this process's CPU per "
+print(f"hop_cpu_us={(cpu_s['on'] - cpu_s['direct on']) / (per_phase * args.phases) * 1e6:.0f}  (this process's CPU per "
       f"call, through the gateway recording - straight to the server: the gateway's own work, whatever the load; the "
       f"writer's batches count where they fall)")
 print(f"record_us={record_us:.1f}  (the gateway writer's CPU per record: Call.record + the batched store write)")

@@ -23,6 +23,11 @@ def _sigint_state() -> tuple:
     return signal.getsignal(signal.SIGINT), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
 
+def _deliver_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.fixture(autouse=True)
 def ctrl_c_reaches_the_test(request):
     """Each test starts with Ctrl-C deliverable, as in a process a terminal starts (SIGINT's default handler, not
@@ -31,13 +36,11 @@ def ctrl_c_reaches_the_test(request):
     which inherit a blocked or ignored SIGINT: on CI their signal was once lost after other tests in the worker."""
     good = (signal.default_int_handler, False)
     if _sigint_state() != good:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        _deliver_sigint()
     yield
     left = _sigint_state()
     if left != good:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        _deliver_sigint()
         warnings.warn(f"{request.node.nodeid} left SIGINT {'blocked' if left[1] else 'unblocked'} with handler "
                       f"{left[0]!r}; put back to the default", stacklevel=1)
 

@@ -170,12 +170,12 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def pause(self) -> None:
-        if not self._paused and self.transport is not None:
+        if not self._paused:
             self._paused = True
             self.transport.pause_reading()
 
     def resume(self) -> None:
-        if self._paused and self.transport is not None and self.open:
+        if self._paused and self.open:
             self._paused = False
             self.transport.resume_reading()
 
@@ -229,12 +229,12 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
         if self._reply is not None and self._by_close and exc is None:
-            self._finish(None)  # a body ended by the close: whole
-            self.client.forget(self)
-            return
-        what = "its reply broke off" if self._reply is not None else "before its reply"
-        self._finish(BackendError(f"the backend closed the connection {what}"
-                                  + (f" ({type(exc).__name__}: {exc})" if exc else "")))
+            error = None  # a body ended by the close: whole
+        else:
+            what = "its reply broke off" if self._reply is not None else "before its reply"
+            error = BackendError(f"the backend closed the connection {what}"
+                                 + (f" ({type(exc).__name__}: {exc})" if exc else ""))
+        self._finish(error)
         self.client.forget(self)
 
     # ------------------------------------------------------------------------ httptools' callbacks
