@@ -4,11 +4,12 @@
 
 The default agent (cookbook/arith/agent.py: one async OpenAI chat call per rollout, max_tokens 8) runs the way
 `lightning run` runs it: run_rollout inside a rollout context, spans traced into a SQLite store, rewards scored,
-at most `concurrency` rollouts at once, its calls through the run's gateway (gateway/proxy.py). One server for
-all settings; each setting runs once to warm up, then is timed `--repeats` times (best kept). Generated tokens
-come from the server's own counter. At the highest concurrency the same jobs also go straight to the server, to
-show what the gateway's hop costs: the two ways alternate, pass by pass (which goes first alternates too), and the
-ratio is the median of the pairs', so a load that changes during the run weighs on both sides alike.
+at most `concurrency` rollouts at once, its calls through the run's gateway (gateway/proxy.py), the startup heap
+frozen (lightning_sdk/heap.py). One server for all settings; each setting runs once to warm up, then is timed
+`--repeats` times (best kept). Generated tokens come from the server's own counter. At the highest concurrency the
+same jobs also go straight to the server, to show what the gateway's hop costs: the two ways alternate, pass by
+pass (which goes first alternates too), and the ratio is the median of the pairs', so a load that changes during
+the run weighs on both sides alike.
 
 Prints rollouts/s and generated tokens/s per concurrency, `gateway_ratio=<through the gateway / straight to the
 server, median of the alternating pairs>` and `ratio=<rollouts/s at 16 / at 1>` last.
@@ -29,6 +30,7 @@ from lightning_sdk.agent import LLM
 from lightning_sdk.agent import load_agent
 from lightning_sdk.servers.cpu import CPUServer
 from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.heap import frozen_heap
 from lightning_sdk.store import Store
 from lightning_sdk.rollouts.episode import run_rollout
 from lightning_sdk.rollouts.job import RolloutJob
@@ -102,16 +104,17 @@ with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_
     gateway.capture.record_to(store)  # every call through the gateway is recorded, as in a run
     llm = LLM(base_url=gateway.base_url, api_key="bench", model="gpt-4o-mini")  # as an unchanged agent names it
     stats = lambda: httpx.get(f"{server.url}/stats").json()  # noqa: E731
-    rate: dict[int, tuple[float, float]] = {}
-    for c in args.concurrency:
-        *rate[c], d = timed(llm, c, stats)
-        print(f"concurrency {c:>3}: {rate[c][0]:6.1f} rollouts/s  {rate[c][1]:7.1f} generated tokens/s "
-              f"(best of {args.repeats}, {args.rollouts} rollouts; last pass: {d['requests']} requests in "
-              f"{d['batches']} batches, {d['prefills']} prefills, {d['joined']} joined a running batch)")
-    hi = max(args.concurrency)
-    ours, theirs = paired(llm, LLM(base_url=server.base_url, api_key="EMPTY", model="policy"), hi, stats)
-    print(f"concurrency {hi:>3}, alternating: through the gateway {' '.join(f'{r:.1f}' for r in ours)}, straight "
-          f"to the server {' '.join(f'{r:.1f}' for r in theirs)} rollouts/s")
+    with frozen_heap():  # as `lightning run` collects (lightning_sdk/heap.py)
+        rate: dict[int, tuple[float, float]] = {}
+        for c in args.concurrency:
+            *rate[c], d = timed(llm, c, stats)
+            print(f"concurrency {c:>3}: {rate[c][0]:6.1f} rollouts/s  {rate[c][1]:7.1f} generated tokens/s "
+                  f"(best of {args.repeats}, {args.rollouts} rollouts; last pass: {d['requests']} requests in "
+                  f"{d['batches']} batches, {d['prefills']} prefills, {d['joined']} joined a running batch)")
+        hi = max(args.concurrency)
+        ours, theirs = paired(llm, LLM(base_url=server.base_url, api_key="EMPTY", model="policy"), hi, stats)
+        print(f"concurrency {hi:>3}, alternating: through the gateway {' '.join(f'{r:.1f}' for r in ours)}, straight "
+              f"to the server {' '.join(f'{r:.1f}' for r in theirs)} rollouts/s")
     gateway.stop()
 tracing.flush()
 store.close()

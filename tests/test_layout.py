@@ -14,7 +14,7 @@ PKG = Path(lightning_sdk.__file__).parent
 
 # Top-level part -> its height. A module may import only parts at its height or below.
 HEIGHT = {
-    "errors": 0, "files": 0, "distribution": 0, "compat": 0, "drain": 0, "advantage": 0,
+    "errors": 0, "files": 0, "distribution": 0, "compat": 0, "drain": 0, "heap": 0, "advantage": 0,
     "metric_names": 0,                             # the one name of each logged number: read by every writer and reader
     "console": 1, "summary": 1, "config": 1, "data": 1,
     "constraint": 1,                               # what a request asks the sampler to follow: read by the gateway

@@ -25,6 +25,7 @@ from lightning_sdk.config import Config, effective, policies
 from lightning_sdk.console import print_whole, status
 from lightning_sdk.errors import CaptureError, SetupError
 from lightning_sdk.evals import EvalScore, split_of
+from lightning_sdk.heap import frozen_heap
 from lightning_sdk.metrics import MetricsLog, check_trackers
 from lightning_sdk.pipeline import UpdateThread, split_stale
 from lightning_sdk.rollouts.collector import Collector
@@ -111,6 +112,7 @@ class Runtime:
             with self._opened(agent, gateway, model_path, store, self.run_dir) as session:
                 trainer = start_trainer(cfg, stack, model_path, self.policies if self.multi else None,
                                         placement.train)
+                stack.enter_context(frozen_heap())  # everything started so far, for the rest of the run
                 policy = {p.name: session.base for p in self.policies}  # each policy's served adapter (the base at first)
                 if checkpoint is not None:
                     trainer.load_state(checkpoint / TRAINER)
