@@ -67,14 +67,19 @@ def score(task, output):
 '''
 
 
-def test_a_group_whose_losers_were_greedy_trains_its_winner(tmp_path):
-    (tmp_path / "agent.py").write_text(AGENT)
+def run_one_task(tmp_path, agent: str, *, group_size: int, concurrency: int) -> None:
+    """One iteration of `agent` (its source) on one task, a group of `group_size`, in this process; run dir run/."""
+    (tmp_path / "agent.py").write_text(agent)
     (tmp_path / "train.jsonl").write_text(json.dumps({"question": "What is 2 + 2?", "answer": "4"}) + "\n")
     (tmp_path / "lightning.toml").write_text(
-        '[run]\nname = "baseline"\ndir = "run"\niterations = 1\n[agent]\nmodule = "agent.py"\n'
-        '[data]\ntrain = "train.jsonl"\ntasks_per_iteration = 1\ngroup_size = 3\n'
-        '[model]\ndtype = "float32"\n[rollout]\nconcurrency = 1\ntimeout = 60.0\n[train]\nlora_r = 4\n')
+        '[run]\nname = "one"\ndir = "run"\niterations = 1\n[agent]\nmodule = "agent.py"\n'
+        f'[data]\ntrain = "train.jsonl"\ntasks_per_iteration = 1\ngroup_size = {group_size}\n'
+        f'[model]\ndtype = "float32"\n[rollout]\nconcurrency = {concurrency}\ntimeout = 60.0\n[train]\nlora_r = 4\n')
     Runtime(config.load(tmp_path / "lightning.toml"), console=Console(file=io.StringIO())).run()
+
+
+def test_a_group_whose_losers_were_greedy_trains_its_winner(tmp_path):
+    run_one_task(tmp_path, AGENT, group_size=3, concurrency=1)
     (row,) = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()
               if "iteration" in json.loads(line) and json.loads(line).get("phase") != "eval"]
     assert row["rollout/skipped/greedy"] == 2 and row["rollout/transitions"] == 1

@@ -4,16 +4,11 @@ when it ends (lightning_sdk/heap.py); what is made meanwhile is still collected.
 from __future__ import annotations
 
 import gc
-import io
-import json
 import weakref
 
-from rich.console import Console
-
-from lightning_sdk import config
 from lightning_sdk.heap import frozen_heap
-from lightning_sdk.runtime import Runtime
 from lightning_sdk.store import Store
+from tests.test_group_baseline import run_one_task
 
 
 class Node:
@@ -65,13 +60,7 @@ def score(task, output):
 
 
 def test_a_run_collects_with_its_startup_heap_frozen_and_unfreezes_at_its_end(tmp_path):
-    (tmp_path / "agent.py").write_text(AGENT)
-    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "What is 2 + 2?", "answer": "4"}) + "\n")
-    (tmp_path / "lightning.toml").write_text(
-        '[run]\nname = "heap"\ndir = "run"\niterations = 1\n[agent]\nmodule = "agent.py"\n'
-        '[data]\ntrain = "train.jsonl"\ntasks_per_iteration = 1\ngroup_size = 2\n'
-        '[model]\ndtype = "float32"\n[rollout]\nconcurrency = 2\ntimeout = 60.0\n[train]\nlora_r = 4\n')
-    Runtime(config.load(tmp_path / "lightning.toml"), console=Console(file=io.StringIO())).run()
+    run_one_task(tmp_path, AGENT, group_size=2, concurrency=2)
     rollouts = Store(tmp_path / "run/store.sqlite").rollouts(phase="train")
     assert len(rollouts) == 2 and all(r.status == "succeeded" and r.reward == 1.0 for r in rollouts), rollouts
     assert all(int(r.output) > 10_000 for r in rollouts)  # the libraries, the model, the servers: all frozen
