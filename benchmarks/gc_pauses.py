@@ -1,5 +1,5 @@
-"""Garbage-collection pauses in a run's process, the startup heap frozen (as `lightning run` does, lightning_sdk/heap.py)
-against left to the collector.
+"""Garbage-collection pauses in a run's process, the startup heap frozen (as `lightning run` does,
+lightning_sdk/heap.py) against left to the collector.
 
     python benchmarks/gc_pauses.py --iterations 10 --pairs 2
 
