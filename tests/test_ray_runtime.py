@@ -153,3 +153,20 @@ def test_importing_the_sdk_does_not_import_ray():
     code = ("import sys, lightning_sdk, lightning_sdk.runtime, lightning_sdk.gateway.proxy; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_rollout_abandoned_before_it_began_is_stored_when_run_again(tmp_path):
+    # A dead worker's queued job that never started is resubmitted under the same id: its rows must be written.
+    from lightning_sdk.rollouts import ray as ray_rollouts
+
+    writer = ray_rollouts._StoreWriter(str(tmp_path / "store.sqlite"))
+    row = dict(task_id="t", group_id="g", iteration=1, phase="train", attempt=1, model="m")
+    assert writer.abandon("queued", "rollout worker died") is False
+    writer.start_rollout("queued", row)
+    writer.finish_rollout("queued", dict(status="succeeded", output="4", reward=1.0))
+    writer.start_rollout("begun", row)
+    assert writer.abandon("begun", "rollout worker died") is True
+    writer.finish_rollout("begun", dict(status="succeeded", output="4", reward=1.0))  # the dead worker's late result
+    store = Store(tmp_path / "store.sqlite")
+    assert store.rollout("queued").status == "succeeded" and store.rollout("queued").reward == 1.0
+    assert store.rollout("begun").status == "abandoned"

@@ -64,8 +64,12 @@ class _StoreWriter:
         self.store.write_spans(records)
 
     def abandon(self, rollout_id: str, error: str) -> bool:
-        self.abandoned.add(rollout_id)
-        return self.store.abandon(rollout_id, error)
+        """True if the rollout had started: its row is marked abandoned and a late result of it ignored. One that
+        never started is run again under the same id (`RayCollector.collect`), so its id stays open."""
+        started = self.store.abandon(rollout_id, error)
+        if started:
+            self.abandoned.add(rollout_id)
+        return started
 
 
 class _ShippedStore:
