@@ -37,7 +37,8 @@ from lightning_sdk.tracing.records import (API, ATTEMPT, COMPLETION_IDS, COMPLET
                                            COMPONENT, CONSTRAINT, GATEWAY, POLICY, PROMPT_IDS, ROLLOUT_ID, TEXT,
                                            TEXT_NOT_STORED, UNREPRODUCIBLE, CallSink, SpanRecord)
 
-__all__ = ["CALL_ID_HEADER", "Call", "Capture", "OpenRollouts", "Origin", "Rollout", "origin", "unreproducible"]
+__all__ = ["CALL_ID_HEADER", "Call", "Capture", "OpenRollouts", "Origin", "RecordOutlet", "Rollout", "origin",
+           "unreproducible"]
 
 # What a record without text (serve.store_text = false) leaves out: the app's and the model's words. Training reads
 # none of them (the token ids, log-probs, constraint and sampling settings stay).
@@ -399,7 +400,25 @@ def _output_message(choice: _Choice) -> dict:
     return {"role": "assistant", "parts": parts, "finish_reason": choice.finish_reason or ""}
 
 
-class Capture:
+class RecordOutlet:
+    """Where finished records go, counted: the run's store (`sink`) and the user's tools (`exported`)."""
+
+    def __init__(self) -> None:
+        self.sink: CallSink | None = None
+        self.exported: Callable[[list[SpanRecord], str], None] | None = None  # records also go to the user's tools
+        self.recorded = 0
+        self.unattributed = 0  # calls of no open rollout
+
+    def hand_on(self, records: list[SpanRecord]) -> None:
+        self.unattributed += sum(1 for r in records if not r.rollout_id)
+        if self.sink is not None:
+            self.sink.write_calls(records)
+        self.recorded += len(records)
+        if self.exported is not None:
+            self.exported(records, "lightning_sdk.gateway")
+
+
+class Capture(RecordOutlet):
     """Makes and writes the records of the calls the gateway serves: `begin` a call in a route, `Call.end` it.
 
     Records go to `sink` (the run's store) from a writer thread of their own (`drain.Drain`); `flush` waits until
@@ -408,12 +427,9 @@ class Capture:
     """
 
     def __init__(self, rollouts: OpenRollouts, *, store_text: bool = True):
+        super().__init__()
         self.rollouts = rollouts
         self.store_text = store_text
-        self.sink: CallSink | None = None
-        self.exported: Callable[[list[SpanRecord], str], None] | None = None  # records also go to the user's tools
-        self.recorded = 0
-        self.unattributed = 0  # calls of no open rollout
         self._drain: Drain[Call] | None = None
 
     @property
@@ -437,13 +453,7 @@ class Capture:
         return self._drain.flush(timeout_s) if self._drain is not None else True
 
     def _write(self, calls: list[Call]) -> None:
-        records = [_record(c) for c in calls]
-        self.unattributed += sum(1 for r in records if not r.rollout_id)
-        if self.sink is not None:
-            self.sink.write_calls(records)
-        self.recorded += len(records)
-        if self.exported is not None:
-            self.exported(records, "lightning_sdk.gateway")
+        self.hand_on([_record(c) for c in calls])
 
 
 def _record(call: Call) -> SpanRecord:

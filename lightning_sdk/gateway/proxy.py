@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
@@ -54,7 +55,8 @@ class Gateway:
     """See the module docstring. `Gateway(...)` binds; `add_routes` (optional) then `start` serves; `stop` ends."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, api_key: str, model_names: Sequence[str] = (),
-                 rollouts: OpenRollouts | None = None, store_text: bool = True):
+                 rollouts: OpenRollouts | None = None, store_text: bool = True, sock: socket.socket | None = None):
+        """Binds host:port now, or serves `sock` (a socket bound and listening already: gateway/isolated.py's)."""
         if not api_key:
             raise ValueError("api_key must not be empty")
         self.api_key = api_key
@@ -73,7 +75,7 @@ class Gateway:
         self.canary: tuple[str, float] | None = None
         self.asked: Counter[str] = Counter()  # model names the agent asked for, and how often
         self.backends: Backends | None = None
-        self._sock = bind(host, port)
+        self._sock = sock if sock is not None else bind(host, port)
         self.url = url_of(self._sock)
         self._routers: list[APIRouter] = []
         self._server: ThreadedServer | None = None
@@ -121,6 +123,13 @@ class Gateway:
         self._sock.close()
 
     # ------------------------------------------------------------------------------------------ model names
+
+    def route(self, policy: str | None, by_component: dict[str, str]) -> None:
+        """Serve every call by `policy`, a call of one of `by_component`'s components by its adapter; the names
+        served until now are retired (still served, by the policy, to an agent that kept one)."""
+        self.retired.update(n for n in [self.policy, *self.by_component.values()] if n is not None)
+        self.by_component = dict(by_component)
+        self.policy = policy
 
     def serve_as(self, asked: Any, component: str | None = None, trace_id: str | None = None) -> str:
         """The name a request for model `asked` from `component` is served under: its component's policy, else the

@@ -23,6 +23,7 @@ from lightning_sdk.console import live_shown
 from lightning_sdk.errors import SetupError
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.servers import InferenceServer
+from lightning_sdk.gateway.isolated import IsolatedGateway
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.store import Store
 
@@ -38,7 +39,8 @@ class Agent:
 
 class Collector(Protocol):
     server: InferenceServer  # where the policy is served; started by start(), stopped by stop()
-    gateway: Gateway  # what agents call; start() starts it in front of the server (the runtime made and stops it)
+    gateway: Gateway | IsolatedGateway  # what agents call; start() starts it in front of the server (the runtime
+    # made it and stops it)
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
@@ -75,8 +77,14 @@ def runs_agent(runtime: str) -> bool:
     return getattr(collector_class(runtime), "runs_agent", True)
 
 
-def make_collector(cfg: Config, *, agent: Agent | None, gateway: Gateway, model_path: str, store: Store, log_dir: Path,
-                   console: Console) -> Collector:
+def gateway_apart(runtime: str) -> bool:
+    """Whether this runtime's agents run in the run's own process, so the gateway serves from a process of its own
+    (gateway/isolated.py): a collector class says `gateway_apart = True`."""
+    return getattr(collector_class(runtime), "gateway_apart", False)
+
+
+def make_collector(cfg: Config, *, agent: Agent | None, gateway: Gateway | IsolatedGateway, model_path: str,
+                   store: Store, log_dir: Path, console: Console) -> Collector:
     cls = collector_class(cfg.run.runtime)
     return cls(cfg, agent=agent, gateway=gateway, model_path=model_path, store=store, log_dir=log_dir,
                console=console)

@@ -22,6 +22,7 @@ from lightning_sdk.rollouts.collector import Agent, progress_bar
 from lightning_sdk.rollouts.episode import run_rollout
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.servers import ServerError
+from lightning_sdk.gateway.isolated import IsolatedGateway
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.select import make_server
 from lightning_sdk.store import Store
@@ -43,8 +44,10 @@ def _event_loop() -> asyncio.Runner:
 
 
 class EmbeddedCollector:
-    def __init__(self, cfg: Config, *, agent: Agent, gateway: Gateway, model_path: str, store: Store, log_dir: Path,
-                 console: Console):
+    gateway_apart = True  # its agents hold this process's GIL: the gateway serves from a process of its own
+
+    def __init__(self, cfg: Config, *, agent: Agent, gateway: Gateway | IsolatedGateway, model_path: str,
+                 store: Store, log_dir: Path, console: Console):
         self.cfg, self.agent, self.gateway, self.store, self.console = cfg, agent, gateway, store, console
         self.log_path = Path(log_dir) / "server.log"
         self.server = make_server(cfg, model_path, self.log_path)

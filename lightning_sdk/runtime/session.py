@@ -20,8 +20,9 @@ from lightning_sdk.config import Config, policies
 from lightning_sdk.console import printable, status
 from lightning_sdk.errors import RunError, SetupError
 from lightning_sdk.failures import first_line, summary
+from lightning_sdk.gateway.isolated import IsolatedGateway
 from lightning_sdk.gateway.proxy import Gateway
-from lightning_sdk.rollouts.collector import Agent, Collector, make_collector, runs_agent
+from lightning_sdk.rollouts.collector import Agent, Collector, gateway_apart, make_collector, runs_agent
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.rollouts.remote.protocol import previous_port
 from lightning_sdk.servers import ServerError
@@ -70,13 +71,10 @@ class Session:
     def route(self, policy: dict[str, str]) -> None:
         """Serve every call by `policy` (each policy's adapter) from now on: with [policies] each call by its
         component's policy, the components in no policy by the base model."""
-        gateway = self.collector.gateway
-        gateway.retired.update(n for n in [gateway.policy, *gateway.by_component.values()] if n is not None)
         if self.multi:
-            gateway.by_component = {c: policy[p.name] for p in self.policies for c in p.components}
-            gateway.policy = self.base
-        else:
-            gateway.policy = policy[self.cfg.run.name]  # whatever model name the agent asks for
+            self.collector.gateway.route(self.base, {c: policy[p.name] for p in self.policies for c in p.components})
+        else:  # whatever model name the agent asks for
+            self.collector.gateway.route(policy[self.cfg.run.name], {})
 
     def routed(self) -> dict[str, str]:
         """The adapters the gateway serves now, by policy."""
@@ -104,15 +102,17 @@ class Session:
         return summary((r.error, getattr(records[r.job.rollout_id], "traceback", None)) for r in failed)
 
 
-def bind_gateway(cfg: Config, stack: ExitStack, run_dir: Path, *, resume: bool) -> Gateway:
+def bind_gateway(cfg: Config, stack: ExitStack, run_dir: Path, *, resume: bool) -> Gateway | IsolatedGateway:
     """The run's gateway, bound (serve.host/serve.port: a SetupError naming the key if it cannot be), and the
     agent process's environment pointing at it (agent.redirect_openai) until `stack` closes: set before the agent
-    module is imported, so OpenAI clients it builds at import time call the run's server too."""
+    module is imported, so OpenAI clients it builds at import time call the run's server too. Where the agents run
+    in this process, it serves from a process of its own (gateway/isolated.py)."""
     api_key = cfg.serve.api_key or new_api_key()
+    kind = IsolatedGateway if gateway_apart(cfg.run.runtime) else Gateway
 
-    def listen(port: int) -> Gateway:
-        return Gateway(host=cfg.serve.host, port=port, api_key=api_key, model_names=cfg.serve.model_names,
-                       store_text=cfg.serve.store_text)
+    def listen(port: int) -> Gateway | IsolatedGateway:
+        return kind(host=cfg.serve.host, port=port, api_key=api_key, model_names=cfg.serve.model_names,
+                    store_text=cfg.serve.store_text)
 
     gateway = None
     if resume and cfg.serve.port == 0 and (port := previous_port(run_dir)):
@@ -144,7 +144,7 @@ def agent_of(cfg: Config) -> Agent | None:
 
 
 @contextmanager
-def open_session(cfg: Config, console: Console, agent: Agent | None, gateway: Gateway, model_path: str,
+def open_session(cfg: Config, console: Console, agent: Agent | None, gateway: Gateway | IsolatedGateway, model_path: str,
                  store: Store, log_dir: Path, credit_rule: Any) -> Iterator[Session]:
     """Tracing into `store`, and the collector (its inference server, the gateway in front) started; all undone on
     exit."""
@@ -174,7 +174,7 @@ def open_session(cfg: Config, console: Console, agent: Agent | None, gateway: Ga
     close(collector, gateway)
 
 
-def say_replicas(console: Console, gateway: Gateway) -> None:
+def say_replicas(console: Console, gateway: Gateway | IsolatedGateway) -> None:
     """With several inference servers, how many calls each served (and those left out of the rotation)."""
     b = gateway.backends
     if b is not None and len(b.urls) > 1:
@@ -183,7 +183,7 @@ def say_replicas(console: Console, gateway: Gateway) -> None:
                       highlight=False, soft_wrap=True, markup=False)
 
 
-def close(collector: Collector, gateway: Gateway) -> None:
+def close(collector: Collector, gateway: Gateway | IsolatedGateway) -> None:
     """The collector stopped, and every call record and span it made written to the store."""
     try:
         collector.stop()

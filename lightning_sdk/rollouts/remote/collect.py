@@ -43,6 +43,7 @@ _POLL_S = 0.5  # how often collect looks at deadlines and worker contact while i
 
 class RemoteCollector(EmbeddedCollector):
     runs_agent = False  # workers import the agent, in their own environment; this process never does
+    gateway_apart = False  # its routes (work, OTLP) are served on the gateway's address, from this process
 
     def __init__(self, cfg: Config, *, agent: Agent | None, gateway: Gateway, model_path: str, store: Store,
                  log_dir: Path, console: Console):
