@@ -30,3 +30,17 @@ def drop_agents_sdk_client() -> None:
     provider = sys.modules.get("agents.models.openai_provider")
     if provider is not None and hasattr(provider, "_http_client"):
         provider._http_client = None
+
+
+def connection(fd: int) -> Any:
+    """A `multiprocessing.connection.Connection` over the socket `fd` (its sending and receiving of pickles).
+
+    The standard library documents the connections `Pipe()`, `Listener` and `Client` make, not the constructor
+    that wraps a descriptor, which is what a child started with `subprocess` (not `multiprocessing`, whose spawn
+    re-imports the caller's `__main__`) needs for the socket pair it inherits (gateway/isolated.py).
+    `Connection(handle)` has taken a file descriptor since Python 3.3.
+    """
+    from multiprocessing.connection import Connection
+
+    return Connection(fd)
+

@@ -25,6 +25,20 @@ def test_the_agents_sdk_still_keeps_its_shared_client_where_we_drop_it():
     assert provider._http_client is None
 
 
+def test_a_connection_still_wraps_an_inherited_socket_descriptor():
+    import socket
+
+    ours, theirs = socket.socketpair()
+    a, b = compat.connection(ours.detach()), compat.connection(theirs.detach())
+    a.send(("open", ("ab" * 16, "r", 1)))
+    assert b.poll(5) and b.recv() == ("open", ("ab" * 16, "r", 1)), \
+        "multiprocessing.connection.Connection(fd) changed: update compat.connection"
+    a.close()
+    with pytest.raises(EOFError):
+        b.recv()
+    b.close()
+
+
 def test_nothing_else_in_lightning_sdk_touches_another_library_s_private_names():
     """The issue's own check: none of the names the old tracing layers patched is used anywhere."""
     import pathlib

@@ -15,13 +15,13 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection
 
 import httpx
 import psutil
 import pytest
 from openai import OpenAI
 
+from lightning_sdk import compat
 from lightning_sdk.errors import RunError
 from lightning_sdk.gateway.isolated import IsolatedGateway, PairedRollouts
 from lightning_sdk.store import Store
@@ -105,7 +105,7 @@ def test_a_lookup_takes_in_openings_its_reader_has_not_reached():
     """The child's lookup of a call's rollout, with no thread reading the pair: what the run sent is taken in first,
     in order (an opening, then its closing)."""
     ours, theirs = socket.socketpair()
-    run, child = Connection(ours.detach()), Connection(theirs.detach())
+    run, child = compat.connection(ours.detach()), compat.connection(theirs.detach())
     rollouts = PairedRollouts(child)
     run.send(("open", ("ab" * 16, "r-1", 2, "eval", 7, None)))
     found = rollouts.get("ab" * 16)

@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from lightning_sdk.compat import connection
 from lightning_sdk.errors import RunError
 from lightning_sdk.gateway.capture import OpenRollouts, RecordOutlet, Rollout
 from lightning_sdk.gateway.listen import bind, url_of
@@ -74,13 +75,13 @@ class IsolatedGateway:
             sock.close()  # the child's alone: if it dies, callers are refused at once, not left in the backlog
             theirs.close()
             theirs_r.close()
-        self._conn = Connection(ours.detach())
+        self._conn = connection(ours.detach())
         self._lock = threading.Lock()  # the pair's sending end, and the commands waiting for their answers
         self._asked = 0
         self._waiting: dict[int, Callable[[str, Any], None]] = {}
         self._gone: str | None = None
         self.capture = Records(self)
-        self.rollouts = Rollouts(self, Connection(ours_r.detach()))
+        self.rollouts = Rollouts(self, connection(ours_r.detach()))
         self._policy: str | None = None
         self._by_component: dict[str, str] = {}
         self._canary: tuple[str, float] | None = None
@@ -370,7 +371,7 @@ def serve(listen_fd: int, pair_fd: int, rollouts_fd: int) -> None:
     from lightning_sdk.gateway.proxy import Gateway
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle: it stops this process itself
-    conn = Connection(pair_fd)
+    conn = connection(pair_fd)
     lock = threading.Lock()
 
     def send(message: tuple) -> None:
@@ -383,7 +384,7 @@ def serve(listen_fd: int, pair_fd: int, rollouts_fd: int) -> None:
     logger.propagate = False
     gateway: Gateway | None = None
     sink = _Sink(send)
-    rollouts = PairedRollouts(Connection(rollouts_fd))
+    rollouts = PairedRollouts(connection(rollouts_fd))
     threading.Thread(target=rollouts.follow, name="lightning-gateway-rollouts", daemon=True).start()
     while True:
         try:
