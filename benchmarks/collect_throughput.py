@@ -39,6 +39,8 @@ from lightning_sdk.store import Store
 from lightning_sdk.rollouts.episode import run_rollout
 from lightning_sdk.rollouts.job import RolloutJob
 
+from interval import bootstrap
+
 ROOT = Path(__file__).resolve().parents[1]
 
 p = argparse.ArgumentParser()
@@ -117,9 +119,11 @@ def rounds(ways: dict[str, Way], c: int, stats) -> dict[str, list[float]]:
 
 def say_ratio(label: str, ours: list[float], theirs: list[float]) -> None:
     pairs = [a / b for a, b in zip(ours, theirs)]
-    print(f"{label}={statistics.median(pairs):.2f}  pooled={statistics.mean(ours) / statistics.mean(theirs):.3f}  "
+    pooled = lambda a, b: statistics.mean(a) / statistics.mean(b)  # noqa: E731
+    lo, hi_ = bootstrap(pooled, ours, theirs, paired=True)
+    print(f"{label}={statistics.median(pairs):.2f}  pooled={pooled(ours, theirs):.3f} [{lo:.3f}, {hi_:.3f}]  "
           f"(rollouts/s at {hi} / straight to the server, median of {len(pairs)} rounds: "
-          f"{' '.join(f'{r:.2f}' for r in pairs)})")
+          f"{' '.join(f'{r:.2f}' for r in pairs)}; in brackets the pooled ratio's 95% interval over the rounds)")
 
 
 with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_path=tmp / "server.log") as server:

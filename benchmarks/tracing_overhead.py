@@ -16,7 +16,9 @@
    Printed: wall time per call each way, `gateway_ratio=<wall per call, recording off / on>`, and the writer's
    CPU per record (`Call.record` and the store write, timed on the recorded calls afterwards: `record_us`).
    `hop_ms=<median wall per call through the gateway (recording on) - straight to the server, in the same
-   phases>` is the hop's latency, and `hop_cpu_us` the CPU it costs this process per call (the gateway's threads,
+   phases>` is the hop's latency, in brackets its 95% interval over the rounds (bootstrap: one run's reach on this
+   machine), then `paired=<median of the rounds' differences>` (each call through the gateway less the call
+   straight to the server beside it: the drift between rounds cancels), and `hop_cpu_us` the CPU it costs this process per call (the gateway's threads,
    the records' writing included): on a loaded machine the wall-clock hop is mostly waiting for a core, the CPU
    is not. `--apart`: the gateway served from a process of its own, as the in-process runtime serves it
    (gateway/isolated.py); `hop_cpu_us` then counts that process's CPU too.
@@ -41,6 +43,8 @@ from lightning_sdk.gateway.isolated import IsolatedGateway
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.cpu import CPUServer
 from lightning_sdk.store import Store
+
+from interval import bootstrap
 
 p = argparse.ArgumentParser()
 p.add_argument("--calls", type=int, default=400, help="rounds per part (two calls each: untraced, traced)")
@@ -194,8 +198,12 @@ print(f"gateway, recording off: {off:8.1f} us wall per call (median {statistics.
 direct = gw["direct on"] + gw["direct off"]
 print(f"server, direct         : {statistics.mean(direct) * 1e6:8.1f} us wall per call (median "
       f"{statistics.median(direct) * 1e6:.1f})")
-print(f"hop_ms={(statistics.median(gw['on']) - statistics.median(gw['direct on'])) * 1e3:.2f}  (median wall per call, "
-      f"through the gateway recording - straight to the server)")
+hop = lambda a, b: (statistics.median(a) - statistics.median(b)) * 1e3  # noqa: E731
+lo, hi = bootstrap(hop, gw["on"], gw["direct on"], paired=True)
+paired = statistics.median(a - b for a, b in zip(gw["on"], gw["direct on"])) * 1e3
+print(f"hop_ms={hop(gw['on'], gw['direct on']):.2f} [{lo:.2f}, {hi:.2f}]  paired={paired:.2f}  (median wall per call, "
+      f"through the gateway recording - straight to the server; its 95% interval; the median of the rounds' "
+      f"differences)")
 print(f"hop_cpu_us={(cpu_s['on'] - cpu_s['direct on']) / (per_phase * args.phases) * 1e6:.0f}  (this process's CPU per "
       f"call, through the gateway recording - straight to the server: the gateway's own work, whatever the load; the "
       f"writer's batches count where they fall)")
