@@ -5,10 +5,10 @@
 1. The agent's thread. A stand-in gateway (a stdlib HTTP server in its own process that answers every request
    with the same chat completion and an `x-lightning-call-id`) takes OpenAI-client calls from this process. Rounds
    alternate, in rotating order so drift on a shared machine cancels out: a call outside any rollout (nothing is
-   added), and a call inside a rollout and a component (entered once, as an agent's episode is) (traceparent and baggage injected by tracing/propagation.py,
-   the reply's call id kept). Printed: the calling thread's CPU per call (`time.thread_time`) and wall time per call
-   both ways; `agent_us=<traced - untraced CPU per call, in microseconds>` and `ratio=<traced / untraced mean
-   wall time>`.
+   added), and a call inside a rollout and a component (entered once, as an agent's episode is; traceparent and
+   baggage injected by tracing/propagation.py, the reply's call id kept). Printed: the calling thread's CPU per
+   call (`time.thread_time`) and wall time per call both ways; `agent_us=<traced - untraced CPU per call, in
+   microseconds>` and `ratio=<traced / untraced mean wall time>`.
 2. The gateway. The real gateway in front of the real built-in server; the same calls inside rollouts, in phases
    that alternate recording on (records written to a SQLite store by the gateway's writer thread) and off; in
    every phase each call through the gateway is paired with one straight to the server, in rotating order (as a
@@ -18,10 +18,10 @@
    `hop_ms=<median wall per call through the gateway (recording on) - straight to the server, in the same
    phases>` is the hop's latency, in brackets its 95% interval over the rounds (bootstrap: one run's reach on this
    machine), then `paired=<median of the rounds' differences>` (each call through the gateway less the call
-   straight to the server beside it: the drift between rounds cancels), and `hop_cpu_us` the CPU it costs this process per call (the gateway's threads,
-   the records' writing included): on a loaded machine the wall-clock hop is mostly waiting for a core, the CPU
-   is not. `--apart`: the gateway served from a process of its own, as the in-process runtime serves it
-   (gateway/isolated.py); `hop_cpu_us` then counts that process's CPU too.
+   straight to the server beside it: the drift between rounds cancels), and `hop_cpu_us` the CPU it costs this
+   process per call (the gateway's threads, the records' writing included): on a loaded machine the wall-clock hop
+   is mostly waiting for a core, the CPU is not. `--apart`: the gateway served from a process of its own, as the
+   in-process runtime serves it (gateway/isolated.py); `hop_cpu_us` then counts that process's CPU too.
 """
 
 import argparse
