@@ -43,4 +43,3 @@ def connection(fd: int) -> Any:
     from multiprocessing.connection import Connection
 
     return Connection(fd)
-

@@ -5,8 +5,6 @@ gateway behind."""
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import os
 import signal

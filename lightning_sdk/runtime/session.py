@@ -144,8 +144,8 @@ def agent_of(cfg: Config) -> Agent | None:
 
 
 @contextmanager
-def open_session(cfg: Config, console: Console, agent: Agent | None, gateway: Gateway | IsolatedGateway, model_path: str,
-                 store: Store, log_dir: Path, credit_rule: Any) -> Iterator[Session]:
+def open_session(cfg: Config, console: Console, agent: Agent | None, gateway: Gateway | IsolatedGateway,
+                 model_path: str, store: Store, log_dir: Path, credit_rule: Any) -> Iterator[Session]:
     """Tracing into `store`, and the collector (its inference server, the gateway in front) started; all undone on
     exit."""
     tracing.install(store, gateway_url=gateway.base_url, otlp_endpoint=cfg.run.otlp_endpoint)
