@@ -2,6 +2,8 @@
 
     python benchmarks/packed_update.py --rounds 3                  # rag and sql: one short real run each first
     python benchmarks/packed_update.py --config /tmp/x/lightning.toml   # the train rollouts of a finished run
+    python benchmarks/packed_update.py --model shape:qwen2.5-0.5b@8 --examples rag   # rag's calls, trained on a
+                                                                                        # real family's shape
 
 Records: each example's own lightning.toml, shrunk to one iteration (8 tasks x groups of 4, 1 eval task), run with
 `lightning run` in a temporary directory; its train rollouts' transitions are the batch. Then, per example, rounds
@@ -11,9 +13,11 @@ it: on a shared machine the wall clock also counts waiting for a core), the toke
 (num_input_tokens, padding not counted) and the process's peak RSS growth over the updates (ru_maxrss minus the RSS before).
 Each side also runs with the LM head over every position (`full head`: what a model the head check rejects takes,
 train/head.py) against the head on the trained tokens only, in the same rounds.
-Prints a table per example (median and spread over rounds), `head_ratio=` (full head / trained tokens only, one row
-per call then packed, per example), `cpu_ratio=` and `ratio=` (one row per call / packed, CPU then wall seconds, head
-on trained tokens) last.
+`--model` trains the same records on another model (a `shape:` model: a real family's widths, heads and vocabulary,
+models/shapes.py) in float32. Prints a table per example (median and spread over rounds), `head_ratio=` (full head /
+trained tokens only, one row per call then packed, per example), `loss_gap=` and `grad_norm_gap=` (the largest
+|packed - one row per call| over rounds: the same update), `cpu_ratio=` and `ratio=` (one row per call / packed, CPU
+then wall seconds, head on trained tokens) last.
 """
 
 from __future__ import annotations
@@ -53,9 +57,9 @@ def records(example: str, tmp: Path) -> Path:
     return tmp / "lightning.toml"
 
 
-def side(config: str, packed: bool, full_head: bool) -> dict:
+def side(config: str, packed: bool, full_head: bool, model: str | None) -> dict:
     """In this (child) process: two updates of the run's batch with pack_calls = `packed`, the LM head over every
-    position (`full_head`) or at the trained tokens only."""
+    position (`full_head`) or at the trained tokens only; on `model` (float32) instead of the run's."""
     import torch
 
     from lightning_sdk import config as cfgs, models, transitions
@@ -69,7 +73,8 @@ def side(config: str, packed: bool, full_head: bool) -> dict:
           for t in transitions.to_transitions(r, store.spans(r.rollout_id), components=cfg.rollout.components,
                                               error_reward=cfg.rollout.error_reward)]
     train = cfg.train.model_copy(update={"pack_calls": packed, "device": "cpu"})
-    tr = GRPOTrainer(models.resolve(cfg.model.name), train, seed=0, dtype=cfg.model.dtype)
+    tr = GRPOTrainer(models.resolve(model or cfg.model.name), train, seed=0,
+                     dtype="float32" if model else cfg.model.dtype)
     if full_head:
         tr.head.full_head_reason = "benchmarked against the full head"
     rss0 = _rss_kib()
@@ -79,7 +84,7 @@ def side(config: str, packed: bool, full_head: bool) -> dict:
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"seconds": seconds, "cpu": cpu, "read": m["num_input_tokens"], "tokens": m["num_tokens"], "calls": len(ts),
-            "peak_mib": (peak - rss0) / 1024}
+            "peak_mib": (peak - rss0) / 1024, "loss": m["loss"], "grad_norm": m["grad_norm"]}
 
 
 def _rss_kib() -> int:
@@ -98,20 +103,28 @@ def main() -> None:
     ap.add_argument("--config", action="append", help="lightning.toml of a finished run (repeatable)")
     ap.add_argument("--examples", nargs="+", default=["rag", "sql"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model", help="train on this model instead of the example's (e.g. shape:qwen2.5-0.5b@8)")
     ap.add_argument("--side", nargs=3, help=argparse.SUPPRESS)  # child: CONFIG on|off trained|full
     a = ap.parse_args()
     if a.side:
-        print(json.dumps(side(a.side[0], a.side[1] == "on", a.side[2] == "full")))
+        print(json.dumps(side(a.side[0], a.side[1] == "on", a.side[2] == "full", a.model)))
         return
+    if a.model:
+        from lightning_sdk import models
+
+        models.resolve(a.model)  # built once, before the timed children
     configs = a.config or [str(records(ex, Path(tempfile.mkdtemp(prefix=f"packed-{ex}-")))) for ex in a.examples]
-    ratios, cpu_ratios, head_ratios = [], [], []
+    ratios, cpu_ratios, head_ratios, gaps = [], [], [], {"loss": 0.0, "grad_norm": 0.0}
     names = ("today", "packed", "today, full head", "packed, full head")
+    if a.model:  # a real vocabulary's head over every position of every row would not fit: trained tokens only
+        names = names[:2]
     for config in configs:
         results: dict[str, list[dict]] = {name: [] for name in names}
         loads = []
         for k in range(a.rounds):
             for name in (names if k % 2 == 0 else names[::-1]):
-                out = subprocess.run([sys.executable, __file__, "--side", config,
+                model = ["--model", a.model] if a.model else []
+                out = subprocess.run([sys.executable, __file__, *model, "--side", config,
                                       "on" if name.startswith("packed") else "off",
                                       "full" if "full" in name else "trained"],
                                      check=True, capture_output=True, text=True, env={**os.environ,
@@ -119,9 +132,11 @@ def main() -> None:
                 results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 loads.append(Path("/proc/loadavg").read_text().split()[0])
         today, packed = results["today"], results["packed"]
+        for key in gaps:
+            gaps[key] = max(gaps[key], *(abs(p[key] - t[key]) for p, t in zip(packed, today)))
         ratio = statistics.median(r["seconds"] for r in today) / statistics.median(r["seconds"] for r in packed)
         ratios.append(ratio)
-        for name in ("today", "packed"):
+        for name in ("today", "packed") if not a.model else ():
             head_ratios.append(statistics.median(r["seconds"] for r in results[f"{name}, full head"])
                                / statistics.median(r["seconds"] for r in results[name]))
         print(f"\n{config}: {today[0]['calls']} calls, {today[0]['tokens']:.0f} completion tokens; load "
@@ -135,6 +150,7 @@ def main() -> None:
         print(f"speedup {ratio:.2f}x ({cpu_ratios[-1]:.2f}x in CPU seconds), tokens read "
               f"{packed[0]['read'] / today[0]['read']:.2f} of today's")
     print("head_ratio=" + " ".join(f"{r:.3f}" for r in head_ratios))
+    print(f"loss_gap={gaps['loss']:.2e} grad_norm_gap={gaps['grad_norm']:.2e}")
     print("cpu_ratio=" + " ".join(f"{r:.3f}" for r in cpu_ratios))
     print("ratio=" + " ".join(f"{r:.3f}" for r in ratios))
 

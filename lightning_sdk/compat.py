@@ -43,3 +43,12 @@ def connection(fd: int) -> Any:
     from multiprocessing.connection import Connection
 
     return Connection(fd)
+
+
+def attn_implementation(model: Any) -> str:
+    """The attention implementation a transformers model runs ("sdpa", "eager", ...).
+
+    transformers sets it with the public `set_attn_implementation` but reads it back only through the config's
+    `_attn_implementation`; the trainer needs it to put a model's own attention back (train/head.py).
+    """
+    return model.config._attn_implementation

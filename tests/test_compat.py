@@ -71,3 +71,14 @@ def test_the_dependency_noise_we_drop_still_occurs_and_is_dropped():
     (words,) = NOISE.values()
     assert words in plain.stderr, "bitsandbytes no longer says it: remove it from console.NOISE"
     assert words not in dropped.stderr and dropped.returncode == 0
+
+
+def test_a_transformers_model_still_says_its_attention_implementation_where_we_read_it():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    for name in ("eager", "sdpa"):
+        model.set_attn_implementation(name)
+        assert compat.attn_implementation(model) == name, \
+            "transformers moved config._attn_implementation: update compat.attn_implementation"

@@ -69,12 +69,13 @@ def test_the_rag_agent_s_calls_extend_one_another(records):
 
 
 def update(path: str, ts: list[Transition], packed: bool, full_head: bool = False,
-           **kw) -> tuple[dict, dict[str, torch.Tensor]]:
+           targets: list[str] | str = ("all-linear", "lm_head"), **kw) -> tuple[dict, dict[str, torch.Tensor]]:
     """One update with plain SGD (lr 1, no clipping): the parameters move by exactly minus the gradient.
     `full_head`: the LM head on every position, as a model the head check rejects takes it (train/head.py)."""
-    cfg = TrainConfig(lr=1.0, lora_r=8, lora_alpha=16, target_modules=["all-linear", "lm_head"], micro_batch_size=5,
-                      max_grad_norm=1e9, importance_sampling_cap=2.0, pack_calls=packed, **kw)
-    tr = GRPOTrainer(path, cfg, seed=0)
+    cfg = TrainConfig(lr=1.0, lora_r=8, lora_alpha=16, target_modules=targets if isinstance(targets, str)
+                      else list(targets), micro_batch_size=5, max_grad_norm=1e9, importance_sampling_cap=2.0,
+                      pack_calls=packed, **kw)
+    tr = GRPOTrainer(path, cfg, seed=0, dtype="float32")
     # the tiny model passes both checks: the head on trained tokens only, rows with one prompt share it
     assert tr.head.full_head_reason is None and tr.head.shared_prompt_reason is None
     if full_head:
@@ -129,6 +130,21 @@ def test_packed_rows_train_exactly_as_separate_rows(rag_path, records, variant):
     assert max(g.abs().max().item() for g in g0.values()) > 1e-3  # the gradients compared are not all zero
 
 
+def test_a_real_shape_trains_shared_prompts_exactly_as_separate_rows(records):
+    """Qwen2.5-0.5B's shape (one of its layers, random weights: 14 query heads over 2 key-value heads, sdpa as
+    loaded): shared prompts through the trainer's attention give the loss, statistics and gradients of rows read
+    apart through the model's own."""
+    path = models.resolve("shape:qwen2.5-0.5b@1")
+    ts = [t for t in records if t.group_id in sorted({t.group_id for t in records})[:2]]
+    today, g0 = update(path, ts, packed=False, targets="all-linear", beta=0.04)
+    packed, g1 = update(path, ts, packed=True, targets="all-linear", beta=0.04)
+    assert packed["num_input_tokens"] < 0.5 * today["num_input_tokens"]
+    for k in ("loss", "clip_frac", "ratio", "kl", "is_weight", "entropy", "logprob_gap", "grad_norm"):
+        assert packed[k] == pytest.approx(today[k], abs=1e-6), (k, packed[k], today[k])
+    assert max((g1[n] - g0[n]).abs().max().item() for n in g0) <= 1e-6
+    assert max(g.abs().max().item() for g in g0.values()) > 1e-3
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_head_on_trained_tokens_only_trains_as_the_full_head(rag_path, records, packed):
     """The head applied to the hidden states of the trained tokens only (train/head.py) against the full head over
@@ -150,8 +166,9 @@ def test_the_head_on_trained_tokens_only_trains_as_the_full_head(rag_path, recor
 
 
 def test_a_model_that_would_not_read_a_shared_prompt_as_its_rows_reads_them_apart(rag_path):
-    """The load-time check of the 4D mask (train/head.py): an attention that adds the mask as a number (eager
-    attention with a bool mask) and a sliding window are caught, with the reason."""
+    """The load-time check of the shared-prompt attention (train/head.py): a model loaded with eager attention reads
+    shared prompts through it too; a sliding window is caught, with the reason, and the model keeps its own
+    attention."""
     from peft import LoraConfig, get_peft_model
 
     def head(change) -> TrainedPositionHead:
@@ -160,5 +177,25 @@ def test_a_model_that_would_not_read_a_shared_prompt_as_its_rows_reads_them_apar
         return TrainedPositionHead(get_peft_model(base, LoraConfig(r=4, target_modules="all-linear")))
 
     assert head(lambda m: None).shared_prompt_reason is None
-    assert "4D attention mask" in head(lambda m: m.set_attn_implementation("eager")).shared_prompt_reason
+    assert head(lambda m: m.set_attn_implementation("eager")).shared_prompt_reason is None
     assert "sliding window" in head(lambda m: setattr(m.config, "sliding_window", 64)).shared_prompt_reason
+
+
+def test_an_attention_that_would_read_shared_prompts_wrong_is_refused_and_the_model_keeps_its_own(rag_path,
+                                                                                                  monkeypatch):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AttentionInterface
+
+    from lightning_sdk import compat
+    from lightning_sdk.train import attention
+
+    def blind(module, query, key, value, attention_mask, **kwargs):  # ignores the layout: branches see each other
+        kwargs.pop(attention.LAYOUT, None)
+        return attention.attend(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("lightning_test_blind", blind)
+    monkeypatch.setattr(attention, "register", lambda: "lightning_test_blind")
+    base = models.load_causal_lm(rag_path, dtype="float32", device="cpu")
+    head = TrainedPositionHead(get_peft_model(base, LoraConfig(r=4, target_modules="all-linear")))
+    assert "does not read a shared prompt through the trainer's attention" in head.shared_prompt_reason
+    assert compat.attn_implementation(base) == "sdpa"

@@ -11,10 +11,10 @@ A family whose forward does more than `head(hidden)` must be reproduced here: Ge
 `final_logit_softcapping` is. Any other difference is caught by a check at load (the full forward against this
 path on a few tokens), and that model then takes the full head at every position, with the reason logged.
 
-Rows that share a prompt (train.packing.share) are read through a custom 4D attention mask (transformers takes a
-4D mask as given). A second check at load compares that with the rows read apart; a model that does not honour
-such a mask, or that attends through a sliding window (a 4D mask would replace it), has its rows read apart, with
-the reason logged.
+Rows that share a prompt (train.packing.share) are read through the trainer's own attention (train/attention.py),
+to which the model is switched at load. A second check at load compares rows read that way, sharing a prompt, with
+the same rows read apart through the model's own attention; a model that fails it, or that attends through a
+sliding window, keeps its own attention and has its rows read apart, with the reason logged.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import logging
 
 import torch
 
-from lightning_sdk.train.microbatch import branch_mask
+from lightning_sdk import compat
+from lightning_sdk.train import attention
+from lightning_sdk.train.attention import LAYOUT, Layout
 
 log = logging.getLogger("lightning_sdk")
 
@@ -49,22 +51,25 @@ class TrainedPositionHead:
             self.full_head_reason = self._check()
         if self.full_head_reason:
             log.warning("train: the LM head runs on every position (slower update): %s", self.full_head_reason)
-        # why rows with the same prompt are read apart (None: they share it)
-        self.shared_prompt_reason = _sliding(base) or self._check_shared()
+        # why rows with the same prompt are read apart (None: they share it, through train/attention.py)
+        self.shared_prompt_reason = _sliding(base) or self._share(base)
         if self.shared_prompt_reason:
             log.warning("train: calls with the same prompt are read apart (slower update): %s",
                         self.shared_prompt_reason)
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] from the hidden states at (rows[i], cols[i])."""
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                 rows: torch.Tensor, cols: torch.Tensor, layout: Layout | None = None) -> torch.Tensor:
+        """Logits [N, V] from the hidden states at (rows[i], cols[i]); `layout`: the rows' shared prompts."""
+        extra = {} if layout is None else {LAYOUT: layout}
+        if self.shared_prompt_reason is None:  # the trainer's attention: right-padded rows need no mask
+            attention_mask = None
         if self.full_head_reason:
             start = int(cols.min()) if cols.numel() else input_ids.shape[1] - 1
             out = self._model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              logits_to_keep=input_ids.shape[1] - start, use_cache=False)
+                              logits_to_keep=input_ids.shape[1] - start, use_cache=False, **extra)
             return out.logits[rows, cols - start]
         hidden = self._decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state
+                               use_cache=False, **extra).last_hidden_state
         return self._logits(hidden[rows, cols])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -99,45 +104,52 @@ class TrainedPositionHead:
         return None
 
     @torch.no_grad()
-    def _check_shared(self) -> str | None:
-        """None when two rows read as branches of one shared prompt (the 4D mask of train.microbatch) give the
-        logits they give read apart; else why not."""
+    def _share(self, base: torch.nn.Module) -> str | None:
+        """Switch `base` to the trainer's attention when rows read through it, two of them sharing a prompt (three
+        branches of unequal lengths, and a row of one branch padded beside them), give the logits the model's own
+        attention gives each read alone; else leave the model's attention as it is and say why not."""
         vocab = int(self._model.get_output_embeddings().weight.shape[0])
         device = next(self._model.parameters()).device
-        prompt, a, b = [1, 2, 3], [4, 5], [6, 7, 8]
-        ids = torch.tensor([prompt + a + b], device=device) % vocab
-        pos = torch.tensor([[0, 1, 2, 3, 4, 3, 4, 5]], device=device)
-        mask = branch_mask(torch.tensor([[-1, -1, -1, 0, 0, 1, 1, 1]], device=device))
+        prompt, tails, alone = [1, 2, 3], [[4, 5], [6, 7, 8], [9]], [10, 11]
         training = self._model.training
         self._model.eval()
         try:
-            shared = self._model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[0]
-            apart = []
-            for tail in (a, b):
-                row = torch.tensor([prompt + tail], device=device) % vocab
-                apart.append(self._model(input_ids=row, attention_mask=torch.ones_like(row),
-                                         position_ids=torch.arange(row.shape[1], device=device).unsqueeze(0),
-                                         use_cache=False).logits[0])
-        except Exception as e:  # noqa: BLE001 - any failure of the 4D mask means: read the rows apart
-            return f"a 4D attention mask failed ({type(e).__name__}: {e})"
+            want = [self._logits_alone(prompt + t, vocab, device) for t in tails]
+            want_alone = self._logits_alone(alone, vocab, device)
+            own = compat.attn_implementation(base)
+            try:
+                base.set_attn_implementation(attention.register())
+                shared = attention.layout([3, 2], [[(3, 5), (5, 8), (8, 9)], [(0, 2)]])
+                ids = torch.tensor([prompt + sum(tails, []), alone + [0] * 7], device=device) % vocab
+                pos = torch.tensor([[0, 1, 2, 3, 4, 3, 4, 5, 3], list(range(9))], device=device)
+                got = self._model(input_ids=ids, position_ids=pos, use_cache=False, **{LAYOUT: shared}).logits
+            except Exception as e:  # noqa: BLE001 - any failure of the shared attention means: read the rows apart
+                base.set_attn_implementation(own)
+                return f"the shared-prompt attention failed ({type(e).__name__}: {e})"
         finally:
             self._model.train(training)
-        want = torch.cat([apart[0], apart[1][3:]]).float()
-        got = shared.float()
+        want = torch.cat([want[0], want[1][3:], want[2][3:]]).float()
+        diff = max(float((got[0].float() - want).abs().max()), float((got[1, :2].float() - want_alone).abs().max()))
         scale = float(want.abs().max()) or 1.0
-        if not torch.allclose(got, want, rtol=1e-3, atol=1e-3 * scale):
-            return (f"{type(self._model.get_base_model()).__name__} does not read a 4D attention mask as given "
-                    f"(max |difference| {float((got - want).abs().max())})")
+        if diff > 1e-3 * scale:
+            base.set_attn_implementation(own)
+            return (f"{type(base).__name__} does not read a shared prompt through the trainer's attention as its own "
+                    f"attention reads the rows (max |difference| {diff})")
         return None
+
+    def _logits_alone(self, tokens: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+        row = torch.tensor([tokens], device=device) % vocab
+        return self._model(input_ids=row, attention_mask=torch.ones_like(row), use_cache=False,
+                           position_ids=torch.arange(row.shape[1], device=device).unsqueeze(0)).logits[0].float()
 
 
 def _sliding(base: torch.nn.Module) -> str | None:
-    """Why a 4D mask would change what `base` attends to: a sliding window (None: it has none)."""
+    """Why the shared-prompt attention would change what `base` attends to: a sliding window (None: it has none)."""
     c = base.config.get_text_config()
     layers = getattr(c, "layer_types", None) or []
     if any(t != "full_attention" for t in layers) or (getattr(c, "sliding_window", None)
                                                       and getattr(c, "use_sliding_window", True)):
-        return f"{type(base).__name__} attends through a sliding window, which a 4D mask would replace"
+        return f"{type(base).__name__} attends through a sliding window, which the shared-prompt attention does not apply"
     return None
 
 

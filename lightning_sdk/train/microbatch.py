@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_sdk.train.attention import Layout, layout
 from lightning_sdk.train.packing import Row
 from lightning_sdk.transitions import Transition
 
@@ -19,8 +20,7 @@ class Batch:
     Per-call values are per tail token [B, C]: a packed row holds several calls."""
 
     input_ids: torch.Tensor  # [B, L]
-    # [B, L] (1: a real token), or [B, 1, L, L] bool (query, key) where a row has branches sharing its prompt
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor  # [B, L] (1: a real token)
     position_ids: torch.Tensor  # [B, L] from each row's first token, as when sampling (restarting after the prompt
     # in each branch)
     src: torch.Tensor  # [B, C] long: the column of the hidden state that predicts each tail token
@@ -33,6 +33,7 @@ class Batch:
     has_sampler_logp: torch.Tensor  # [B, C] bool
     bitmask: torch.Tensor | None = None  # [B, C, words] int32: each position's grammar mask (-1: every token)
     segments: torch.Tensor | None = None  # [B, C] long: which call of its row a token is (None: one call a row)
+    layout: Layout | None = None  # where a row has branches sharing its prompt: each row's prompt and branches
 
 
 def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w: torch.Tensor, device: str,
@@ -45,8 +46,7 @@ def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w:
     B = len(rows)
     ids = torch.zeros(B, L, dtype=torch.long)
     pos = torch.zeros(B, L, dtype=torch.long)
-    # which branch each token is in: -1 the prompt (seen by every branch), -2 padding
-    branch = torch.full((B, L), -2, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
     src = torch.zeros(B, C, dtype=torch.long)
     targets = torch.zeros(B, C, dtype=torch.long)
     slp = torch.zeros(B, C)
@@ -64,12 +64,11 @@ def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w:
                              f"completion token needs a context)")
         ids[r, :p + c] = torch.tensor(row.prompt_ids + row.tail)
         targets[r, :c] = ids[r, p:p + c]
+        mask[r, :p + c] = 1
         pos[r, :p] = torch.arange(p)
-        branch[r, :p] = -1
         src[r, :c] = torch.arange(p - 1, p + c - 1)
-        for k, (b0, b1) in enumerate(zip(row.branches, row.branches[1:] + (c,))):
+        for b0, b1 in zip(row.branches, row.branches[1:] + (c,)):
             pos[r, p + b0:p + b1] = torch.arange(p, p + b1 - b0)
-            branch[r, p + b0:p + b1] = k
             src[r, b0] = p - 1  # a branch's first token is predicted from the prompt's last, as in its own row
         for k, s in enumerate(row.segments):
             t, span = ts[s.index], slice(s.start, s.start + s.length)
@@ -87,10 +86,11 @@ def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w:
                     has[r, span] = True
             if masks and t.span_id in masks:
                 mine.append((r, s.start, masks[t.span_id]))
+    shared = None
     if any(len(row.branches) > 1 for row in rows):
-        mask = branch_mask(branch)
-    else:
-        mask = (branch > -2).long()
+        shared = layout([len(row.prompt_ids) for row in rows],
+                        [[(len(row.prompt_ids) + b0, len(row.prompt_ids) + b1)
+                          for b0, b1 in zip(row.branches, row.branches[1:] + (len(row.tail),))] for row in rows])
     fields = (ids, mask, pos, src, targets, weights, advs, temps, top_p, slp, has)
     bitmask = None
     if mine:
@@ -99,17 +99,8 @@ def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w:
             bitmask[r, start:start + len(m)] = m
         bitmask = bitmask.to(device)
     packed = any(len(row.segments) > 1 for row in rows)
-    return Batch(*(x.to(device) for x in fields), bitmask=bitmask, segments=seg.to(device) if packed else None)
-
-
-def branch_mask(branch: torch.Tensor) -> torch.Tensor:
-    """[B, 1, L, L] bool (query, key) from [B, L] branch numbers (-1: the prompt, seen by every branch; -2:
-    padding): causal, and a branch's tokens see the prompt and their own branch only (padding sees the prompt and
-    padding: no query's row is empty)."""
-    L = branch.shape[1]
-    q, k = branch.unsqueeze(2), branch.unsqueeze(1)
-    causal = torch.ones(L, L, dtype=torch.bool, device=branch.device).tril()
-    return (causal & ((k == -1) | (k == q))).unsqueeze(1)
+    return Batch(*(x.to(device) for x in fields), bitmask=bitmask, segments=seg.to(device) if packed else None,
+                 layout=shared)
 
 
 def split(rows: Sequence[Row], max_rows: int, max_tokens: int) -> list[list[Row]]:

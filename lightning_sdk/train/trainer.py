@@ -203,7 +203,8 @@ class GRPOTrainer:
         renormalise over the same set). The head runs at those positions only (train/head.py)."""
         keep = _trained(b)
         rows, cols = keep.nonzero(as_tuple=True)
-        logits = (self.head(b.input_ids, b.attention_mask, b.position_ids, rows, b.src[rows, cols]).float()
+        hidden_at = b.src[rows, cols]
+        logits = (self.head(b.input_ids, b.attention_mask, b.position_ids, rows, hidden_at, b.layout).float()
                   / b.temperature[keep])
         if b.bitmask is not None:  # a constrained call: the tokens its grammar allowed at each position, as sampled
             logits = logits + additive_mask(b.bitmask[keep], logits.shape[-1])
