@@ -15,13 +15,13 @@ observation (150-300 tokens).
 
 1. Bytes. For 1, 2, 5, 10, 20 turns: `--rollouts` rollouts (distinct tasks) into a fresh store, which is then closed
    and VACUUMed; printed per rollout: the file's growth over an empty store's, and the bytes of the rows (every
-   column of the spans, and of the shared-chunk table where there is one). Then `exponent=`: the least-squares slope
+   column of the spans, and of the shared-chunk table where there is one), and the store's mean write time per call
+   (the records written again one at a time into a store of their own). Then `exponent=`: the least-squares slope
    of log(file bytes per rollout) over log(turns) (1: linear, 2: quadratic; the fixed system prompt pulls it below 1).
 2. Time. Rollouts whose prompts reach 1k, 2k, 4k, 8k, 16k, 32k tokens (an observation sized to reach each), each
    call made through the gateway and, beside it, straight to the backend: the median wall time per call each way
-   (the record is written on the gateway's writer thread, off the call's path); then the store's time per record:
-   the same records written again one at a time, in order, into a store of their own (`Store.write_calls`), and
-   the bytes of the rows each one added.
+   (the record is written on the gateway's writer thread, off the call's path); then the store's time per record,
+   the same records written again one at a time, and the bytes of the rows each one added.
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 
 p.add_argument("--repeats", type=int, default=9, help="rollouts of the time part (calls per size)")
 p.add_argument("--seed", type=int, default=0)
 args = p.parse_args()
+if len(set(args.turns)) < 2 or min(args.turns) < 1:
+    p.error("--turns: expected two or more different counts, each at least 1 (the exponent is fitted over them)")
+if min(args.sizes) < 600 or args.sizes != sorted(set(args.sizes)):
+    p.error("--sizes: expected prompt sizes in tokens, increasing, each at least 600")
+if args.rollouts < 1 or args.repeats < 1:
+    p.error("--rollouts and --repeats: expected at least 1")
 
 # The stand-in backend: token i is the word "t<i>"; a message renders as <|im_start|> role content <|im_end|> (ids 1,
 # role, content..., 2), the prompt ends with the generation prompt (1, assistant), the completion ends with 2.
@@ -144,6 +150,23 @@ def rollout(http: httpx.Client, gateway: Gateway, store: Store, rollout_id: str,
     store.finish_rollout(rollout_id, status="succeeded", reward=1.0)
 
 
+def rewritten(records: list, path: Path, *, sizes: bool = False) -> tuple[list[float], list[int]]:
+    """The records written again one at a time, in order, into a store of their own at `path`: the seconds of each
+    `Store.write_calls`, and (with `sizes`) the bytes of the rows each added. One at a time: the gateway's writer
+    thread batches whatever has queued up, which would hide a record's own cost."""
+    again = Store(path)
+    seconds, stored = [], []
+    for record in records:
+        held = row_bytes(path) if sizes else 0
+        t0 = time.perf_counter()
+        again.write_calls([record])
+        seconds.append(time.perf_counter() - t0)
+        if sizes:
+            stored.append(row_bytes(path) - held)
+    again.close()
+    return seconds, stored
+
+
 def vacuumed_size(path: Path) -> int:
     db = sqlite3.connect(path)
     db.execute("VACUUM")
@@ -181,7 +204,8 @@ try:
     Store(empty).close()
     base = vacuumed_size(empty)
     rows = []
-    print(f"{'turns':>5} {'last prompt':>11} {'file bytes/rollout':>18} {'row bytes/rollout':>17} {'calls':>5}")
+    print(f"{'turns':>5} {'last prompt':>11} {'file bytes/rollout':>18} {'row bytes/rollout':>17} {'calls':>5} "
+          f"{'write ms/call':>13}")
     for turns in args.turns:
         path = tmp / f"turns{turns}.sqlite"
         store = Store(path)
@@ -192,11 +216,13 @@ try:
         gateway.capture.record_to(None)
         calls = store.count("spans")
         last = max(len(s.attributes["lightning.llm.prompt_token_ids"]) for s in store.spans(f"r{turns}-0"))
+        records = [r for k in range(args.rollouts) for r in store.spans(f"r{turns}-{k}")]
         store.close()
         size = (vacuumed_size(path) - base) / args.rollouts
         data = row_bytes(path) / args.rollouts
         rows.append((turns, size, data))
-        print(f"{turns:>5} {last:>11} {size:>18,.0f} {data:>17,.0f} {calls:>5}")
+        write_ms = statistics.mean(rewritten(records, tmp / f"again{turns}.sqlite")[0]) * 1e3
+        print(f"{turns:>5} {last:>11} {size:>18,.0f} {data:>17,.0f} {calls:>5} {write_ms:>13.2f}")
     xs = [math.log(t) for t, _, _ in rows]
     fit = {}
     for i, name in ((1, "file"), (2, "rows")):
@@ -223,20 +249,11 @@ try:
         assert gateway.capture.flush(), gateway.capture.errors
         marks.append((before, len(timings)))
     gateway.capture.record_to(None)
-    # The store's part, each record written alone (the writer thread batches what has queued up), in the order the
-    # calls were made, into a store of its own: the real records, as the gateway made them.
-    again = Store(tmp / "again.sqlite")
-    writes, stored = [], []
-    for k in range(args.repeats + 1):
-        for record in store.spans(f"t{k}"):
-            held = row_bytes(again.path)
-            t0 = time.perf_counter()
-            again.write_calls([record])
-            writes.append(time.perf_counter() - t0)
-            stored.append(row_bytes(again.path) - held)
-    again.close()
+    writes, stored = rewritten([r for k in range(args.repeats + 1) for r in store.spans(f"t{k}")],
+                               tmp / "again.sqlite", sizes=True)
     store.close()
-    print(f"{'prompt tokens':>13} {'gateway ms':>10} {'direct ms':>9} {'hop ms':>7} {'store write ms':>14} {'row bytes':>10}")
+    print(f"{'prompt tokens':>13} {'gateway ms':>10} {'direct ms':>9} {'hop ms':>7} {'store write ms':>14} "
+          f"{'row bytes':>10}")
     # the calls of one place in the rollouts (first call, second, ...) have about the same prompt length
     per_place = list(zip(*[range(a, b) for a, b in marks[1:]]))
     for place in per_place:
