@@ -141,16 +141,13 @@ class _Shared:
         if not self.pieces:
             return None
         bodies = {h: b for kind in self.pieces.values() for parts in kind.values() for h, b in parts}
-        ids: dict[bytes, int] = {}
-        hashes = list(bodies)
-        for k in range(0, len(hashes), _MAX_VARIABLES):
-            part = hashes[k:k + _MAX_VARIABLES]
-            ids.update((bytes(h), i) for h, i in db.execute(
-                f"SELECT hash, chunk_id FROM chunks WHERE hash IN ({','.join('?' * len(part))})", part))
-        for h, body in bodies.items():
-            if h not in ids:
-                ids[h] = db.execute("INSERT INTO chunks (hash, body) VALUES (?, ?)", (h, body)).lastrowid
-                made.append(ids[h])
+        ids = _chunk_ids(db, list(bodies))
+        missing = [(h, b) for h, b in bodies.items() if h not in ids]
+        if missing:
+            db.executemany("INSERT INTO chunks (hash, body) VALUES (?, ?)", missing)
+            new = _chunk_ids(db, [h for h, _ in missing])
+            made.extend(new.values())
+            ids.update(new)
         return json.dumps({kind: {name: [ids[h] for h, _ in parts] for name, parts in named.items()}
                            for kind, named in self.pieces.items()})
 
@@ -230,6 +227,16 @@ class _Chunker:
         if not bodies or (not kept and _joined(bodies) != value):
             return []
         return kept + [(_hash(b), b) for b in bodies]
+
+
+def _chunk_ids(db: sqlite3.Connection, hashes: list[bytes]) -> dict[bytes, int]:
+    """The ids of the chunks stored under `hashes`, by hash (those stored)."""
+    ids: dict[bytes, int] = {}
+    for k in range(0, len(hashes), _MAX_VARIABLES):
+        part = hashes[k:k + _MAX_VARIABLES]
+        ids.update((bytes(h), i) for h, i in db.execute(
+            f"SELECT hash, chunk_id FROM chunks WHERE hash IN ({','.join('?' * len(part))})", part))
+    return ids
 
 
 def _joined(bodies: Sequence[str]) -> str:
@@ -467,7 +474,7 @@ class Store:
                             displaced.append(r.span_id)
                         else:
                             conflicts.append(r.span_id)
-                for k in range(0, len(made), _MAX_VARIABLES):  # made for a span that was refused: held by none
+                for k in range(0, len(made) if conflicts else 0, _MAX_VARIABLES):  # made for a refused span
                     part = made[k:k + _MAX_VARIABLES]
                     self._db.execute(f"DELETE FROM chunks WHERE refs <= 0 AND chunk_id IN "
                                      f"({','.join('?' * len(part))})", part)
