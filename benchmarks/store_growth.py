@@ -14,14 +14,17 @@ log-probs. Each rollout: a system + task prompt (~2k tokens), then each turn a c
 observation (150-300 tokens).
 
 1. Bytes. For 1, 2, 5, 10, 20 turns: `--rollouts` rollouts (distinct tasks) into a fresh store, which is then closed
-   and VACUUMed; printed per rollout: the file's growth over an empty store's, and the bytes of the rows (every
-   column of the spans, and of the shared-chunk table where there is one), and the store's mean write time per call
-   (the records written again one at a time into a store of their own). Then `exponent=`: the least-squares slope
-   of log(file bytes per rollout) over log(turns) (1: linear, 2: quadratic; the fixed system prompt pulls it below 1).
+   and VACUUMed; printed per rollout: the file's growth over an empty store's, the bytes of the rows (every column of
+   the spans, and of the shared-chunk table where there is one), and the store's CPU: mean per call written (the
+   records written again one at a time into a store of their own) and per rollout read back (`Store.spans`, as the
+   trainer and the dashboard read one). Then `exponent=`: the least-squares slope of log(file bytes per rollout)
+   over log(turns) (1: linear, 2: quadratic; the fixed system prompt pulls it below 1).
 2. Time. Rollouts whose prompts reach 1k, 2k, 4k, 8k, 16k, 32k tokens (an observation sized to reach each), each
    call made through the gateway and, beside it, straight to the backend: the median wall time per call each way
-   (the record is written on the gateway's writer thread, off the call's path); then the store's time per record,
-   the same records written again one at a time, and the bytes of the rows each one added.
+   (the record is written on the gateway's writer thread, off the call's path), and the CPU this process spent on
+   the call through the gateway (client, gateway, and the writing of its record: less noisy than wall time on a
+   shared machine); then the store's CPU per record, the same records written again one at a time, and the bytes
+   of the rows each one added.
 """
 
 from __future__ import annotations
@@ -130,9 +133,12 @@ def rollout(http: httpx.Client, gateway: Gateway, store: Store, rollout_id: str,
                     t0 = time.perf_counter()
                     straight = direct.post("/v1/chat/completions", json=body)
                     t_direct = time.perf_counter() - t0
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             r = http.post(url, json=body)
             t_gateway = time.perf_counter() - t0
+            if timings is not None:  # the record written too: its CPU is the call's
+                gateway.capture.flush()
+            cpu = time.process_time() - c0
             r.raise_for_status()
             if direct is not None:
                 if not first_direct:
@@ -142,7 +148,7 @@ def rollout(http: httpx.Client, gateway: Gateway, store: Store, rollout_id: str,
                 straight.raise_for_status()
             reply = r.json()["choices"][0]["message"]["content"]
             if timings is not None:
-                timings.append((len(straight.json()["prompt_token_ids"]), t_gateway, t_direct))
+                timings.append((len(straight.json()["prompt_token_ids"]), t_gateway, t_direct, cpu))
             messages = messages + [{"role": "assistant", "content": reply},
                                    {"role": "tool", "tool_call_id": f"call_{len(messages)}", "content": words(obs)}]
     finally:
@@ -151,16 +157,17 @@ def rollout(http: httpx.Client, gateway: Gateway, store: Store, rollout_id: str,
 
 
 def rewritten(records: list, path: Path, *, sizes: bool = False) -> tuple[list[float], list[int]]:
-    """The records written again one at a time, in order, into a store of their own at `path`: the seconds of each
-    `Store.write_calls`, and (with `sizes`) the bytes of the rows each added. One at a time: the gateway's writer
+    """The records written again one at a time, in order, into a store of their own at `path`: the CPU seconds of
+    each `Store.write_calls` (this thread's: SQLite works in it; CPU, not wall, so that the other jobs of a shared
+    machine count less), and (with `sizes`) the bytes of the rows each added. One at a time: the gateway's writer
     thread batches whatever has queued up, which would hide a record's own cost."""
     again = Store(path)
     seconds, stored = [], []
     for record in records:
         held = row_bytes(path) if sizes else 0
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         again.write_calls([record])
-        seconds.append(time.perf_counter() - t0)
+        seconds.append(time.thread_time() - t0)
         if sizes:
             stored.append(row_bytes(path) - held)
     again.close()
@@ -205,7 +212,7 @@ try:
     base = vacuumed_size(empty)
     rows = []
     print(f"{'turns':>5} {'last prompt':>11} {'file bytes/rollout':>18} {'row bytes/rollout':>17} {'calls':>5} "
-          f"{'write ms/call':>13}")
+          f"{'write cpu ms/call':>17} {'read cpu ms/rollout':>17}")
     for turns in args.turns:
         path = tmp / f"turns{turns}.sqlite"
         store = Store(path)
@@ -216,13 +223,15 @@ try:
         gateway.capture.record_to(None)
         calls = store.count("spans")
         last = max(len(s.attributes["lightning.llm.prompt_token_ids"]) for s in store.spans(f"r{turns}-0"))
+        t0 = time.thread_time()
         records = [r for k in range(args.rollouts) for r in store.spans(f"r{turns}-{k}")]
+        read_ms = (time.thread_time() - t0) / args.rollouts * 1e3
         store.close()
         size = (vacuumed_size(path) - base) / args.rollouts
         data = row_bytes(path) / args.rollouts
         rows.append((turns, size, data))
         write_ms = statistics.mean(rewritten(records, tmp / f"again{turns}.sqlite")[0]) * 1e3
-        print(f"{turns:>5} {last:>11} {size:>18,.0f} {data:>17,.0f} {calls:>5} {write_ms:>13.2f}")
+        print(f"{turns:>5} {last:>11} {size:>18,.0f} {data:>17,.0f} {calls:>5} {write_ms:>17.2f} {read_ms:>17.2f}")
     xs = [math.log(t) for t, _, _ in rows]
     fit = {}
     for i, name in ((1, "file"), (2, "rows")):
@@ -252,17 +261,18 @@ try:
     writes, stored = rewritten([r for k in range(args.repeats + 1) for r in store.spans(f"t{k}")],
                                tmp / "again.sqlite", sizes=True)
     store.close()
-    print(f"{'prompt tokens':>13} {'gateway ms':>10} {'direct ms':>9} {'hop ms':>7} {'store write ms':>14} "
-          f"{'row bytes':>10}")
+    print(f"{'prompt tokens':>13} {'gateway ms':>10} {'direct ms':>9} {'hop ms':>7} {'gateway cpu ms':>14} "
+          f"{'store write cpu ms':>18} {'row bytes':>10}")
     # the calls of one place in the rollouts (first call, second, ...) have about the same prompt length
     per_place = list(zip(*[range(a, b) for a, b in marks[1:]]))
     for place in per_place:
         n = statistics.median(timings[i][0] for i in place)
         g = statistics.median(timings[i][1] for i in place) * 1e3
         d = statistics.median(timings[i][2] for i in place) * 1e3
+        c = statistics.median(timings[i][3] for i in place) * 1e3
         w = statistics.median(writes[i] for i in place) * 1e3
         b = statistics.median(stored[i] for i in place)
-        print(f"{n:>13,.0f} {g:>10.2f} {d:>9.2f} {g - d:>7.2f} {w:>14.2f} {b:>10,.0f}")
+        print(f"{n:>13,.0f} {g:>10.2f} {d:>9.2f} {g - d:>7.2f} {c:>14.2f} {w:>18.2f} {b:>10,.0f}")
     print(f"store_growth: turns={rows[-1][0]} file_bytes_per_rollout={rows[-1][1]:.0f} "
           f"exponent={fit['file']:.3f} rows_exponent={fit['rows']:.3f}")
 finally:
