@@ -3,23 +3,34 @@
 Each write is its own committed transaction, so whatever was written before a crash is still there after it;
 WAL lets `lightning traces` read while a run writes. One connection serves all threads under a lock: the
 writes are small and SQLite serialises writers anyway.
+
+An agent's call k re-sends its whole conversation, so a rollout's calls repeat each other's prompts: kept whole,
+their prompt ids and messages would grow with the square of the turns. A call's record keeps them as references to
+content-addressed `chunks` instead (SHARED below), each chunk stored once whatever holds it: fixed runs of ids, so a
+prompt that extends an earlier one (this rollout's, or the same task's in another) shares every whole chunk of it,
+and one message a chunk. A span's chunks are written in its own transaction and counted by triggers, which free a
+chunk when the last span holding it is deleted (by anyone: `lightning serve`'s retention deletes spans directly).
+`Store.spans` puts the attributes back whole; a span stored whole (a store made before chunks) reads as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
 import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from lightning_sdk.agent import output_json
-from lightning_sdk.tracing.records import AGENT, GATEWAY, REWARD_NAME, REWARD_SPAN, REWARD_VALUE, SpanRecord
+from lightning_sdk.tracing.records import (AGENT, GATEWAY, PROMPT_IDS, REWARD_NAME, REWARD_SPAN, REWARD_VALUE,
+                                           SpanRecord)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +70,15 @@ CREATE TABLE IF NOT EXISTS spans (
     status_message TEXT,
     attributes     TEXT NOT NULL,
     events         TEXT NOT NULL,
-    source         TEXT NOT NULL DEFAULT 'agent'  -- 'gateway': an LLM call's record; 'agent': the rest
+    source         TEXT NOT NULL DEFAULT 'agent', -- 'gateway': an LLM call's record; 'agent': the rest
+    shared         TEXT            -- attributes kept in `chunks`, JSON: lists|texts -> name -> [chunk_id, ...]
+);
+-- Pieces of calls' attributes, each stored once (SHARED), held by the spans whose `shared` names them (`refs`).
+CREATE TABLE IF NOT EXISTS chunks (
+    chunk_id INTEGER PRIMARY KEY,
+    hash     BLOB NOT NULL UNIQUE,   -- blake2b-128 of body
+    body     TEXT NOT NULL,          -- JSON values joined by ', ': a run of a list's items
+    refs     INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS spans_by_rollout ON spans (rollout_id, start_ns);
 -- Rewards are not stored twice: the final one is the rollout's, intermediate ones are reward spans.
@@ -72,8 +91,168 @@ CREATE VIEW IF NOT EXISTS rewards (rollout_id, span_id, name, kind, value, creat
 """
 
 
+# After the `shared` column exists (a store made before it gains it on open). A span's chunks are counted once each
+# however often it names one; a span's `shared` is never rewritten (spans never are).
+CHUNK_TRIGGERS = """
+CREATE TRIGGER IF NOT EXISTS spans_hold_chunks AFTER INSERT ON spans WHEN new.shared IS NOT NULL BEGIN
+    UPDATE chunks SET refs = refs + 1
+    WHERE chunk_id IN (SELECT value FROM json_tree(new.shared) WHERE type = 'integer');
+END;
+CREATE TRIGGER IF NOT EXISTS spans_free_chunks AFTER DELETE ON spans WHEN old.shared IS NOT NULL BEGIN
+    UPDATE chunks SET refs = refs - 1
+    WHERE chunk_id IN (SELECT value FROM json_tree(old.shared) WHERE type = 'integer');
+    DELETE FROM chunks
+    WHERE refs <= 0 AND chunk_id IN (SELECT value FROM json_tree(old.shared) WHERE type = 'integer');
+END;
+CREATE TRIGGER IF NOT EXISTS spans_keep_shared BEFORE UPDATE OF shared ON spans BEGIN
+    SELECT RAISE(ABORT, 'a span''s shared chunks are never rewritten');
+END;
+"""
+
+# What a call's record keeps in chunks. Lists: their ids, CHUNK_IDS a chunk, counted from the start, so that a prompt
+# which extends another shares all of that one's whole chunks. Texts (JSON text of a list, as the gateway writes
+# them): one item a chunk, so a conversation's messages are each stored once.
+SHARED_LISTS = (PROMPT_IDS,)
+SHARED_TEXTS = ("gen_ai.input.messages", "gen_ai.tool.definitions")
+CHUNK_IDS = 256
+_MAX_VARIABLES = 500  # chunk ids or hashes in one IN (...) of SQL
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """A span's attributes as stored: the JSON of those kept in the row (a SHARED one in its place as null), and the
+    chunks of the SHARED ones, by kind ("lists" | "texts") and name, as (hash, body) in order."""
+
+    attributes: str
+    pieces: dict[str, dict[str, list[tuple[bytes, str]]]]
+
+    @classmethod
+    def none(cls, attributes: dict[str, Any]) -> "_Shared":
+        return cls(json.dumps(attributes), {})
+
+    @classmethod
+    def of(cls, attributes: dict[str, Any], pieces: dict[str, dict[str, list[tuple[bytes, str]]]]) -> "_Shared":
+        named = {name for kind in pieces.values() for name in kind}
+        return cls(json.dumps({k: (None if k in named else v) for k, v in attributes.items()}), pieces)
+
+    def write(self, db: sqlite3.Connection, made: list[int]) -> str | None:
+        """The span's `shared` column: its chunks' ids, each chunk written where the store lacks it (its id added
+        to `made`). Inside the caller's transaction."""
+        if not self.pieces:
+            return None
+        bodies = {h: b for kind in self.pieces.values() for parts in kind.values() for h, b in parts}
+        ids = _chunk_ids(db, list(bodies))
+        missing = [(h, b) for h, b in bodies.items() if h not in ids]
+        if missing:
+            db.executemany("INSERT INTO chunks (hash, body) VALUES (?, ?)", missing)
+            new = _chunk_ids(db, [h for h, _ in missing])
+            made.extend(new.values())
+            ids.update(new)
+        return json.dumps({kind: {name: [ids[h] for h, _ in parts] for name, parts in named.items()}
+                           for kind, named in self.pieces.items()})
+
+
+class _Chunker:
+    """Cuts a call's SHARED attributes into chunks (hash, body). Only what joining the chunks gives back exactly is
+    cut; the rest (and empty values) stays whole. The last calls' chunks are remembered by conversation (rollout,
+    component, attribute): a call that extends the one before re-uses the chunks of what it repeats, compared as
+    values, so each call's JSON and hashing work is mostly its new part. Thread-safe."""
+
+    def __init__(self, remembered: int = 64):
+        self._last: OrderedDict[tuple, tuple[Any, list[tuple[bytes, str]]]] = OrderedDict()
+        self._remembered = remembered
+        self._lock = threading.Lock()
+
+    def pieces(self, record: SpanRecord) -> dict[str, dict[str, list[tuple[bytes, str]]]]:
+        pieces: dict[str, dict[str, list[tuple[bytes, str]]]] = {}
+        for kind, names, cut in (("lists", SHARED_LISTS, self._list), ("texts", SHARED_TEXTS, self._text)):
+            for name in names:
+                key = (record.rollout_id, record.component, name)
+                with self._lock:
+                    last = self._last.get(key)
+                value = record.attributes.get(name)
+                parts = cut(value, last)
+                if parts:
+                    pieces.setdefault(kind, {})[name] = parts
+                    kept = list(value) if isinstance(value, list) else value  # a list the caller may yet change
+                    with self._lock:
+                        self._last[key] = (kept, parts)
+                        self._last.move_to_end(key)
+                        while len(self._last) > self._remembered:
+                            self._last.popitem(last=False)
+        return pieces
+
+    @staticmethod
+    def _list(value: Any, last: tuple[Any, list[tuple[bytes, str]]] | None) -> list[tuple[bytes, str]]:
+        """CHUNK_IDS items a chunk, from the start. A whole chunk of the last list is re-used where this list holds
+        the same ints (type and value: 1 and True are equal in Python, not in JSON)."""
+        if not isinstance(value, list) or not value:
+            return []
+        parts: list[tuple[bytes, str]] = []
+        if last is not None and isinstance(last[0], list):
+            before, chunks = last
+            for i, chunk in enumerate(chunks):
+                start, end = i * CHUNK_IDS, (i + 1) * CHUNK_IDS
+                piece, was = value[start:end], before[start:end]
+                if end > len(before) or end > len(value) or piece != was or set(map(type, piece)) != {int} or \
+                        set(map(type, was)) != {int}:
+                    break
+                parts.append(chunk)
+        for start in range(len(parts) * CHUNK_IDS, len(value), CHUNK_IDS):
+            body = json.dumps(value[start:start + CHUNK_IDS])[1:-1]
+            parts.append((_hash(body), body))
+        return parts
+
+    @staticmethod
+    def _text(value: Any, last: tuple[Any, list[tuple[bytes, str]]] | None) -> list[tuple[bytes, str]]:
+        """One item a chunk of a JSON list's text. Where it extends the last text (the same items, then more),
+        only the new items are read."""
+        if not isinstance(value, str) or len(value) < 3:
+            return []
+        kept: list[tuple[bytes, str]] = []
+        rest = value
+        if last is not None and isinstance(last[0], str):
+            before, chunks = last
+            if value == before:
+                return chunks
+            if value.startswith(before[:-1]) and value[len(before) - 1:len(before) + 1] == ", ":
+                kept, rest = chunks, "[" + value[len(before) + 1:]
+        try:
+            items = json.loads(rest)
+            bodies = [json.dumps(item) for item in items] if isinstance(items, list) else []
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's limit
+            bodies = []
+        if kept and (not bodies or _joined([b for _, b in kept] + bodies) != value):
+            return _Chunker._text(value, None)  # not an extension after all: read whole
+        if not bodies or (not kept and _joined(bodies) != value):
+            return []
+        return kept + [(_hash(b), b) for b in bodies]
+
+
+def _chunk_ids(db: sqlite3.Connection, hashes: list[bytes]) -> dict[bytes, int]:
+    """The ids of the chunks stored under `hashes`, by hash (those stored)."""
+    ids: dict[bytes, int] = {}
+    for k in range(0, len(hashes), _MAX_VARIABLES):
+        part = hashes[k:k + _MAX_VARIABLES]
+        ids.update((bytes(h), i) for h, i in db.execute(
+            f"SELECT hash, chunk_id FROM chunks WHERE hash IN ({','.join('?' * len(part))})", part))
+    return ids
+
+
+def _joined(bodies: Sequence[str]) -> str:
+    """The JSON text of the list whose items' texts are `bodies` (as json.dumps writes a list)."""
+    return "[" + ", ".join(bodies) + "]"
+
+
+def _hash(body: str) -> bytes:
+    return hashlib.blake2b(body.encode(), digest_size=16).digest()
+
+
 FAILED_EVAL_SCORE = 0.0  # what an eval rollout that failed (no reward) scores: the one rule, used everywhere
 
+
+SPAN_COLUMNS = ("span_id", "trace_id", "parent_id", "rollout_id", "attempt", "component", "name", "start_ns", "end_ns",
+                "status", "status_message", "attributes", "events", "source", "shared")
 
 # rollout_page's sort keys -> the SQL they order by (fixed text: a sort key never reaches SQL itself)
 ROLLOUT_SORTS = {
@@ -153,6 +332,7 @@ class Store:
         creates nothing, writes no schema and leaves the journal mode alone; every write fails."""
         self.path = Path(path)
         self._lock = threading.Lock()
+        self._chunker = _Chunker()
         self.span_conflicts = 0  # spans refused by write_spans: their id held another span
         self.read_only = read_only
         if read_only:
@@ -169,6 +349,9 @@ class Store:
             columns = {r["name"] for r in self._db.execute("PRAGMA table_info(spans)")}
             if "source" not in columns:  # a store written before calls were recorded at the gateway
                 self._db.execute("ALTER TABLE spans ADD COLUMN source TEXT NOT NULL DEFAULT 'agent'")
+            if "shared" not in columns:  # a store written before calls' prompts were shared: its spans stay whole
+                self._db.execute("ALTER TABLE spans ADD COLUMN shared TEXT")
+            self._db.executescript(CHUNK_TRIGGERS)
 
     def close(self) -> None:
         """Close; a writer folds its write-ahead log into the file and leaves WAL mode (as `seal`), so a clean exit
@@ -264,27 +447,37 @@ class Store:
         return self._insert_spans(records, GATEWAY)
 
     def _insert_spans(self, records: Sequence[SpanRecord], source: str) -> list[str]:
-        spans = [(r.span_id, r.trace_id, r.parent_id, r.rollout_id, r.attempt, r.component, r.name, r.start_ns,
-                  r.end_ns, r.status, r.status_message, json.dumps(r.attributes), json.dumps(r.events), source)
-                 for r in records]
-        conflicts, displaced = [], []
+        # The JSON and hashing outside the lock; a call's chunks are written in the transaction that writes its row,
+        # so a row never names a chunk that may not have been written.
+        encoded = [(r, _Shared.of(r.attributes, self._chunker.pieces(r)) if source == GATEWAY else
+                     _Shared.none(r.attributes),
+                    json.dumps(r.events)) for r in records]
+        conflicts, displaced, made = [], [], []
+        insert = f"INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({', '.join('?' * len(SPAN_COLUMNS))})"
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                for row in spans:
-                    if self._db.execute("INSERT OR IGNORE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                                        row).rowcount == 0:
-                        stored = self._db.execute("SELECT * FROM spans WHERE span_id=?", (row[0],)).fetchone()
+                for r, shared, events in encoded:
+                    row = (r.span_id, r.trace_id, r.parent_id, r.rollout_id, r.attempt, r.component, r.name,
+                           r.start_ns, r.end_ns, r.status, r.status_message, shared.attributes, events, source,
+                           shared.write(self._db, made))
+                    if self._db.execute(f"INSERT OR IGNORE {insert}", row).rowcount == 0:
+                        stored = self._db.execute(f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE span_id=?",
+                                                  (r.span_id,)).fetchone()
                         if tuple(stored) == row:
                             continue
                         if source == GATEWAY and stored["source"] != GATEWAY:
                             # A call's record always wins: an agent or worker span under its id (planted, or a
                             # 1-in-2^64 accident) is dropped, never the record the trainer learns from.
-                            self._db.execute("DELETE FROM spans WHERE span_id=?", (row[0],))
-                            self._db.execute("INSERT INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", row)
-                            displaced.append(row[0])
+                            self._db.execute("DELETE FROM spans WHERE span_id=?", (r.span_id,))
+                            self._db.execute(f"INSERT {insert}", row)
+                            displaced.append(r.span_id)
                         else:
-                            conflicts.append(row[0])
+                            conflicts.append(r.span_id)
+                for k in range(0, len(made) if conflicts else 0, _MAX_VARIABLES):  # made for a refused span
+                    part = made[k:k + _MAX_VARIABLES]
+                    self._db.execute(f"DELETE FROM chunks WHERE refs <= 0 AND chunk_id IN "
+                                     f"({','.join('?' * len(part))})", part)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -301,13 +494,42 @@ class Store:
     # ---------------------------------------------------------------------------------------------- reads
 
     def spans(self, rollout_id: str) -> list[SpanRecord]:
-        rows = self._read("SELECT * FROM spans WHERE rollout_id=? ORDER BY start_ns, end_ns", (rollout_id,))
-        return [SpanRecord(
-            span_id=r["span_id"], trace_id=r["trace_id"], parent_id=r["parent_id"], rollout_id=r["rollout_id"],
-            attempt=r["attempt"], component=r["component"], name=r["name"], start_ns=r["start_ns"],
-            end_ns=r["end_ns"], status=r["status"], status_message=r["status_message"],
-            attributes=json.loads(r["attributes"]), events=json.loads(r["events"]), source=r["source"])
-            for r in rows]
+        """The rollout's spans, in the order they started; a call's shared attributes put back whole."""
+        with self._lock:
+            # one read transaction: the chunks read are those of the spans read, whatever deletes spans meanwhile
+            self._db.execute("BEGIN")
+            try:
+                rows = self._db.execute("SELECT * FROM spans WHERE rollout_id=? ORDER BY start_ns, end_ns",
+                                        (rollout_id,)).fetchall()
+                shared = {r["span_id"]: json.loads(r["shared"]) for r in rows
+                          if "shared" in r.keys() and r["shared"] is not None}
+                wanted = sorted({i for s in shared.values() for named in s.values() for ids in named.values()
+                                 for i in ids})
+                bodies: dict[int, str] = {}
+                for k in range(0, len(wanted), _MAX_VARIABLES):
+                    part = wanted[k:k + _MAX_VARIABLES]
+                    bodies.update(self._db.execute(f"SELECT chunk_id, body FROM chunks WHERE chunk_id IN "
+                                                   f"({','.join('?' * len(part))})", part).fetchall())
+            finally:
+                self._db.execute("COMMIT")
+        out = []
+        for r in rows:
+            attributes = json.loads(r["attributes"])
+            for kind, named in shared.get(r["span_id"], {}).items():
+                for name, ids in named.items():
+                    if any(i not in bodies for i in ids):
+                        log.error("store: span %s: a chunk of its %s is missing; the attribute is left out",
+                                  r["span_id"], name)
+                        attributes.pop(name, None)
+                        continue
+                    text = _joined([bodies[i] for i in ids])
+                    attributes[name] = json.loads(text) if kind == "lists" else text
+            out.append(SpanRecord(
+                span_id=r["span_id"], trace_id=r["trace_id"], parent_id=r["parent_id"], rollout_id=r["rollout_id"],
+                attempt=r["attempt"], component=r["component"], name=r["name"], start_ns=r["start_ns"],
+                end_ns=r["end_ns"], status=r["status"], status_message=r["status_message"],
+                attributes=attributes, events=json.loads(r["events"]), source=r["source"]))
+        return out
 
     def rollouts(self, *, phase: str | None = None, iteration: int | None = None, status: str | None = None,
                  limit: int | None = None, newest_first: bool = False) -> list[RolloutRecord]:
