@@ -236,19 +236,19 @@ class RunReader:
         path = self.run_dir(run_id)
         db = self.store_file(path, store)
 
+        settings, scoring = self.scoring(path)
+
         def query(store: Store):
             record = store.rollout(rollout_id)
             if record is None:
                 return None
-            return record, store.spans(rollout_id), store.task(record.task_id)
+            return record, store.spans(rollout_id), store.task(record.task_id), explain(store, record, scoring)
 
         found = self._with_store(path, query, None, db=db)
         if found is None:
             return None
-        record, spans, task = found
-        settings, scoring = self.scoring(path)
+        record, spans, task, explained = found
         credited, note = self._credit(record, spans, scoring)
-        explained = self._with_store(path, lambda store: explain(store, record, scoring), None, db=db)
         # Times from the rollout's start, so that what came before the first call shows too.
         t0 = min([int(record.started_at * 1e9), *(s.start_ns for s in spans)])
         return {
@@ -296,9 +296,10 @@ class RunReader:
         """Each evals/ store: its name, the iteration it scored, the score with its standard error and tasks, and
         what the score is in words. Trained on: every task the run has train rollouts of (an upper bound for an
         earlier checkpoint, so a score is never called held-out when it is not)."""
-        trained = self._with_store(path, lambda s: s.task_ids("train"), set())
+        files = self.eval_files(path)
+        trained = self._with_store(path, lambda s: s.task_ids("train"), set()) if files else set()
         out = []
-        for db in self.eval_files(path):
+        for db in files:
             scores, ids = self._with_store(path, lambda s: (s.eval_scores(), s.task_ids("eval")), ([], set()), db=db)
             split, seen = split_of(ids, trained)
             out += [{"name": db.name, "iteration": r["iteration"], "mean": r["mean"], "stderr": r["stderr"],
