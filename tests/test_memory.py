@@ -125,6 +125,9 @@ def test_no_line_when_it_fits():
     small = _cfg(model={"name": "shape:qwen2.5-0.5b"}, serve={"max_model_len": 2048},
                  train={"micro_batch_size": 2, "gradient_checkpointing": True})
     assert memory_warning(small, device=("a 24 GB test device", 24e9, False)) is None
+    sharded = _cfg(model={"name": "shape:qwen2.5-7b"}, serve={"max_model_len": 32768},
+                   train={"device": "cpu", "processes": 2, "shard": "fsdp"})
+    assert memory_warning(sharded) is None  # a sharded base is not estimated (memory_warning's docstring)
 
 
 def test_say_memory_prints_the_line_and_the_run_goes_on():

@@ -63,17 +63,17 @@ def preflight(cfg: Config, run_dir: Path) -> None:
             raise SetupError("train.device = 'mps': MPS is not available here; use 'cpu' or 'auto'")
 
 
-def memory_warning(cfg: Config, model_path: str | None = None, *, model_config: Any | None = None,
-                   device: tuple[str, float, bool] | None = None, visible: int | None = None) -> str | None:
+def memory_warning(cfg: Config, model_path: str | None = None, *, device: tuple[str, float, bool] | None = None,
+                   visible: int | None = None) -> str | None:
     """One line when the run's model and context would not fit the device its trainer is given (memory.budget at
     the longest call serve.max_model_len allows, train.micro_batch_size rows of it), naming the settings that make
-    it fit; None when it fits or cannot be told (a model whose configuration is not at hand, MPS/XPU).
-    `model_config` (a transformers configuration), `device` ((what, bytes, is_gpu)) and `visible` (the GPUs to
-    place on) replace what is read here."""
+    it fit; None when it fits or cannot be told (a model whose configuration is not at hand, MPS/XPU, a base
+    sharded with train.shard = 'fsdp'). `device` ((what, bytes, is_gpu)) and `visible` (the GPUs to place on)
+    replace what this machine says."""
     from lightning_sdk.config import policies
     from lightning_sdk.memory import ModelShape, Setup, budget, fix, gb
 
-    config = model_config if model_config is not None else _model_config(cfg.model.name, model_path)
+    config = _model_config(cfg.model.name, model_path) if cfg.train.shard == "none" else None
     if config is None:
         return None
     shape = ModelShape.of(config)
@@ -93,7 +93,7 @@ def memory_warning(cfg: Config, model_path: str | None = None, *, model_config: 
     s = Setup(context=context, rows=cfg.train.micro_batch_size,
               dtype=shape.dtype if cfg.model.dtype == "auto" else cfg.model.dtype,
               quantization=cfg.model.quantization, lora_r=max(p.train.lora_r for p in policies(cfg)),
-              targets=tuple(t for t in cfg.train.target_modules) if isinstance(cfg.train.target_modules, list)
+              targets=tuple(cfg.train.target_modules) if isinstance(cfg.train.target_modules, list)
               else cfg.train.target_modules, adapters=len(policies(cfg)),
               checkpointing=cfg.train.gradient_checkpointing, server=server,
               gpu_memory_utilization=cfg.serve.gpu_memory_utilization, sleep_level=cfg.serve.sleep_level,
@@ -105,8 +105,7 @@ def memory_warning(cfg: Config, model_path: str | None = None, *, model_config: 
                       and v >= 0.05e9)
     length = (f"serve.max_model_len = {context}" if cfg.serve.max_model_len
               else f"{context} tokens (the model's context; serve.max_model_len unset)")
-    said = f"needs about {gb(b.need)} GB of {what}'s {gb(size)} GB ({items})" if b.need > size else \
-        f"{b.notes[0]}"
+    said = f"needs about {gb(b.need)} GB of {what}'s {gb(size)} GB ({items})" if b.need > size else b.notes[0]
     found = fix(shape, s, size)
     if found is not None:
         changes = found[1]
