@@ -21,6 +21,7 @@ from lightning_sdk.constraint import Constraint
 from lightning_sdk.failures import cannot_train, first_line, fix_for_failure, summary, user_line
 from lightning_sdk.rollouts.job import RolloutJob
 from lightning_sdk.runtime import Runtime, TaskFeed, policy_failure
+from lightning_sdk.runtime.preflight import say_memory
 from lightning_sdk.tracing.records import AGENT, CONSTRAINT, REWARD_NAME, REWARD_SPAN, REWARD_VALUE, is_llm_call
 from lightning_sdk.transitions import to_transitions
 
@@ -71,6 +72,7 @@ def check(cfg: Config, *, tasks: int, console: Console) -> Verdict:
     runtime = Runtime(cfg, console=console)
     batch = TaskFeed(data.load(cfg.data.train, cfg.data.required_fields), tasks, seed=cfg.run.seed,
                      shuffle=cfg.data.shuffle).batch_for(0)
+    say_memory(cfg, console)  # before the server starts: a model that will not fit is said before it loads
     rollouts, unattributed, alone = _collect(runtime, batch)
     console.print(rollout_table(rollouts, cfg))
     v = verdict(rollouts, unattributed, cfg.rollout.components)

@@ -96,6 +96,19 @@ def test_a_good_agent_would_train(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert sum(_task_id(row) in out.stdout for row in rows) == 2  # grouped by task id: the two tasks run
     assert "solver" in out.stdout and "components" in out.stdout and "tool spans" in out.stdout
+    assert "memory:" not in out.stdout  # the tiny model fits this machine: no memory line
+
+
+def test_a_run_that_would_not_fit_is_one_memory_line_and_the_check_goes_on(tmp_path):
+    """The pre-flight's memory estimate (runtime/preflight.py): a pass of a million rows of the model's whole
+    context cannot fit this machine's RAM; one line says so and names the setting, and the check still runs."""
+    out = check(project(tmp_path, "good"), "--tasks", "1", "--set", "train.micro_batch_size=1000000")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("memory: ")]
+    assert len(lines) == 1, out.stdout
+    assert "train.micro_batch_size = 1000000 rows a pass, needs about" in lines[0]
+    assert "of this machine's RAM's" in lines[0] and "it fits with " in lines[0]
+    assert "would train: " in out.stdout
 
 
 def _task_id(task: dict) -> str:

@@ -25,6 +25,7 @@ HEIGHT = {
     "failures": 1,                                 # how failed rollouts are told: read by the loop and check
     "store": 4, "credit": 5, "transitions": 6, "models": 5,
     "grammar": 6,                                  # a constraint compiled: the sampler's mask and the trainer's replay
+    "memory": 6,                                   # a run's memory on paper: the config and the model's shape
     "train": 7, "engine": 7, "servers": 7, "metrics": 7,
     "rollouts": 8, "pipeline": 8, "runtime": 9, "production": 9, "check": 10, "cli": 10, "dashboard": 10, "api": 11,
 }

@@ -34,7 +34,7 @@ from lightning_sdk.runtime.feed import TaskFeed
 from lightning_sdk.runtime.handover import gpu_handover
 from lightning_sdk.runtime.iteration import Batch, collect_batch
 from lightning_sdk.runtime.launch import place_run, share_cores, start_trainer
-from lightning_sdk.runtime.preflight import preflight
+from lightning_sdk.runtime.preflight import preflight, say_memory
 from lightning_sdk.runtime.resume import refuse_conflict, reopen, take_run_dir
 from lightning_sdk.runtime.session import Session, agent_of, bind_gateway, open_session, store_session
 from lightning_sdk.store import Store
@@ -92,6 +92,7 @@ class Runtime:
                            markup=False)
         if placed:
             self.console.print(placed, highlight=False, soft_wrap=True, markup=False)
+        say_memory(cfg, self.console, model_path)  # after the first line: it reads the trainer's device (torch)
         share_cores(stack, cfg)
         state = RunState.read(checkpoint) if checkpoint is not None else RunState()
         state.history = [names.current_row(row) for row in state.history]  # a run an earlier version checkpointed
