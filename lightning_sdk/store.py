@@ -302,12 +302,12 @@ class Store:
 
     def spans(self, rollout_id: str) -> list[SpanRecord]:
         rows = self._read("SELECT * FROM spans WHERE rollout_id=? ORDER BY start_ns, end_ns", (rollout_id,))
-        return [SpanRecord(
-            span_id=r["span_id"], trace_id=r["trace_id"], parent_id=r["parent_id"], rollout_id=r["rollout_id"],
-            attempt=r["attempt"], component=r["component"], name=r["name"], start_ns=r["start_ns"],
-            end_ns=r["end_ns"], status=r["status"], status_message=r["status_message"],
-            attributes=json.loads(r["attributes"]), events=json.loads(r["events"]), source=r["source"])
-            for r in rows]
+        return [self._span(r) for r in rows]
+
+    def span(self, span_id: str) -> SpanRecord | None:
+        """One span by its id (a primary-key lookup), or None."""
+        rows = self._read("SELECT * FROM spans WHERE span_id=?", (span_id,))
+        return self._span(rows[0]) if rows else None
 
     def rollouts(self, *, phase: str | None = None, iteration: int | None = None, status: str | None = None,
                  limit: int | None = None, newest_first: bool = False) -> list[RolloutRecord]:
@@ -424,6 +424,14 @@ class Store:
         if table not in ("tasks", "rollouts", "spans", "rewards"):
             raise ValueError(f"unknown table {table!r}")
         return self._read(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"]
+
+    @staticmethod
+    def _span(r: sqlite3.Row) -> SpanRecord:
+        return SpanRecord(
+            span_id=r["span_id"], trace_id=r["trace_id"], parent_id=r["parent_id"], rollout_id=r["rollout_id"],
+            attempt=r["attempt"], component=r["component"], name=r["name"], start_ns=r["start_ns"],
+            end_ns=r["end_ns"], status=r["status"], status_message=r["status_message"],
+            attributes=json.loads(r["attributes"]), events=json.loads(r["events"]), source=r["source"])
 
     @staticmethod
     def _rollout(r: sqlite3.Row) -> RolloutRecord:
