@@ -13,9 +13,11 @@ simulated clock moves the timestamps only; every cost is this machine's CPU time
 
 Printed, as the log grows: the learner's read per update (`Learner.transitions`: the rewards read, the calls they
 score and every call's advantage; the GRPO step itself is printed apart, it depends on the model, not the log), the
-learner's poll (`Learner.due`) and the dashboard's poll, each with its growth exponent fitted over the log sizes
-(cost ~ calls^k, a least-squares line in log-log); the store's size by day (it must level off once retention
-deletes as much as arrives); and calls/s the gateway and store hold: the real `lightning serve` in this process
+learner's poll (`Learner.due`), the dashboard's poll (`versions.timeline`, once per simulated hour; the mean of the
+last 6), every adapter's live reward read from the whole log (`live_reward.by_adapter`: what each dashboard poll
+did before, and what a dashboard's first poll does), a reward's intake (`FeedbackLedger.give`) and a retention pass,
+each with its growth exponent fitted over the log sizes (cost ~ calls^k, a least-squares line in log-log); the
+store's size by day (it must level off once retention deletes as much as arrives); and calls/s the gateway and store hold: the real `lightning serve` in this process
 (deployment.start) on the builtin tiny model, 8 clients at once, each call recorded, every other one rewarded.
 """
 
@@ -83,6 +85,12 @@ class Traffic:
                           status="OK", status_message=None, attributes=attrs, source=GATEWAY)
 
 
+def prune(path, retention_s, reward_name, now):
+    from lightning_sdk.production.retention import prune as one_pass
+
+    return one_pass(path, retention_s=retention_s, max_calls=None, reward_name=reward_name, now=now)
+
+
 def cpu(fn, *args):
     t = time.process_time()
     out = fn(*args)
@@ -92,10 +100,10 @@ def cpu(fn, *args):
 def week(args, root: Path) -> dict:
     from lightning_sdk import config
     from lightning_sdk.dashboard import versions
+    from lightning_sdk.production import live_reward
     from lightning_sdk.production.episodes import episode_id
     from lightning_sdk.production.learner import Learner
     from lightning_sdk.production.ledger import FeedbackLedger
-    from lightning_sdk.production.retention import prune
     from lightning_sdk.store import Store
 
     cfg = config.load(write_project(root, args.every_rewarded))
@@ -121,7 +129,7 @@ def week(args, root: Path) -> dict:
     start = time.time() - hours * HOUR  # simulated: the week ends now
     later: list[tuple[float, dict]] = []  # (due, feedback body): rewards that come hours late
     points = sorted(p for p in args.points if p <= args.calls)
-    rows, days = [], []
+    rows, days, dash = [], [], []
     updates = steps = 0
     step_s = 0.0
     made = 0.0
@@ -152,10 +160,11 @@ def week(args, root: Path) -> dict:
         store.write_calls(batch)
         due_now = [x for x in later if x[0] < t0 + HOUR]
         later = [x for x in later if x[0] >= t0 + HOUR]
+        t = time.process_time()
         for at, body in sorted(gives + due_now, key=lambda x: x[0]):
             ledger.give(body, now=at)
-        prune(path, retention_s=args.retention_days * DAY, max_calls=None, reward_name=cfg.learn.reward_name,
-              now=t0 + HOUR)
+        give_ms = 1e3 * (time.process_time() - t) / max(1, len(gives) + len(due_now))
+        prune_s, _ = cpu(prune, path, args.retention_days * DAY, cfg.learn.reward_name, t0 + HOUR)
         for _poll in range(args.polls_per_hour):
             t, due = cpu(learner.due)
             rows.append(("poll", traffic.n, t))
@@ -167,20 +176,25 @@ def week(args, root: Path) -> dict:
                     steps += 1
                     step_s += t - sum(reads[before:])
                 rows.append(("update", traffic.n, sum(reads[before:]), up.rewards))
+        t, view = cpu(versions.timeline, path)  # the dashboard's poll, once an hour of traffic
+        dash.append(t)
         while points and traffic.n >= points[0]:
             p = points.pop(0)
-            t, view = cpu(versions.timeline, path)
-            t2, _ = cpu(versions.timeline, path)  # the dashboard's next poll, nothing new in between
+            t = sum(dash[-6:]) / len(dash[-6:])
+            t2, _ = cpu(live_reward.by_adapter, path)  # every adapter's live reward read from the whole log
             made = sum(v["live"]["episodes"] for v in view["versions"] if v["live"])
             last = [r for r in rows if r[0] == "update"][-3:]
             polls = [r[2] for r in rows if r[0] == "poll"][-args.polls_per_hour * 3:]
             per_reward = sum(r[2] for r in last) / max(1, sum(r[3] for r in last))
             print(f"calls={p:>7} rewards={ledger.count():>6} learner_read_per_update_s="
-                  f"{sum(r[2] for r in last) / max(1, len(last)):.4f} learner_read_per_reward_ms={per_reward * 1e3:.3f} "
+                  f"{sum(r[2] for r in last) / max(1, len(last)):.4f} "
+                  f"learner_read_per_reward_ms={per_reward * 1e3:.3f} "
                   f"learner_poll_ms={1e3 * sum(polls) / max(1, len(polls)):.3f} dashboard_poll_s={t:.4f} "
-                  f"dashboard_next_poll_s={t2:.4f} live_units={int(made)}", flush=True)
+                  f"live_reward_whole_log_s={t2:.4f} feedback_ms={give_ms:.3f} prune_pass_s={prune_s:.4f} "
+                  f"live_units={int(made)}", flush=True)
             days.append({"calls": p, "read": sum(r[2] for r in last) / max(1, len(last)), "per_reward": per_reward,
-                         "poll": sum(polls) / max(1, len(polls)), "dash": t, "dash_next": t2})
+                         "poll": sum(polls) / max(1, len(polls)), "dash": t, "whole_log": t2,
+                         "feedback": give_ms, "prune": prune_s})
         if (h + 1) % 24 == 0 or h == hours - 1:
             db_bytes = sum(f.stat().st_size for f in serve.glob("serve.sqlite*"))
             import sqlite3
@@ -197,7 +211,8 @@ def week(args, root: Path) -> dict:
     ledger.close()
     store.close()
     xs = [d["calls"] for d in days]
-    out = {k: fit_exponent(xs, [d[k] for d in days]) for k in ("read", "per_reward", "poll", "dash", "dash_next")}
+    keys = ("read", "per_reward", "poll", "dash", "whole_log", "feedback", "prune")
+    out = {k: fit_exponent(xs, [d[k] for d in days]) for k in keys}
     print("exponents (cost ~ calls^k over " + ", ".join(map(str, xs)) + "): " +
           " ".join(f"{k}={v:.2f}" if v is not None else f"{k}=n/a" for k, v in out.items()))
     print(f"grpo_steps={steps} grpo_step_s_mean={step_s / max(1, steps):.3f} (the tiny model; not the log's cost)")
@@ -215,7 +230,8 @@ async def _hammer(url: str, key: str, seconds: float, clients: int) -> tuple[int
         nonlocal done, rewarded
         while time.monotonic() < end:
             r = await c.post(f"{url}/v1/chat/completions", headers=headers, json={
-                "model": "gpt-4o-mini", "max_tokens": 4, "messages": [{"role": "user", "content": f"What is {i} + 1?"}]})
+                "model": "gpt-4o-mini", "max_tokens": 4,
+                "messages": [{"role": "user", "content": f"What is {i} + 1?"}]})
             r.raise_for_status()
             done += 1
             if done % 2 == 0:
@@ -268,8 +284,10 @@ def main() -> None:
     args.calls_per_hour = args.calls / (args.days * 24)
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
-        print(f"serve_week: calls={args.calls} over {args.days:g} days ({args.calls_per_hour:.0f}/h), retention "
-              f"{args.retention_days:g} days, pid={os.getpid()}", flush=True)
+        import lightning_sdk
+
+        print(f"serve_week ({Path(lightning_sdk.__file__).parent}): calls={args.calls} over {args.days:g} days "
+              f"({args.calls_per_hour:.0f}/h), retention {args.retention_days:g} days, pid={os.getpid()}", flush=True)
         week(args, root)
         if not args.no_throughput:
             throughput(args, root)

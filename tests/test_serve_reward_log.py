@@ -187,3 +187,61 @@ def test_the_dashboards_live_reward_kept_between_polls_equals_reading_the_whole_
         assert view.rebuilds == 0
     finally:
         app.close()
+
+
+def test_the_learners_read_for_an_update_is_what_arrived_whatever_the_logs_size(tmp_path):
+    from lightning_sdk.production.learner import Learner
+    from tests.test_serve_learn import project
+
+    def read_for_new_traffic(d, before: int) -> tuple[int, int]:
+        d.mkdir()
+        cfg = project(d)
+        app = App(d / "serve.sqlite", seed=1)
+        learner = Learner(cfg, d, app.store, app.ledger, base=cfg.model.name)
+        try:
+            app.traffic(before)
+            learner.transitions(learner.pending())  # the first update: the whole log, once
+            seen = max(r["seq"] for r in learner.pending())
+            app.rng = random.Random(7)  # the same new traffic in both stores
+            app.traffic(40)
+            new = [r for r in learner.pending() if r["seq"] > seen]
+            # each sample's spans: an episode's, or the one call a reward by id names
+            spans = sum({(r["kind"] == "episode_id", r["rollout_id"] if r["kind"] == "episode_id" else r["call_id"]):
+                         len(app.store.spans(r["rollout_id"])) if r["kind"] == "episode_id" else 1
+                         for r in new}.values())
+            start = learner.spans_read
+            kept, adv, _, _ = learner.transitions(new)
+            want, _ = whole_log(app.ledger, app.store, learner.rule, alpha=cfg.learn.alpha)
+            assert kept and {t.span_id: adv[t.span_id] for t in kept} == {t.span_id: want[t.span_id] for t in kept}
+            return learner.spans_read - start, spans
+        finally:
+            learner.close()
+            app.close()
+
+    small, spans = read_for_new_traffic(tmp_path / "small", 100)
+    large, spans_again = read_for_new_traffic(tmp_path / "large", 500)
+    # each new reward's calls read twice (the view of the log, then the update's transitions), nothing else
+    assert small == large == 2 * spans == 2 * spans_again
+
+
+def test_the_versions_view_shows_each_adapters_live_reward_poll_after_poll(tmp_path):
+    from lightning_sdk.dashboard import versions
+    from lightning_sdk.production.live_reward import by_adapter, summarize
+    from tests.test_dashboard_serve import LIVE, V2, trace, write_serve
+
+    write_serve(tmp_path)
+    path = tmp_path / "serve.sqlite"
+
+    def shown():
+        return {r["adapter"]: (r["live"]["mean"], r["live"]["stderr"], r["live"]["episodes"])
+                for r in versions.timeline(path)["versions"] if r["live"]}
+
+    got = shown()
+    assert set(got) == set(LIVE) and all(got[a] == pytest.approx(LIVE[a]) for a in LIVE)
+    ledger = FeedbackLedger(path)
+    try:  # a second reward for v2's first episode (0 -> 1) arrives between two polls
+        ledger.give({"episode_id": trace("d1"), "value": 1.0, "feedback_id": "later"})
+    finally:
+        ledger.close()
+    want = {a: summarize(a, v) for a, v in by_adapter(path).items()}
+    assert shown()[V2] == pytest.approx((want[V2].mean, want[V2].stderr, 2)) and want[V2].mean == 0.75

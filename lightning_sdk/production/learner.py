@@ -100,6 +100,7 @@ class Learner:
         self._making = threading.Lock()
         # the rewarded samples and their advantages, taken in as they arrive (built from the whole log on first use)
         self.rewards = RewardLog(store, self.rule, self.learn.reward_name, self.learn.alpha)
+        self._spans_read = 0  # spans transitions() decoded for the rewards it was given
 
     def close(self) -> None:
         with self._lock:
@@ -108,6 +109,12 @@ class Learner:
 
     def adapter_name(self, version: int) -> str:
         return f"{self.cfg.run.name}-serve-v{version}"
+
+    @property
+    def spans_read(self) -> int:
+        """Spans decoded from the store since start, by the updates' reads and the view of the log: what reading
+        the log has cost (it grows with what arrived, not with the log's size)."""
+        return self._spans_read + self.rewards.spans_read
 
     def checkpoint(self, version: int) -> Path:
         return self.folder / f"v{version:06d}"
@@ -187,6 +194,7 @@ class Learner:
             else:  # one call: read by its id, never the other calls of its episode (or of none)
                 one = self.store.span(key)
                 spans = [one] if one is not None and one.rollout_id == (r["rollout_id"] or "") else []
+            self._spans_read += len(spans)
             calls = [s for s in spans if s.source == GATEWAY]
             if not calls:
                 continue

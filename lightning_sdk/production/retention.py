@@ -5,9 +5,9 @@ except a call an unconsumed reward still needs (with [learn]: it may yet be trai
 
 Each pass is one SQLite transaction: a kill -9 leaves it done or not begun. The calls a pass deletes are listed in
 `pruned_calls` (PRUNED) in the same transaction, kept PRUNED_KEEP_S, so a reader that keeps a view of the log
-(production.reward_log, the dashboard's live reward) takes in what left without reading the whole store again. A call deleted by age could no longer
-be rewarded (feedback for it was refused, 410, before it went; after, the answer is 404); one deleted by the cap
-was inside the window, so feedback for it gets 404 too.
+(production.reward_log, the dashboard's live reward) takes in what left without reading the whole store again.
+A call deleted by age could no longer be rewarded (feedback for it was refused, 410, before it went; after, the
+answer is 404); one deleted by the cap was inside the window, so feedback for it gets 404 too.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def prompt_key(call: SpanRecord) -> str:
     return hashlib.sha256(json.dumps(call.attributes.get(PROMPT_IDS)).encode()).hexdigest()
 
 
-@dataclass
+@dataclass(slots=True)
 class Sample:
     """One rewarded episode, or one call rewarded by its id."""
 
@@ -78,6 +78,7 @@ class RewardLog:
         self._sums: dict[str, float] = {}  # prompt -> sum of its rewards (as sum() adds them), while unchanged
         self._bad: set[str] = set()  # present samples whose reward is not finite
         self._feedback = self._spans = self._pruned = 0  # cursors: the last rowid / seq taken in
+        self._next = 0  # the order the next new sample gets
         self._last: tuple[float, str] | None = None  # the (received_at, feedback_id) read last
 
     # ----------------------------------------------------------------------------------------------- reading
@@ -118,8 +119,8 @@ class RewardLog:
                 if s is not None and s.episode:
                     dirty.add(rollout_id)
         self._spans = newest
-        rows = self._db.execute("SELECT rowid, kind, rollout_id, call_id, value, received_at, feedback_id FROM feedback "
-                                "WHERE name=? AND rowid>? ORDER BY received_at, feedback_id",
+        rows = self._db.execute("SELECT rowid, kind, rollout_id, call_id, value, received_at, feedback_id "
+                                "FROM feedback WHERE name=? AND rowid>? ORDER BY received_at, feedback_id",
                                 (self.name, self._feedback)).fetchall()
         if not fresh and rows and self._last is not None and (rows[0][5], rows[0][6]) <= self._last:
             return False  # arrived out of order: a sample's place may change
@@ -130,7 +131,8 @@ class RewardLog:
             key = rollout_id if kind == "episode_id" else call_id
             s = self.samples.get(key)
             if s is None:
-                s = self.samples[key] = Sample(key, kind == "episode_id", rollout_id or "", len(self.samples))
+                s = self.samples[key] = Sample(key, kind == "episode_id", rollout_id or "", self._next)
+                self._next += 1
                 dirty.add(key)
             s.reward = s.reward + value
             changed[key] = s
@@ -138,6 +140,9 @@ class RewardLog:
             self._load(self.samples[key])
             changed[key] = self.samples[key]
         self._place(changed.values())
+        for s in changed.values():
+            if not s.episode and not s.calls:  # its call is gone for good (a call's id is never given again)
+                del self.samples[s.key]
         return True
 
     def _load(self, s: Sample) -> None:
