@@ -18,7 +18,8 @@ last 6), every adapter's live reward read from the whole log (`live_reward.by_ad
 did before, and what a dashboard's first poll does), a reward's intake (`FeedbackLedger.give`) and a retention pass,
 each with its growth exponent fitted over the log sizes (cost ~ calls^k, a least-squares line in log-log); the
 store's size by day (it must level off once retention deletes as much as arrives); and calls/s the gateway and store hold: the real `lightning serve` in this process
-(deployment.start) on the builtin tiny model, 8 clients at once, each call recorded, every other one rewarded.
+(deployment.start, on the week's store) on the builtin tiny model, 8 clients at once, each call recorded, every
+other one rewarded by its response id.
 """
 
 from __future__ import annotations
@@ -252,13 +253,16 @@ def throughput(args, root: Path) -> None:
 
     cfg = config.load(write_project(root, 10 ** 6))
     cfg.learn = None  # serving and recording only: the learner's cost is measured above
-    dep = deployment.start(cfg, root / "tp", host="127.0.0.1", port=0, api_key=None, retention_s=DAY)
+    # on the week's store: the writes and the feedback lookups go to a store of the week's size
+    dep = deployment.start(cfg, root / "serve", host="127.0.0.1", port=0, api_key=None,
+                           retention_s=args.retention_days * DAY)
     try:
         asyncio.run(_hammer(dep.url, dep.api_key, 3, args.clients))  # warm-up
         done, rewarded, wall = asyncio.run(_hammer(dep.url, dep.api_key, args.seconds, args.clients))
     finally:
         dep.close()
-    print(f"throughput: backend=builtin:tiny-arith (the real CPU server, max_tokens 4) clients={args.clients} "
+    print(f"throughput: backend=builtin:tiny-arith (the real CPU server, max_tokens 4), the week's store, "
+          f"clients={args.clients} "
           f"calls={done} rewards={rewarded} wall_s={wall:.1f} calls_per_s={done / wall:.1f}")
 
 

@@ -15,13 +15,12 @@ poll reads its own window, not the whole log.
 from __future__ import annotations
 
 import math
-import sqlite3
 import statistics
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_sdk.production.retention import PRUNED
+from lightning_sdk.production.retention import pruned_since
 from lightning_sdk.store import connect_read_only
 from lightning_sdk.tracing.records import GATEWAY, POLICY
 
@@ -121,18 +120,10 @@ class LiveLog:
                 s[2] += sign * v * v
 
     def _take_in(self, db, fresh: bool) -> bool:
-        try:
-            last = db.execute("SELECT seq FROM sqlite_sequence WHERE name=?", (PRUNED,)).fetchone()
-            gone = db.execute(f"SELECT seq, span_rowid, span_id FROM {PRUNED} WHERE seq>? ORDER BY seq",
-                              (self._pruned,)).fetchall()
-        except sqlite3.OperationalError as e:
-            if "no such table" not in str(e):
-                raise
-            last, gone = None, []
-        trimmed = last is not None and last[0] > self._pruned and (not gone or gone[0][0] != self._pruned + 1)
+        gone, trimmed = pruned_since(db, self._pruned)
         if not fresh and (trimmed or (gone and max(g[1] for g in gone) >= self._spans)):
             return False
-        for seq, _rowid, span_id in gone:
+        for seq, _rowid, span_id, _rollout in gone:
             self._pruned = seq
             if span_id in self._calls:
                 adapter, unit, value = self._calls.pop(span_id)
@@ -175,9 +166,15 @@ class LiveLog:
             finally:
                 db.close()
             sums = sorted((a, tuple(s)) for a, s in self._sums.items())
-        out = {}
-        for adapter, (n, total, squares) in sums:
-            if n > 0:
+            out = {}
+            for adapter, (n, total, squares) in sums:
+                if n <= 0:
+                    continue
+                if not (math.isfinite(total) and math.isfinite(squares)):  # huge rewards: add the episodes up again
+                    values = [v for unit in self._units if unit[0] == adapter
+                              if (v := self._unit_value(unit)) is not None and math.isfinite(v)]
+                    out[adapter] = summarize(adapter, values)
+                    continue
                 mean = total / n
                 se = math.sqrt(max(0.0, (squares - n * mean * mean) / (n - 1)) / n) if n >= 2 else None
                 out[adapter] = Live(adapter, mean, se, int(n))

@@ -46,6 +46,22 @@ NEEDED = """
 """
 
 
+def pruned_since(db: sqlite3.Connection, after: int) -> tuple[list[tuple[int, int, str, str]], bool]:
+    """The calls deleted after seq `after` in the store `db` reads, in order: (seq, span_rowid, span_id, rollout_id);
+    and whether the log was trimmed past `after` (a reader that far behind reads the whole log again). A store
+    retention never pruned has no log: nothing deleted."""
+    try:
+        last = db.execute("SELECT seq FROM sqlite_sequence WHERE name=?", (PRUNED,)).fetchone()
+        gone = db.execute(f"SELECT seq, span_rowid, span_id, rollout_id FROM {PRUNED} WHERE seq>? ORDER BY seq",
+                          (after,)).fetchall()
+    except sqlite3.OperationalError as e:
+        if "no such table" not in str(e):
+            raise
+        return [], False
+    trimmed = last is not None and last[0] > after and (not gone or gone[0][0] != after + 1)
+    return [tuple(g) for g in gone], trimmed
+
+
 @dataclass(frozen=True)
 class Pruned:
     aged: int  # spans deleted: older than the retention window

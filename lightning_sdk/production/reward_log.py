@@ -21,12 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import sqlite3
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from lightning_sdk.credit import CreditRule, weights
-from lightning_sdk.production.retention import PRUNED
+from lightning_sdk.production.retention import pruned_since
 from lightning_sdk.production.traffic_advantage import DEFAULT_ALPHA
 from lightning_sdk.store import Store, connect_read_only
 from lightning_sdk.tracing.records import GATEWAY, PROMPT_IDS, SpanRecord
@@ -93,16 +92,8 @@ class RewardLog:
     def _take_in(self, fresh: bool) -> bool:
         """False where the cursors cannot be trusted (rebuild); `fresh`: nothing read yet, nothing to check."""
         dirty: set[str] = set()
-        try:
-            last_seq = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name=?", (PRUNED,)).fetchone()
-            gone = self._db.execute(f"SELECT seq, span_rowid, span_id, rollout_id FROM {PRUNED} WHERE seq>? "
-                                    "ORDER BY seq", (self._pruned,)).fetchall()
-        except sqlite3.OperationalError as e:  # a store retention never pruned: nothing deleted
-            if "no such table" not in str(e):
-                raise
-            last_seq, gone = None, []
-        if not fresh and last_seq is not None and last_seq[0] > self._pruned and (
-                not gone or gone[0][0] != self._pruned + 1):
+        gone, trimmed = pruned_since(self._db, self._pruned)
+        if not fresh and trimmed:
             return False  # deletions trimmed from the log before they were read
         if not fresh and gone and max(g[1] for g in gone) >= self._spans:
             return False  # the newest span was deleted: its rowid may be given again
