@@ -30,6 +30,7 @@ import json
 import math
 import os
 import random
+import sqlite3
 import tempfile
 import time
 from pathlib import Path
@@ -198,7 +199,6 @@ def week(args, root: Path) -> dict:
                          "feedback": give_ms, "prune": prune_s})
         if (h + 1) % 24 == 0 or h == hours - 1:
             db_bytes = sum(f.stat().st_size for f in serve.glob("serve.sqlite*"))
-            import sqlite3
             c = sqlite3.connect(path)
             used = c.execute("PRAGMA page_count").fetchone()[0] - c.execute("PRAGMA freelist_count").fetchone()[0]
             page = c.execute("PRAGMA page_size").fetchone()[0]
@@ -285,11 +285,18 @@ def main() -> None:
     p.add_argument("--no-throughput", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    for name in ("calls", "days", "retention_days", "every_rewarded", "polls_per_hour", "prompts", "prompt_tokens",
+                 "completion_tokens", "seconds", "clients"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')}: expected a positive number")
+    for name in ("reward_share", "episode_share"):
+        if not 0 <= getattr(args, name) <= 1:
+            p.error(f"--{name.replace('_', '-')}: expected a share between 0 and 1")
     args.calls_per_hour = args.calls / (args.days * 24)
+    import lightning_sdk
+
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
-        import lightning_sdk
-
         print(f"serve_week ({Path(lightning_sdk.__file__).parent}): calls={args.calls} over {args.days:g} days "
               f"({args.calls_per_hour:.0f}/h), retention {args.retention_days:g} days, pid={os.getpid()}", flush=True)
         week(args, root)
