@@ -504,12 +504,20 @@ class Store:
 
     def spans(self, rollout_id: str) -> list[SpanRecord]:
         """The rollout's spans, in the order they started; a call's shared attributes put back whole."""
+        return self._spans("rollout_id=? ORDER BY start_ns, end_ns", (rollout_id,))
+
+    def span(self, span_id: str) -> SpanRecord | None:
+        """One span by its id (a primary-key lookup), or None."""
+        found = self._spans("span_id=?", (span_id,))
+        return found[0] if found else None
+
+    def _spans(self, where: str, args: tuple) -> list[SpanRecord]:
+        """The spans `where` selects, a call's shared attributes put back whole."""
         with self._lock:
             # one read transaction: the chunks read are those of the spans read, whatever deletes spans meanwhile
             self._db.execute("BEGIN")
             try:
-                rows = self._db.execute("SELECT * FROM spans WHERE rollout_id=? ORDER BY start_ns, end_ns",
-                                        (rollout_id,)).fetchall()
+                rows = self._db.execute(f"SELECT * FROM spans WHERE {where}", args).fetchall()
                 shared = {r["span_id"]: json.loads(r["shared"]) for r in rows
                           if "shared" in r.keys() and r["shared"] is not None}
                 wanted = sorted({i for s in shared.values() for named in s.values() for ids in named.values()

@@ -21,7 +21,7 @@ from lightning_sdk.production import canary, gate, live_reward
 from lightning_sdk.production.deployment import STORE_FILE as SERVE_FILE
 from lightning_sdk.store import connect_read_only
 
-__all__ = ["SERVE_FILE", "outcome", "timeline"]
+__all__ = ["SERVE_FILE", "live_rewards", "outcome", "timeline"]
 
 
 def _read(fn, empty):
@@ -31,6 +31,20 @@ def _read(fn, empty):
         if "no such table" in str(e):
             return empty
         raise
+
+
+_LIVE: dict[tuple[Path, str], live_reward.LiveLog] = {}  # each serve store's live reward, kept between polls
+_LIVE_KEPT = 16  # stores whose views are kept (the oldest one seen is dropped past it)
+
+
+def live_rewards(path: Path, reward_name: str) -> dict[str, live_reward.Live]:
+    """Each adapter's live reward in the store at `path`, reading only what arrived since this process's last poll."""
+    key = (Path(path).resolve(), reward_name)
+    view = _LIVE.pop(key, None) or live_reward.LiveLog(key[0], reward_name)
+    _LIVE[key] = view  # the most recent last
+    while len(_LIVE) > _LIVE_KEPT:
+        del _LIVE[next(iter(_LIVE))]
+    return view.summaries()
 
 
 def _updates(path: Path) -> list[dict[str, Any]]:
@@ -64,7 +78,7 @@ def timeline(path: Path, reward_name: str = "reward") -> dict[str, Any]:
     updates = _read(lambda: _updates(path), [])
     decided = {d.candidate: (at, d) for at, d in _read(lambda: gate.timed(path, read_only=True), [])}
     trials = {c["candidate"]: c for c in _read(lambda: canary.history(path, read_only=True), [])}
-    live = _read(lambda: live_reward.by_adapter(path, reward_name), {})
+    live = _read(lambda: live_rewards(path, reward_name), {})
     mine = {u["adapter"] for u in updates}
     # The base model (and anything else that served without being an update): by the names the calls recorded,
     # else the name the first gate compared against.
@@ -93,6 +107,5 @@ def timeline(path: Path, reward_name: str = "reward") -> dict[str, Any]:
         })
     promoted = [r["adapter"] for r in rows if r["outcome"].startswith("promoted")]
     for r in rows:
-        values = live.get(r["adapter"])
-        r["live"] = asdict(live_reward.summarize(r["adapter"], values)) if values else None
+        r["live"] = asdict(live[r["adapter"]]) if r["adapter"] in live else None
     return {"versions": rows, "serving": promoted[-1] if promoted else None, "reward_name": reward_name}

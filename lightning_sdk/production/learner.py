@@ -37,7 +37,7 @@ from lightning_sdk import credit, models
 from lightning_sdk.config import AUTO_IS_CAP, Config
 from lightning_sdk.pipeline import split_stale
 from lightning_sdk.production.ledger import FeedbackLedger
-from lightning_sdk.production.rewarded import call_advantages
+from lightning_sdk.production.reward_log import RewardLog
 from lightning_sdk.store import RolloutRecord, Store
 from lightning_sdk.train.checkpoint import ADAPTER
 from lightning_sdk.tracing.records import GATEWAY
@@ -98,13 +98,23 @@ class Learner:
         self.quarantined = 0  # rewards quarantined since start
         self._trainer = None
         self._making = threading.Lock()
+        # the rewarded samples and their advantages, taken in as they arrive (built from the whole log on first use)
+        self.rewards = RewardLog(store, self.rule, self.learn.reward_name, self.learn.alpha)
+        self._spans_read = 0  # spans transitions() decoded for the rewards it was given
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            self.rewards.close()
 
     def adapter_name(self, version: int) -> str:
         return f"{self.cfg.run.name}-serve-v{version}"
+
+    @property
+    def spans_read(self) -> int:
+        """Spans decoded from the store since start, by the updates' reads and the view of the log: what reading
+        the log has cost (it grows with what arrived, not with the log's size)."""
+        return self._spans_read + self.rewards.spans_read
 
     def checkpoint(self, version: int) -> Path:
         return self.folder / f"v{version:06d}"
@@ -167,9 +177,10 @@ class Learner:
                 depth[self.parent])
 
     def transitions(self, rows: list[sqlite3.Row]) -> tuple[list[Transition], dict[str, float], int, Counter]:
-        """The calls the rewards `rows` score, as transitions, with their advantages by span id; and how many calls
-        had no baseline, and what to_transitions left out."""
-        adv = call_advantages(self.ledger, self.store, self.rule, self.learn.reward_name, self.learn.alpha).by_call
+        """The calls the rewards `rows` score, as transitions, with their advantages by span id (those calls'); and
+        how many calls had no baseline, and what to_transitions left out. Reads what arrived since the last call and
+        the rows' own calls, not the whole log."""
+        self.rewards.refresh()
         skipped: Counter = Counter()
         seen: set[str] = set()
         out: list[Transition] = []
@@ -178,9 +189,12 @@ class Learner:
             if key in seen:
                 continue
             seen.add(key)
-            spans = self.store.spans(r["rollout_id"] or "")
-            if r["kind"] != "episode_id":
-                spans = [s for s in spans if s.span_id == key]
+            if r["kind"] == "episode_id":
+                spans = self.store.spans(r["rollout_id"])
+            else:  # one call: read by its id, never the other calls of its episode (or of none)
+                one = self.store.span(key)
+                spans = [one] if one is not None and one.rollout_id == (r["rollout_id"] or "") else []
+            self._spans_read += len(spans)
             calls = [s for s in spans if s.source == GATEWAY]
             if not calls:
                 continue
@@ -188,6 +202,7 @@ class Learner:
                                    model=None, status="succeeded", output=None, reward=0.0, error=None,
                                    traceback=None, started_at=0.0, ended_at=None)
             out += to_transitions(sample, spans, credit=self.rule, skipped=skipped)
+        adv = self.rewards.advantages({t.span_id for t in out})
         kept = [t for t in out if t.span_id in adv]
         return kept, adv, len(out) - len(kept), skipped
 

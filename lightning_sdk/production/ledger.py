@@ -47,12 +47,19 @@ CREATE TABLE IF NOT EXISTS feedback (
 CREATE INDEX IF NOT EXISTS feedback_by_rollout ON feedback (rollout_id);
 CREATE INDEX IF NOT EXISTS feedback_by_name ON feedback (name);
 CREATE INDEX IF NOT EXISTS feedback_by_arrival ON feedback (name, received_at);  -- a canary's window
+-- a reward by response id finds its call through this, not by reading every call's attributes (the WHERE and the
+-- expression are the lookup's, as SQLite needs them to use it)
+CREATE INDEX IF NOT EXISTS spans_by_response_id ON spans (json_extract(attributes, '$."gen_ai.response.id"'))
+    WHERE source = 'gateway';
 CREATE TABLE IF NOT EXISTS learn_consumed (
     feedback_id TEXT PRIMARY KEY,
     version     INTEGER,              -- the update that trained on it; NULL: read, but nothing in it could train
     reason      TEXT                  -- NULL: read by an update; else why it was set aside (quarantined)
 );
 """
+
+BY_RESPONSE_ID = (f"SELECT span_id, rollout_id, end_ns FROM spans WHERE source = '{GATEWAY}' AND "
+                  "json_extract(attributes, '$.\"gen_ai.response.id\"') = ? LIMIT 1")  # spans_by_response_id
 
 # A reward's place in arrival order is its rowid: SQLite gives each insert one above the largest (feedback rows are
 # never deleted), so "every reward up to seq s is consumed" is one number and the unread ones are a range after it.
@@ -158,9 +165,7 @@ class FeedbackLedger:
             row = self._db.execute("SELECT span_id, rollout_id, end_ns FROM spans WHERE span_id=? AND source=?",
                                    (target, GATEWAY)).fetchone()
         else:
-            row = self._db.execute("SELECT span_id, rollout_id, end_ns FROM spans WHERE source=? AND "
-                                   "json_extract(attributes, '$.\"gen_ai.response.id\"')=? LIMIT 1",
-                                   (GATEWAY, target)).fetchone()
+            row = self._db.execute(BY_RESPONSE_ID, (target,)).fetchone()
         if row is None:
             return None, None, 0, 0
         return row["rollout_id"] or None, row["span_id"], 1, row["end_ns"]

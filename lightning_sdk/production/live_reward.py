@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_sdk.production.retention import pruned_since
 from lightning_sdk.store import connect_read_only
 from lightning_sdk.tracing.records import GATEWAY, POLICY
 
@@ -65,3 +67,115 @@ def summarize(adapter: str, values: list[float]) -> Live:
     """Mean and standard error (sample std / sqrt(n)) over the episodes."""
     se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) >= 2 else None
     return Live(adapter, statistics.fmean(values), se, len(values))
+
+
+class LiveLog:
+    """`by_adapter` over the whole log (since = 0) kept up to date for a reader that polls (the dashboard): each
+    `summaries()` takes in the rewards and calls stored since the last and the calls retention deleted (its log,
+    retention.PRUNED), and keeps each adapter's sum and sum of squares over its episodes, so a poll costs what arrived,
+    not the whole store. The mean and standard error equal `summarize(by_adapter(...))` up to rounding (sums kept
+    as they change rather than added up again). Nothing kept on disk: a new reader reads the log once."""
+
+    def __init__(self, path: str | Path, name: str = "reward"):
+        self.path, self.name = Path(path), name
+        self.rebuilds = 0
+        self._lock = threading.Lock()  # one poll at a time takes in what arrived
+        self._reset()
+
+    def _reset(self) -> None:
+        self._calls: dict[str, tuple[str, str, float]] = {}  # call -> (adapter, unit, its reward)
+        self._units: dict[tuple[str, str], list[float]] = {}  # (adapter, unit) -> [sum of its calls', calls]
+        self._sums: dict[str, list[float]] = {}  # adapter -> [episodes, sum, sum of squares] of unit values
+        self._episodes: dict[str, float] = {}  # rewarded episode -> its rewards' sum (a call joining it later)
+        self._feedback = self._spans = self._pruned = 0
+
+    def _unit_value(self, unit: tuple[str, str]) -> float | None:
+        got = self._units.get(unit)
+        return got[0] / got[1] if got and got[1] else None
+
+    def _add(self, span_id: str, policy: str | None, rollout_id: str | None, value: float) -> None:
+        known = self._calls.get(span_id)
+        adapter, unit, old = known if known else (policy or "", rollout_id or f"call:{span_id}", 0.0)
+        self._change((adapter, unit), old, old + value, new_call=known is None)
+        self._calls[span_id] = (adapter, unit, old + value)
+
+    def _change(self, unit: tuple[str, str], old: float, new: float | None, new_call: bool) -> None:
+        """One call of `unit` changed its reward from `old` to `new` (None: it left); the adapter's sums follow."""
+        before = self._unit_value(unit)
+        u = self._units.setdefault(unit, [0.0, 0])
+        if new is None:
+            u[0] -= old
+            u[1] -= 1
+        else:
+            u[0] += new - (0.0 if new_call else old)
+            u[1] += 1 if new_call else 0
+        after = self._unit_value(unit)
+        if not u[1]:
+            del self._units[unit]
+        s = self._sums.setdefault(unit[0], [0, 0.0, 0.0])
+        for v, sign in ((before, -1), (after, 1)):
+            if v is not None and math.isfinite(v):
+                s[0] += sign
+                s[1] += sign * v
+                s[2] += sign * v * v
+
+    def _take_in(self, db, fresh: bool) -> bool:
+        gone, trimmed = pruned_since(db, self._pruned)
+        if not fresh and (trimmed or (gone and max(g[1] for g in gone) >= self._spans)):
+            return False
+        for seq, _rowid, span_id, _rollout in gone:
+            self._pruned = seq
+            if span_id in self._calls:
+                adapter, unit, value = self._calls.pop(span_id)
+                self._change((adapter, unit), value, None, False)
+        newest = db.execute("SELECT COALESCE(MAX(rowid), 0) FROM spans").fetchone()[0]
+        if newest < self._spans:
+            return False
+        policy = f'$."{POLICY}"'
+        if not fresh and self._episodes:
+            for span_id, rollout_id, p in db.execute(
+                    "SELECT span_id, rollout_id, json_extract(attributes, ?) FROM spans WHERE rowid>? AND rowid<=? AND "
+                    "source=?", (policy, self._spans, newest, GATEWAY)):
+                if rollout_id in self._episodes and span_id not in self._calls:
+                    self._add(span_id, p, rollout_id, self._episodes[rollout_id])
+        self._spans = newest
+        for rowid, kind, rollout_id, call_id, value in db.execute(
+                "SELECT rowid, kind, rollout_id, call_id, value FROM feedback WHERE name=? AND rowid>? ORDER BY rowid",
+                (self.name, self._feedback)).fetchall():
+            self._feedback = rowid
+            if kind == "episode_id":
+                self._episodes[rollout_id] = self._episodes.get(rollout_id, 0.0) + value
+                calls = db.execute("SELECT span_id, json_extract(attributes, ?) FROM spans WHERE rollout_id=? AND "
+                                   "source=? AND rowid<=?", (policy, rollout_id, GATEWAY, newest)).fetchall()
+            else:
+                calls = db.execute("SELECT span_id, json_extract(attributes, ?) FROM spans WHERE span_id=? AND "
+                                   "source=? AND rowid<=?", (policy, call_id, GATEWAY, newest)).fetchall()
+            for span_id, p in calls:
+                self._add(span_id, p, rollout_id, value)
+        return True
+
+    def summaries(self) -> dict[str, Live]:
+        """Each adapter's live reward now (adapters with no finite episode left out)."""
+        with self._lock:
+            db = connect_read_only(self.path)
+            try:
+                if not self._take_in(db, fresh=not self._calls and not self._feedback):
+                    self.rebuilds += 1
+                    self._reset()
+                    self._take_in(db, fresh=True)
+            finally:
+                db.close()
+            sums = sorted((a, tuple(s)) for a, s in self._sums.items())
+            out = {}
+            for adapter, (n, total, squares) in sums:
+                if n <= 0:
+                    continue
+                if not (math.isfinite(total) and math.isfinite(squares)):  # huge rewards: add the episodes up again
+                    values = [v for unit in self._units if unit[0] == adapter
+                              if (v := self._unit_value(unit)) is not None and math.isfinite(v)]
+                    out[adapter] = summarize(adapter, values)
+                    continue
+                mean = total / n
+                se = math.sqrt(max(0.0, (squares - n * mean * mean) / (n - 1)) / n) if n >= 2 else None
+                out[adapter] = Live(adapter, mean, se, int(n))
+        return out

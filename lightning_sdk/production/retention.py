@@ -3,9 +3,11 @@ sampler log-probs) older than the retention window are deleted, and past `max_ca
 except a call an unconsumed reward still needs (with [learn]: it may yet be trained on). Feedback rows are kept
 (a few numbers each; `learn_consumed` says which were read).
 
-Each pass is one SQLite transaction: a kill -9 leaves it done or not begun. A call deleted by age could no longer
-be rewarded (feedback for it was refused, 410, before it went; after, the answer is 404); one deleted by the cap
-was inside the window, so feedback for it gets 404 too.
+Each pass is one SQLite transaction: a kill -9 leaves it done or not begun. The calls a pass deletes are listed in
+`pruned_calls` (PRUNED) in the same transaction, kept PRUNED_KEEP_S, so a reader that keeps a view of the log
+(production.reward_log, the dashboard's live reward) takes in what left without reading the whole store again.
+A call deleted by age could no longer be rewarded (feedback for it was refused, 410, before it went; after, the
+answer is 404); one deleted by the cap was inside the window, so feedback for it gets 404 too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,18 @@ from lightning_sdk.tracing.records import GATEWAY
 log = logging.getLogger("lightning_sdk")
 
 PRUNE_EVERY_S = 60.0  # how often a serve looks for calls to delete (each pass one transaction)
+PRUNED = "pruned_calls"
+PRUNED_KEEP_S = 86400.0  # a reader further behind than this reads the whole log again
+
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS {PRUNED} (
+    seq        INTEGER PRIMARY KEY AUTOINCREMENT,  -- in deletion order, never given twice
+    span_rowid INTEGER NOT NULL,                   -- the deleted call's rowid in spans
+    span_id    TEXT NOT NULL,
+    rollout_id TEXT NOT NULL,
+    at         REAL NOT NULL                       -- the pass's time (unix seconds)
+);
+"""
 
 # The spans an unconsumed reward named :name needs: every span of its episode, and the call it names.
 NEEDED = """
@@ -30,6 +44,22 @@ NEEDED = """
     OR s.span_id IN (SELECT f.call_id FROM feedback f WHERE f.name=:name AND f.call_id IS NOT NULL
                      AND NOT EXISTS (SELECT 1 FROM learn_consumed c WHERE c.feedback_id=f.feedback_id))
 """
+
+
+def pruned_since(db: sqlite3.Connection, after: int) -> tuple[list[tuple[int, int, str, str]], bool]:
+    """The calls deleted after seq `after` in the store `db` reads, in order: (seq, span_rowid, span_id, rollout_id);
+    and whether the log was trimmed past `after` (a reader that far behind reads the whole log again). A store
+    retention never pruned has no log: nothing deleted."""
+    try:
+        last = db.execute("SELECT seq FROM sqlite_sequence WHERE name=?", (PRUNED,)).fetchone()
+        gone = db.execute(f"SELECT seq, span_rowid, span_id, rollout_id FROM {PRUNED} WHERE seq>? ORDER BY seq",
+                          (after,)).fetchall()
+    except sqlite3.OperationalError as e:
+        if "no such table" not in str(e):
+            raise
+        return [], False
+    trimmed = last is not None and last[0] > after and (not gone or gone[0][0] != after + 1)
+    return [tuple(g) for g in gone], trimmed
 
 
 @dataclass(frozen=True)
@@ -49,16 +79,25 @@ def prune(path: str | Path, *, retention_s: float, max_calls: int | None, reward
     args = {"name": reward_name, "cutoff": cutoff_ns, "gateway": GATEWAY}
     db = sqlite3.connect(path, isolation_level=None, timeout=30)
     try:
+        db.executescript(SCHEMA)
         db.execute("BEGIN IMMEDIATE")
         try:
-            aged = db.execute(f"DELETE FROM spans WHERE span_id IN (SELECT s.span_id FROM spans s WHERE "
-                              f"s.end_ns < :cutoff AND NOT {needed})", args).rowcount
+            gone = db.execute(f"DELETE FROM spans WHERE span_id IN (SELECT s.span_id FROM spans s WHERE "
+                              f"s.end_ns < :cutoff AND NOT {needed}) RETURNING rowid, span_id, rollout_id, source",
+                              args).fetchall()
+            aged = len(gone)
             over = 0
             if max_calls is not None:  # the newest max_calls calls stay, the needed ones among them
-                over = db.execute(
+                capped = db.execute(
                     f"DELETE FROM spans WHERE span_id IN (SELECT s.span_id FROM spans s WHERE s.source=:gateway "
                     f"AND NOT {needed} ORDER BY s.end_ns DESC LIMIT -1 OFFSET :cap - (SELECT COUNT(*) FROM spans s "
-                    f"WHERE s.source=:gateway AND {needed}))", {**args, "cap": max_calls}).rowcount
+                    f"WHERE s.source=:gateway AND {needed})) RETURNING rowid, span_id, rollout_id, source",
+                    {**args, "cap": max_calls}).fetchall()
+                over = len(capped)
+                gone += capped
+            db.executemany(f"INSERT INTO {PRUNED} (span_rowid, span_id, rollout_id, at) VALUES (?, ?, ?, ?)",
+                           [(r, s, rid, now) for r, s, rid, source in gone if source == GATEWAY])
+            db.execute(f"DELETE FROM {PRUNED} WHERE at < ?", (now - PRUNED_KEEP_S,))
             kept = db.execute(f"SELECT COUNT(*) FROM spans s WHERE s.source=:gateway AND s.end_ns < :cutoff AND "
                               f"{needed}", args).fetchone()[0]
             db.execute("COMMIT")
