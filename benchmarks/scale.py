@@ -7,8 +7,8 @@ the shared prompt (the trainer's attention, train/attention.py).
 
 The batch is one GRPO group: `--branches` rollouts of one call each, sharing a prompt so that each call is
 `context` tokens (prompt + `--completion` sampled tokens), rewards 0 and 1 alternating. Each point is a fresh
-subprocess: the trainer (LoRA r 16 on every linear layer, the run's default micro_batch_size, float32 on the CPU)
-takes one update of the batch three ways:
+subprocess (large allocations mmapped, so the peak counts tensors, not reused heap): the trainer (LoRA r 16 on
+every linear layer, the run's default micro_batch_size, float32 on the CPU) takes one update of the batch three ways:
   apart   train.pack_calls = false: one row per call, through the trainer's attention (causal, no mask)
   dense   the rows merged as branches of the prompt, read through one [L, L] mask per row with the model's own
           sdpa attention (what the trainer did before train/attention.py)
@@ -22,6 +22,11 @@ checkpointing off; at the largest context run).
 
 `--model shape:NAME@LAYERS`: every per-layer cost scales with the depth, so a shallow copy of a real shape keeps
 the width, heads, vocabulary and the growth with the context, in less time.
+
+`--others` then runs the curves of the other costs as the work grows, each its own command (and README section):
+bytes stored per rollout against its turns and the gateway's time per call as prompts grow to 32k tokens
+(store_growth.py), the dashboard and the collector with up to 30,000 rollouts (dashboard_scale.py), and `lightning
+serve` over a simulated week (serve_week.py).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import time
 from pathlib import Path
 
 SIDES = ("apart", "dense", "shared")
+OTHERS = ("store_growth.py", "dashboard_scale.py", "serve_week.py")
 
 
 def batch(context: int, branches: int, completion: int, vocab: int) -> list:
@@ -143,6 +149,7 @@ def main() -> None:
     ap.add_argument("--checkpointing", choices=["off", "on", "both"], default="both")
     ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     ap.add_argument("--memory-gb", type=float, default=20.0, help="skip points estimated above this")
+    ap.add_argument("--others", action="store_true", help="then run " + ", ".join(OTHERS))
     ap.add_argument("--point", nargs=5, help=argparse.SUPPRESS)  # child: SIDE CONTEXT BRANCHES COMPLETION CKPT
     a = ap.parse_args()
     if a.point:
@@ -163,6 +170,9 @@ def main() -> None:
     print("| context | checkpointing | side | update s | tokens/s | peak RSS growth MB | tokens read | grad norm |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     results: dict[tuple[str, bool], dict[int, dict]] = {}
+    # Large blocks straight from mmap, returned when freed: the peak then counts the update's tensors, not heap the
+    # model's loading left behind and the update reused (as in benchmarks/activation_bytes.py)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     for context in contexts:
         for ckpt in ckpts:
             for side in a.sides:
@@ -173,7 +183,7 @@ def main() -> None:
                     continue
                 out = subprocess.run([sys.executable, __file__, "--model", a.model, "--point", side, str(context),
                                       str(a.branches), str(a.completion), "on" if ckpt else "off"],
-                                     capture_output=True, text=True)
+                                     capture_output=True, text=True, env=env)
                 if out.returncode != 0:
                     why = "killed (out of memory?)" if out.returncode < 0 else out.stderr.strip().splitlines()[-1]
                     print(f"| {context} | {'on' if ckpt else 'off'} | {side} | failed: {why} | | | | |")
@@ -199,6 +209,10 @@ def main() -> None:
         return "n/a" if r is None else f"{r['peak_mb']:.0f}"
 
     k = exponent(sorted(default), [default[x]["peak_mb"] for x in sorted(default)]) if len(default) >= 2 else math.nan
+    if a.others:
+        for other in OTHERS:
+            print(f"\n$ python benchmarks/{other}", flush=True)
+            subprocess.run([sys.executable, str(Path(__file__).with_name(other))])
     print(f"scale: context={top} shared_peak_mb={at('shared')} apart_peak_mb={at('apart')} "
           f"dense_peak_mb={at('dense')} shared_exponent={k:.2f}")
 
