@@ -17,9 +17,9 @@ learner's poll (`Learner.due`), the dashboard's poll (`versions.timeline`, once 
 last 6), every adapter's live reward read from the whole log (`live_reward.by_adapter`: what each dashboard poll
 did before, and what a dashboard's first poll does), a reward's intake (`FeedbackLedger.give`) and a retention pass,
 each with its growth exponent fitted over the log sizes (cost ~ calls^k, a least-squares line in log-log); the
-store's size by day (it must level off once retention deletes as much as arrives); and calls/s the gateway and store hold: the real `lightning serve` in this process
-(deployment.start, on the week's store) on the builtin tiny model, 8 clients at once, each call recorded, every
-other one rewarded by its response id.
+store's size by day (it must level off once retention deletes as much as arrives); and calls/s the gateway and
+store hold: the real `lightning serve` in this process (deployment.start, on the week's store) on the builtin tiny
+model, 8 clients at once, each call recorded, every other one rewarded by its response id.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class DataConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: str = "builtin:tiny-arith"  # or a hub id, a model directory, tiny:<teacher.py> or shape:<family> (models.resolve)
+    name: str = "builtin:tiny-arith"  # or a hub id, a model directory, tiny:<teacher.py>, shape:<family> (models.resolve)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["none", "4bit"] = "none"
 

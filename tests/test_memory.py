@@ -59,7 +59,8 @@ def _slope(points: list[dict]) -> float:
 
 def test_the_activation_constants_match_the_measured_curves():
     """benchmarks/activation_bytes.py's measurements (peak RSS growth of one LoRA forward+backward of one row,
-    contexts 512-4096): the estimate's bytes per token, layers and all, within 10% of each measured slope (7% at most when fitted)."""
+    contexts 512-4096): the estimate's bytes per token, layers and all, within 10% of each measured slope (7% at most
+    when fitted)."""
     rows = [json.loads(line) for line in MEASURED.read_text().splitlines()]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:

@@ -149,7 +149,8 @@ def _sliding(base: torch.nn.Module) -> str | None:
     layers = getattr(c, "layer_types", None) or []
     if any(t != "full_attention" for t in layers) or (getattr(c, "sliding_window", None)
                                                       and getattr(c, "use_sliding_window", True)):
-        return f"{type(base).__name__} attends through a sliding window, which the shared-prompt attention does not apply"
+        return (f"{type(base).__name__} attends through a sliding window, which the shared-prompt attention does not "
+                f"apply")
     return None
 
 
