@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +38,25 @@ def atomic_dir(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_once(target: Path, make: Callable[[Path], object], announce: Callable[[], None]) -> bool:
+    """`target` made once by `make(tmp)` into an atomic_dir, whatever other processes ask for it at the same time (a
+    lock beside it): True when this call built it. A target without config.json (a broken copy) is made anew;
+    `announce` runs first, as a build can take minutes."""
+    import fcntl
+
+    if (target / "config.json").exists():
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return False
+        announce()
+        with atomic_dir(target) as tmp:
+            make(tmp)
+    return True
 
 
 def clean_atomic_leftovers(parent: str | Path) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_sdk.files import atomic_dir
+from lightning_sdk.files import build_once
 
 SHAPE = "shape:"
 VERSION = 1  # bump when the build changes, so cached shapes are rebuilt
@@ -111,24 +111,15 @@ def parameters(name: str) -> int:
 
 def ensure_built(name: str) -> Path:
     """The directory of `shape:NAME[@LAYERS]` in the model cache, built once (safe when several processes ask)."""
-    import fcntl
-
     from lightning_sdk.models.tiny import cache_dir
 
     family, layers = parse(name)
     target = cache_dir(f"shape-{family}{'' if layers is None else f'-{layers}l'}-v{VERSION}")
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").exists():
-            log.info(f"building {name} (first use only, then cached in {target}): {family}'s published shape with "
-                     f"random weights and the project's tokenizer")
-            start = time.monotonic()
-            with atomic_dir(target) as tmp:
-                build(tmp, name)
-            log.info(f"built {name} in {time.monotonic() - start:.0f} s")
+    start = time.monotonic()
+    if build_once(target, lambda tmp: build(tmp, name),
+                  lambda: log.info(f"building {name} (first use only, then cached in {target}): {family}'s "
+                                   f"published shape with random weights and the project's tokenizer")):
+        log.info(f"built {name} in {time.monotonic() - start:.0f} s")
     return target
 
 

@@ -10,7 +10,6 @@ The build is seeded and runs on a CPU; the result is an ordinary Hugging Face mo
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import json
 import logging
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Union
 
-from lightning_sdk.files import atomic_dir
+from lightning_sdk.files import build_once
 
 VERSION = 3  # bump when the recipe changes, so stale caches are rebuilt
 # Positions a tiny model holds: RoPE has no position table, so they cost nothing until a prompt uses them, and the
@@ -117,19 +116,17 @@ def ensure_built(teacher: Teacher, *, steps: int = 300, batch: int = 128, prebui
     if (target / "config.json").exists():
         _hold_positions(target)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").exists():
-            # A first run otherwise sits silent here for 20 s (a free CPU) to 10+ min (a loaded 2-core machine).
-            log.info(f"building the model {what or teacher.key} (first use only, then cached in {target}): no model "
-                     f"hub is reachable offline, so a tokenizer and a small Llama are pretrained here on what its "
-                     f"teacher says ({steps} steps of {batch}); the default model takes about 20 s on a free CPU and minutes on a "
-                     f"busy one; the lines below say how long is left")
-            start = time.monotonic()
-            with atomic_dir(target) as tmp:  # a target without config.json (a broken copy) is replaced
-                build(tmp, teacher, steps=steps, batch=batch)
-            log.info(f"built {what or teacher.key} in {time.monotonic() - start:.0f} s")
+    start = time.monotonic()
+
+    def announce() -> None:
+        # A first run otherwise sits silent here for 20 s (a free CPU) to 10+ min (a loaded 2-core machine).
+        log.info(f"building the model {what or teacher.key} (first use only, then cached in {target}): no model "
+                 f"hub is reachable offline, so a tokenizer and a small Llama are pretrained here on what its "
+                 f"teacher says ({steps} steps of {batch}); the default model takes about 20 s on a free CPU and "
+                 f"minutes on a busy one; the lines below say how long is left")
+
+    if build_once(target, lambda tmp: build(tmp, teacher, steps=steps, batch=batch), announce):
+        log.info(f"built {what or teacher.key} in {time.monotonic() - start:.0f} s")
     return target
 
 
