@@ -12,7 +12,9 @@ every linear layer, the run's default micro_batch_size, float32 on the CPU) take
   apart   train.pack_calls = false: one row per call, through the trainer's attention (causal, no mask)
   dense   the rows merged as branches of the prompt, read through one [L, L] mask per row with the model's own
           sdpa attention (what the trainer did before train/attention.py)
-  shared  the default: the rows merged as branches, the prompt read once, no [L, L] mask
+  shared  the rows merged as branches, the prompt read once, no [L, L] mask: the default, which takes the dense
+          mask instead only for micro-batches of at most train.microbatch.DENSE_UP_TO mask entries (here: up to a
+          1k context); this side always takes the shared attention
 and reports the update's seconds, tokens per second (the calls' prompt + completion tokens over the seconds: the
 same work on every side) and the peak RSS growth over the update (ru_maxrss minus the RSS before it), with gradient
 checkpointing off and on. A point whose estimate exceeds `--memory-gb` is skipped and said so. Then a fitted
@@ -72,6 +74,9 @@ def point(model: str, side: str, context: int, branches: int, completion: int, c
     tr = GRPOTrainer(models.resolve(model), cfg, seed=0, dtype="float32")
     if side == "dense":
         _dense(tr)
+    from lightning_sdk.train import microbatch
+
+    microbatch.DENSE_UP_TO = 0  # the shared side: train/attention.py's calls at every length
     ts = batch(context, branches, completion, 512)
     rss0 = _rss_kib()
     t0 = time.perf_counter()

@@ -9,12 +9,15 @@ import dataclasses
 import json
 from pathlib import Path
 
+from unittest import mock
+
 import pytest
 import torch
 
 from lightning_sdk import models
 from lightning_sdk.config import TrainConfig
 from lightning_sdk.constraint import Constraint
+from lightning_sdk.train import microbatch
 from lightning_sdk.train.head import TrainedPositionHead
 from lightning_sdk.train.microbatch import split
 from lightning_sdk.train.packing import pack, share
@@ -69,9 +72,16 @@ def test_the_rag_agent_s_calls_extend_one_another(records):
 
 
 def update(path: str, ts: list[Transition], packed: bool, full_head: bool = False,
-           targets: list[str] | str = ("all-linear", "lm_head"), **kw) -> tuple[dict, dict[str, torch.Tensor]]:
+           targets: list[str] | str = ("all-linear", "lm_head"), dense_up_to: int = 0,
+           **kw) -> tuple[dict, dict[str, torch.Tensor]]:
     """One update with plain SGD (lr 1, no clipping): the parameters move by exactly minus the gradient.
-    `full_head`: the LM head on every position, as a model the head check rejects takes it (train/head.py)."""
+    `full_head`: the LM head on every position, as a model the head check rejects takes it (train/head.py).
+    `dense_up_to`: train.microbatch.DENSE_UP_TO (0: every shared prompt through train/attention.py's own calls)."""
+    with mock.patch.object(microbatch, "DENSE_UP_TO", dense_up_to):
+        return _update(path, ts, packed, full_head, targets, **kw)
+
+
+def _update(path, ts, packed, full_head, targets, **kw):
     cfg = TrainConfig(lr=1.0, lora_r=8, lora_alpha=16, target_modules=targets if isinstance(targets, str)
                       else list(targets), micro_batch_size=5, max_grad_norm=1e9, importance_sampling_cap=2.0,
                       pack_calls=packed, **kw)
@@ -101,8 +111,10 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(VARIANTS) + ["dense mask"])
 def test_packed_rows_train_exactly_as_separate_rows(rag_path, records, variant):
+    """Every variant through the trainer's shared-prompt attention; "dense mask": short rows as the trainer reads
+    them by default, through one [B, 1, L, L] mask (train.microbatch.DENSE_UP_TO)."""
     ts = list(records)
     if "truncated" in variant:  # the middle call of every 3-call chain cut by max_tokens: context, not trained
         rows = pack(ts, [True] * len(ts))
@@ -113,8 +125,9 @@ def test_packed_rows_train_exactly_as_separate_rows(rag_path, records, variant):
     if "constrained" in variant:  # every call sampled under a grammar that allows any text: masks are replayed
         free = Constraint("regex", r"[\s\S]*").to_json()
         ts = [dataclasses.replace(t, constraint=free) for t in ts]
-    today, g0 = update(rag_path, ts, packed=False, **VARIANTS[variant])
-    packed, g1 = update(rag_path, ts, packed=True, **VARIANTS[variant])
+    kw = VARIANTS.get(variant, {"dense_up_to": 1 << 30})
+    today, g0 = update(rag_path, ts, packed=False, **kw)
+    packed, g1 = update(rag_path, ts, packed=True, **kw)
     assert packed["num_input_tokens"] < today["num_input_tokens"]
     for k in ("num_transitions", "num_tokens", "num_masked_truncated", "num_constrained", "constraint_mismatch"):
         assert packed[k] == today[k], k

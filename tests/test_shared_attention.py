@@ -21,7 +21,7 @@ def test_shared_prompts_attend_as_the_dense_mask_says_with_the_same_gradients():
     g = torch.Generator().manual_seed(0)
     # row 0: prompt 5, branches of 3, 6 and 1 tokens; row 1: one branch (a row read alone), padded; row 2: prompt 2
     # and two branches, padded
-    rows = attention.layout([5, 4, 2], [[(5, 8), (8, 14), (14, 15)], [(0, 9)], [(2, 6), (6, 7)]])
+    rows = attention.layout([5, 4, 2], [[(5, 8), (8, 14), (14, 15)], [(4, 9)], [(2, 6), (6, 7)]])
     branch = torch.full((3, 15), -2)
     for r, row in enumerate(rows.rows):
         branch[r, :row.prompt] = -1
@@ -32,6 +32,7 @@ def test_shared_prompts_attend_as_the_dense_mask_says_with_the_same_gradients():
     v = torch.randn(3, 2, 15, 16, generator=g, dtype=torch.float64, requires_grad=True)
     module = torch.nn.Module()
     real = branch > -2
+    assert torch.equal(rows.dense(15)[:, 0][real], dense(branch)[:, 0][real])  # the mask short rows take instead
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense(branch), enable_gqa=True).transpose(1, 2)
     got, _ = attention.attend(module, q, k, v, None, **{attention.LAYOUT: rows})
     assert (got - want)[real].abs().max() < 1e-12
@@ -59,3 +60,20 @@ def test_without_a_layout_attention_is_causal_and_right_padding_changes_no_real_
     alone, _ = attention.attend(torch.nn.Module(), q[:, :, :6], k[:, :, :6], v[:, :, :6], None)
     padded, _ = attention.attend(torch.nn.Module(), q, k, v, None)
     assert (padded[:, :6] - alone).abs().max() < 1e-6
+
+
+def test_short_rows_take_the_dense_mask_and_long_ones_the_shared_attention():
+    from lightning_sdk.train import microbatch
+    from lightning_sdk.train.packing import pack, share
+    from lightning_sdk.transitions import Transition
+
+    ts = [Transition(f"r{i}", "g", f"s{i}", 0, None, (1, 2, 3, 4, 5), (6 + i, 7), (-1.0, -1.0), float(i))
+          for i in range(3)]
+    rows = share(pack(ts, [True] * 3), ts, 8)
+    assert len(rows) == 1 and len(rows[0].branches) == 3
+    adv, w = torch.ones(3), torch.full((3,), 1 / 6)
+    short = microbatch.collate(rows, ts, adv, w, "cpu")
+    assert short.layout is None and short.attention_mask.shape == (1, 1, 11, 11)
+    assert torch.equal(short.attention_mask, attention.layout([5], [[(5, 7), (7, 9), (9, 11)]]).dense(11))
+    long = microbatch.collate(rows, ts, adv, w, "cpu", dense_up_to=11 * 11 - 1)
+    assert long.layout == attention.layout([5], [[(5, 7), (7, 9), (9, 11)]]) and long.attention_mask.dim() == 2

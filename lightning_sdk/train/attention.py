@@ -51,6 +51,19 @@ class Layout:
     def shared(self) -> bool:
         return any(len(r.branches) > 1 for r in self.rows)
 
+    def dense(self, length: int) -> torch.Tensor:
+        """The same rows as one [B, 1, L, L] bool mask (query, key): causal, a branch seeing the prompt and itself,
+        padding the prompt and padding (no query's row empty). Cheaper than `attend`'s per-row calls for short
+        rows (train.microbatch.DENSE_UP_TO)."""
+        branch = torch.full((len(self.rows), length), -2, dtype=torch.long)  # -1: the prompt, -2: padding
+        for r, row in enumerate(self.rows):
+            branch[r, :row.prompt] = -1
+            for k, (s, e) in enumerate(row.branches):
+                branch[r, s:e] = k
+        q, k = branch.unsqueeze(2), branch.unsqueeze(1)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        return (causal & ((k == -1) | (k == q))).unsqueeze(1)
+
 
 def layout(prompts: Sequence[int], branches: Sequence[Sequence[tuple[int, int]]]) -> Layout:
     return Layout(tuple(RowLayout(p, tuple(b)) for p, b in zip(prompts, branches)))

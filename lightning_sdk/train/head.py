@@ -61,8 +61,8 @@ class TrainedPositionHead:
                  rows: torch.Tensor, cols: torch.Tensor, layout: Layout | None = None) -> torch.Tensor:
         """Logits [N, V] from the hidden states at (rows[i], cols[i]); `layout`: the rows' shared prompts."""
         extra = {} if layout is None else {LAYOUT: layout}
-        if self.shared_prompt_reason is None:  # the trainer's attention: right-padded rows need no mask
-            attention_mask = None
+        if self.shared_prompt_reason is None and attention_mask.dim() == 2:
+            attention_mask = None  # the trainer's attention: right-padded rows need no mask
         if self.full_head_reason:
             start = int(cols.min()) if cols.numel() else input_ids.shape[1] - 1
             out = self._model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

@@ -13,6 +13,13 @@ from lightning_sdk.train.packing import Row
 from lightning_sdk.transitions import Transition
 
 
+# Rows that share prompts are read through one dense [B, 1, L, L] mask when it has at most this many entries, and
+# through train/attention.py's per-row calls above it: for short rows the one masked call costs less than a few
+# small calls per row and layer (benchmarks/README.md, "The trainer at a user's scale"), and the mask's memory stays
+# bounded (16 MB a layer as the fp32 bias sdpa makes of it).
+DENSE_UP_TO = 1 << 22
+
+
 @dataclass
 class Batch:
     """One micro-batch on the device: each row's prompt then its tail (completions, and in a packed row the
@@ -20,7 +27,8 @@ class Batch:
     Per-call values are per tail token [B, C]: a packed row holds several calls."""
 
     input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L] (1: a real token)
+    # [B, L] (1: a real token), or [B, 1, L, L] bool (query, key) where short rows share prompts (DENSE_UP_TO)
+    attention_mask: torch.Tensor
     position_ids: torch.Tensor  # [B, L] from each row's first token, as when sampling (restarting after the prompt
     # in each branch)
     src: torch.Tensor  # [B, C] long: the column of the hidden state that predicts each tail token
@@ -37,10 +45,10 @@ class Batch:
 
 
 def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w: torch.Tensor, device: str,
-            masks: Mapping[str, torch.Tensor] | None = None) -> Batch:
+            masks: Mapping[str, torch.Tensor] | None = None, dense_up_to: int | None = None) -> Batch:
     """`rows` index `ts`, `adv` and `w` (one advantage and one token weight per transition); a transition of weight 0
     inside a row (masked as truncated) is read as context only. `masks`: span id -> [C, words] grammar bitmask of a
-    constrained call (grammar.Grammars.replay)."""
+    constrained call (grammar.Grammars.replay). `dense_up_to`: DENSE_UP_TO unless given."""
     L = max(r.length for r in rows)
     C = max(len(r.tail) for r in rows)
     B = len(rows)
@@ -91,6 +99,8 @@ def collate(rows: Sequence[Row], ts: Sequence[Transition], adv: torch.Tensor, w:
         shared = layout([len(row.prompt_ids) for row in rows],
                         [[(len(row.prompt_ids) + b0, len(row.prompt_ids) + b1)
                           for b0, b1 in zip(row.branches, row.branches[1:] + (len(row.tail),))] for row in rows])
+        if B * L * L <= (DENSE_UP_TO if dense_up_to is None else dense_up_to):
+            mask, shared = shared.dense(L), None
     fields = (ids, mask, pos, src, targets, weights, advs, temps, top_p, slp, has)
     bitmask = None
     if mine:
