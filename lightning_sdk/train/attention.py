@@ -1,16 +1,17 @@
 """The trainer's attention: rows that share a prompt read it once, with memory that grows with the tokens.
 
 A micro-batch row (train.packing.Row) is a prompt followed by one or more branches, right-padded. Each branch's
-tokens attend to the prompt and to their own branch, causally, exactly as in a row of their own. A dense
-[L, L] mask says that, but costs the square of the row (and keeps attention off its fused kernels); here no such
-mask exists. Per row, one causal attention over the prompt and the first branch (which follows it in place), then
-the other branches batched: each branch's queries against the prompt's keys followed by its own, causal aligned to
-the bottom right (query i of a branch of T sees the prompt and its branch up to i). On a GPU that is PyTorch's
-`causal_lower_right` bias, which the flash and memory-efficient kernels take without a mask; on a CPU the same
-pattern is a Hankel matrix when the queries are read in reverse (query T-1-i' sees key j iff i' + j < P + T), a
-strided view of one vector of P + 2T numbers that PyTorch's CPU flash kernel reads in place. Rows of one branch (rows
-read apart, packed calls) need no mask at all: causal attention over right padding leaves every real token as it
-is. Right padding inside a batch of branches is harmless the same way.
+tokens attend to the prompt and to their own branch, causally, exactly as in a row of their own. A dense [L, L] mask
+says that, but costs the square of the row (and keeps attention off its fused kernels); here no such mask exists
+(train/microbatch.py keeps one only for micro-batches short enough for it to be the cheaper: DENSE_UP_TO). Per row,
+one causal attention over the prompt and the first branch (which follows it in place), then the other branches
+batched: each branch's queries against the prompt's keys followed by its own, causal aligned to the bottom right
+(query i of a branch of T sees the prompt and its branch up to i). On a GPU that is PyTorch's `causal_lower_right`
+bias, which the flash and memory-efficient kernels take without a mask; on a CPU the same pattern is a Hankel matrix
+when the queries are read in reverse (query T-1-i' sees key j iff i' + j < P + T), a strided view of one vector of P
++ 2T numbers that PyTorch's CPU flash kernel reads in place. Rows of one branch (rows read apart, packed calls) need
+no mask at all: causal attention over right padding leaves every real token as it is. Right padding inside a batch
+of branches is harmless the same way.
 
 The function is registered with transformers' AttentionInterface under NAME and the model switched to it
 (`set_attn_implementation`), so every layer's attention goes through `attend` with the batch's `Layout` passed as a
