@@ -90,9 +90,7 @@ def point(model: str, side: str, context: int, branches: int, completion: int, c
 
 def _dense(tr) -> None:
     """The trainer as it read shared prompts before train/attention.py: the model's own sdpa attention over one
-    [L, L] boolean mask per row (transformers takes a 4D mask as given)."""
-    import torch
-
+    [L, L] boolean mask per row (Layout.dense; transformers takes a 4D mask as given)."""
     tr.model.get_base_model().set_attn_implementation("sdpa")
     head = tr.head
     head.shared_prompt_reason = "benchmarked with the dense mask"  # it passes the mask below to the model
@@ -101,19 +99,9 @@ def _dense(tr) -> None:
         full_head_reason, shared_prompt_reason = head.full_head_reason, None
 
         def __call__(self, input_ids, attention_mask, position_ids, rows, cols, layout=None):
-            return head(input_ids, mask(attention_mask, layout, input_ids.shape[1]), position_ids, rows, cols)
-
-    def mask(attention_mask, layout, L):
-        if layout is not None:
-            branch = torch.full((len(layout.rows), L), -2, dtype=torch.long)
-            for r, row in enumerate(layout.rows):  # -1: the prompt, -2: padding
-                branch[r, :row.prompt] = -1
-                for k, (s, e) in enumerate(row.branches):
-                    branch[r, s:e] = k
-            q, k = branch.unsqueeze(2), branch.unsqueeze(1)
-            causal = torch.ones(L, L, dtype=torch.bool).tril()
-            attention_mask = (causal & ((k == -1) | (k == q))).unsqueeze(1)
-        return attention_mask
+            if layout is not None:
+                attention_mask = layout.dense(input_ids.shape[1]).to(input_ids.device)
+            return head(input_ids, attention_mask, position_ids, rows, cols)
 
     tr.head = Dense()
 

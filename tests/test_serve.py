@@ -197,7 +197,7 @@ def test_advantages_from_the_log_group_repeated_prompts_and_share_episodes_by_cr
     ls.feedback(1.0, episode_id="71" * 16, name="adv", **where)
     ls.feedback(0.0, episode_id="72" * 16, name="adv", **where)
     ls.feedback(0.3, call_id=lone, name="adv", **where)
-    got = call_advantages(served.ledger, served.store, last_call, "adv", alpha=0.5)
+    got = call_advantages(served.store, last_call, "adv", alpha=0.5)
     # Both episodes began with the same prompt: leave-one-out, +1 and -1, on the last call of each (last_call).
     assert (got.by_call[a1], got.by_call[a2], got.by_call[b1]) == (0.0, 1.0, -1.0)
     # The lone call (component "") after running baseline 1 -> 0.5: 0.3 - 0.5.

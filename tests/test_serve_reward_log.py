@@ -118,7 +118,7 @@ def test_the_kept_view_computes_the_advantages_of_the_whole_log(tmp_path, rule):
         assert gone.over_cap > 0
         log.refresh()
         assert log.everything() == whole_log(app.ledger, app.store, rule, alpha=0.3)
-        got = call_advantages(app.ledger, app.store, rule, alpha=0.3)
+        got = call_advantages(app.store, rule, alpha=0.3)
         assert (got.by_call, got.no_baseline) == whole_log(app.ledger, app.store, rule, alpha=0.3)
         assert log.rebuilds == 0  # every change was taken in, none by reading the whole log again
     finally:

@@ -1,6 +1,6 @@
 """Training from the served log ([learn]): each update reads the rewards that arrived since the last one, turns
 the calls they score into transitions (transitions.to_transitions, from the recorded token ids and sampler
-log-probs), gives each call its traffic advantage (rewarded.call_advantages) and takes one GRPO update
+log-probs), gives each call its traffic advantage (reward_log.RewardLog, kept up to date) and takes one GRPO update
 (train.trainer.GRPOTrainer, with [train]'s KL to the reference and its safeguards).
 
 Versions: update n makes adapter version n (the base model is version 0) from its parent, the version the trainer

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_sdk.credit import CreditRule
-from lightning_sdk.production.ledger import FeedbackLedger
 from lightning_sdk.production.reward_log import RewardLog
 from lightning_sdk.production.traffic_advantage import DEFAULT_ALPHA
 from lightning_sdk.store import Store
@@ -25,9 +24,9 @@ class CallAdvantages:
     no_baseline: int  # samples left out: their component had no baseline yet
 
 
-def call_advantages(ledger: FeedbackLedger, store: Store, rule: CreditRule, name: str = "reward",
+def call_advantages(store: Store, rule: CreditRule, name: str = "reward",
                     alpha: float = DEFAULT_ALPHA) -> CallAdvantages:
-    """Every rewarded call's advantage over the whole log of `ledger`'s store, read once (reward_log.RewardLog: a
+    """Every rewarded call's advantage over the whole log of `store` (its feedback and calls), read once (reward_log.RewardLog: a
     learner keeps one and refreshes it instead)."""
     log = RewardLog(store, rule, name, alpha)
     try:
