@@ -99,6 +99,7 @@ def test_feedback_by_response_call_or_episode_and_each_fault_named(served, clien
     got = ls.feedback(2.0, episode_id=TRACE, name="ticket", **where)
     assert (got.calls, got.duplicate) == (2, False)
     assert ls.feedback(2.0, episode_id=TRACE, name="ticket", **where).duplicate is True  # a retry: counted once
+    assert ls.feedback(1.0, episode_id=TRACE, name="own", feedback_id="app-1", **where).duplicate is False
     before = served.ledger.count()
 
     def refused(expected_status, field, value=1.0, **kw):
@@ -108,7 +109,7 @@ def test_feedback_by_response_call_or_episode_and_each_fault_named(served, clien
         assert field in e.value.message
         return e.value
 
-    refused(409, "feedback_id", 3.0, episode_id=TRACE, name="ticket")  # the same reward with another value
+    refused(409, "feedback_id", 3.0, episode_id=TRACE, name="own", feedback_id="app-1")  # its id, another value
     refused(404, "call_id", call_id="0" * 16)
     refused(404, "episode_id", episode_id="9" * 32)
     refused(404, "response_id", response_id="chatcmpl-unknown")

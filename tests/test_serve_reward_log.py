@@ -6,6 +6,7 @@ feedback ledger and retention pass; no model)."""
 import hashlib
 import json
 import random
+import sqlite3
 import time
 
 import pytest
@@ -153,8 +154,12 @@ def test_a_non_finite_reward_is_refused_as_before(tmp_path):
     try:
         app.traffic(20)
         c = app.call("", [3])
-        for i in range(2):  # two huge rewards on one response add up to inf
-            app.give({"response_id": c.attributes["gen_ai.response.id"], "value": 1.7e308, "feedback_id": f"x{i}"})
+        db = sqlite3.connect(app.store.path)  # two huge rewards on one response add up to inf: the ledger refuses
+        with db:  # them (beyond +-1e6), a store written before it did may hold them
+            db.executemany("INSERT INTO feedback VALUES (?, 'response_id', ?, NULL, ?, 'reward', 1.7e308, ?, ?)",
+                           [(f"x{i}", c.attributes["gen_ai.response.id"], c.span_id, app.now, app.now + i)
+                            for i in range(2)])
+        db.close()
         log.refresh()
         with pytest.raises(ValueError, match=f"episode {c.span_id}: reward is not a finite number"):
             log.advantages([c.span_id])

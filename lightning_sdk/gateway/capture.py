@@ -193,6 +193,8 @@ class Call:
         self.status, self.error = 200, None
         self.prompt_ids: list[int] | None = None
         self.choices: dict[int, _Choice] = {}
+        # The id of the reply the agent got (what feedback names it by): the backend's, unless the route that
+        # answered made its own (the Responses API's `resp_...`) and set it first.
         self.response_id: str | None = None
         self.usage: dict | None = None
         self.server: str | None = None  # the backend (replica) that served it, its base URL
@@ -201,7 +203,7 @@ class Call:
     def whole(self, reply: dict) -> None:
         """A non-streamed chat completion (or completion)."""
         self.prompt_ids = _prompt_ids(reply)
-        self.response_id, self.usage = reply.get("id"), reply.get("usage")
+        self.response_id, self.usage = self.response_id or reply.get("id"), reply.get("usage")
         for c in reply.get("choices") or ():
             msg = c.get("message") or {}
             ch = self._choice(c.get("index", 0))

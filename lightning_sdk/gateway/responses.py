@@ -548,6 +548,7 @@ def responses_router(chat: ChatSender, *, max_kept: int = MAX_KEPT,
         except BackendError as e:
             return _error(GatewayError(502, f"the backend is unreachable: {type(e).__name__}: {e}"))
         upstream, record = sent.response, sent.call
+        record.response_id = call.response_id  # the id the app gets, so a reward can name the reply by it
         headers = {CALL_ID_HEADER: record.call_id}
         streamed = "text/event-stream" in upstream.headers.get("content-type", "")
         if upstream.status_code >= 400 or not streamed:

@@ -4,14 +4,22 @@ A reward names one of: a response id (the `id` of the reply the app got), a call
 header of that reply) or an episode id (the trace id its calls carried). Each is checked against the recorded
 calls before anything is written, and each fault gets one answer naming the field:
 
-- 422 `value` / `timestamp` / `name` / `id`: not a finite number, not a non-empty name, not exactly one id
+- 422 `value` / `timestamp` / `name` / `id`: not a number within +-MAX_ABS_REWARD (the bound a run puts on every
+  reward), not unix seconds, not a non-empty name, not exactly one id
+- 422 `feedback_id`: an id of the default form (`KIND:ID:NAME`) that is not this reward's own default id
 - 404 `<kind>_id`: no recorded call has that id
 - 410 `<kind>_id`: its newest call is older than the retention window
-- 409 `feedback_id`: that feedback id was recorded with another reward (the same one again is answered 200 with
-  `duplicate: true` and counted once, so an app may retry a request whose reply it lost)
+- 409 `<kind>_id`: the call or episode already holds `max_per_target` rewards (MAX_FEEDBACK_PER_TARGET)
+- 409 `feedback_id`: that app-given feedback id was recorded with another reward (the same one again is answered
+  200 with `duplicate: true` and counted once, so an app may retry a request whose reply it lost)
 
-Each accepted reward is one committed row (primary key: its feedback id, given by the app or made from the target
-and name), written before the reply: a reply of 200 means it survives kill -9, and a retry is never counted twice.
+Each accepted reward is one committed row (primary key: its feedback id), written before the reply: a reply of 200
+means it survives kill -9, and a retry is never counted twice. With no feedback id given, the id is made from the
+target, the name and the value: the default id is a retry key bound to its target and its reward, never a claim,
+so no key holder can take it first and have the app's own reward refused; ids of that form are reserved for the
+ledger (an app-given id of the form is taken only where it equals this reward's own). The cap per call or
+episode bounds how much any key holder can add to one reply. Retention deletes a reward's row once every call it
+scores is deleted (production/retention.py).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_sdk.config import MAX_ABS_REWARD
 from lightning_sdk.credit import CreditRule, weights
 from lightning_sdk.production.episodes import episode_id
 from lightning_sdk.store import Store
@@ -31,6 +40,9 @@ from lightning_sdk.tracing.records import GATEWAY
 
 KINDS = ("response_id", "call_id", "episode_id")
 DEFAULT_RETENTION_S = 30 * 86400.0
+# Rewards one call or one episode may hold (all names together): enough for every metric an app keeps of a reply,
+# and a bound on what one key holder can add to a reply that is not theirs.
+MAX_FEEDBACK_PER_TARGET = 16
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS feedback (
@@ -45,6 +57,7 @@ CREATE TABLE IF NOT EXISTS feedback (
     received_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS feedback_by_rollout ON feedback (rollout_id);
+CREATE INDEX IF NOT EXISTS feedback_by_call ON feedback (call_id);  -- the cap per call; retention's pruning
 CREATE INDEX IF NOT EXISTS feedback_by_name ON feedback (name);
 CREATE INDEX IF NOT EXISTS feedback_by_arrival ON feedback (name, received_at);  -- a canary's window
 -- a reward by response id finds its call through this, not by reading every call's attributes (the WHERE and the
@@ -61,8 +74,9 @@ CREATE TABLE IF NOT EXISTS learn_consumed (
 BY_RESPONSE_ID = (f"SELECT span_id, rollout_id, end_ns FROM spans WHERE source = '{GATEWAY}' AND "
                   "json_extract(attributes, '$.\"gen_ai.response.id\"') = ? LIMIT 1")  # spans_by_response_id
 
-# A reward's place in arrival order is its rowid: SQLite gives each insert one above the largest (feedback rows are
-# never deleted), so "every reward up to seq s is consumed" is one number and the unread ones are a range after it.
+# A reward's place in arrival order is its rowid: SQLite gives each insert one above the largest, and retention never
+# deletes the row with the largest (production/retention.py), so no rowid is given twice: "every reward up to seq s
+# is consumed" is one number and the unread ones are a range after it.
 UNREAD = ("FROM feedback f WHERE f.name=? AND f.rowid>? AND NOT EXISTS "
           "(SELECT 1 FROM learn_consumed c WHERE c.feedback_id=f.feedback_id)")
 
@@ -85,11 +99,14 @@ class Accepted:
 class FeedbackLedger:
     """Feedback in the store at `path` (its own connection: the gateway's writer keeps the store's)."""
 
-    def __init__(self, path: str | Path, *, retention_s: float = DEFAULT_RETENTION_S):
+    def __init__(self, path: str | Path, *, retention_s: float = DEFAULT_RETENTION_S,
+                 max_per_target: int = MAX_FEEDBACK_PER_TARGET):
         if not (retention_s > 0 and math.isfinite(retention_s)):
             raise ValueError(f"retention_s = {retention_s!r}: expected a positive number of seconds")
+        if isinstance(max_per_target, bool) or not isinstance(max_per_target, int) or max_per_target < 1:
+            raise ValueError(f"max_per_target = {max_per_target!r}: expected a whole number >= 1")
         Store(path).close()  # the store's tables exist before feedback is checked against them
-        self.retention_s = retention_s
+        self.retention_s, self.max_per_target = retention_s, max_per_target
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
@@ -117,18 +134,29 @@ class FeedbackLedger:
         if not isinstance(target, str) or not target or len(target) > 200 or not target.isprintable():
             raise FeedbackError(422, kind, "expected a non-empty printable string of at most 200 characters")
         value = body.get("value")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise FeedbackError(422, "value", f"expected a finite number; got {str(value)[:50]}")
+        # Compared, never converted: an integer of any size is refused, and NaN fails both comparisons.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not -MAX_ABS_REWARD <= value <= MAX_ABS_REWARD:
+            raise FeedbackError(422, "value", f"expected a finite number from {-MAX_ABS_REWARD:g} to "
+                                              f"{MAX_ABS_REWARD:g} (the bound a run puts on every reward); got "
+                                              f"{_shown(value)}")
         name = body.get("name", "reward")
         if not isinstance(name, str) or not name or len(name) > 200 or not name.isprintable():
             raise FeedbackError(422, "name", "expected a non-empty printable string of at most 200 characters")
         at = body.get("timestamp", now)
         if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
             raise FeedbackError(422, "timestamp", "expected unix seconds (a finite number)")
-        fid = body.get("feedback_id")
-        if fid is not None and (not isinstance(fid, str) or not fid or len(fid) > 200 or not fid.isprintable()):
+        given = body.get("feedback_id")
+        if given is not None and (not isinstance(given, str) or not given or len(given) > 200 or
+                                  not given.isprintable()):
             raise FeedbackError(422, "feedback_id", "expected a non-empty printable string of at most 200 characters")
-        fid = fid or f"{kind}:{target}:{name}"
+        default = f"{kind}:{target}:{name}"
+        if given is not None and given != default and given.partition(":")[0] in KINDS:
+            raise FeedbackError(422, "feedback_id", f"{given[:80]!r} has the form of a default id (KIND:ID:NAME), "
+                                                    f"which only its own target and name may use; give another "
+                                                    f"feedback_id, or none")
+        value = float(value)
+        reward = (kind, target, name, value)
         with self._lock:
             rollout_id, call_id, calls, newest_ns = self._resolve(kind, target)
             if calls == 0:
@@ -136,23 +164,51 @@ class FeedbackLedger:
             if newest_ns / 1e9 < now - self.retention_s:
                 raise FeedbackError(410, kind, f"its calls are older than the retention window "
                                                f"({self.retention_s:g} s): not kept for training")
-            row = (fid, kind, target, rollout_id, call_id, name, float(value), float(at), now)
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                stored = self._db.execute("SELECT * FROM feedback WHERE feedback_id=?", (fid,)).fetchone()
+                fid, stored = self._slot(given, default, reward)
+                held = 0
                 if stored is None:
-                    self._db.execute("INSERT INTO feedback VALUES (?,?,?,?,?,?,?,?,?)", row)
+                    held = self._held(kind, rollout_id, call_id)
+                    if held < self.max_per_target:
+                        self._db.execute("INSERT INTO feedback VALUES (?,?,?,?,?,?,?,?,?)",
+                                         (fid, kind, target, rollout_id, call_id, name, value, float(at), now))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+        if stored is None and held >= self.max_per_target:
+            what = "episode" if kind == "episode_id" else "call"
+            raise FeedbackError(409, kind, f"the {what} of {kind} {target!r} already holds {held} rewards, the most "
+                                           f"one {what} takes (MAX_FEEDBACK_PER_TARGET = {self.max_per_target}); "
+                                           f"nothing was recorded")
         if stored is None:
             return Accepted(fid, False, calls)
-        if (stored["kind"], stored["target"], stored["name"], stored["value"]) != (kind, target, name, float(value)):
+        if (stored["kind"], stored["target"], stored["name"], stored["value"]) != reward:
             raise FeedbackError(409, "feedback_id", f"feedback {fid!r} was recorded with another reward "
                                                     f"({stored['name']} = {stored['value']:g} for "
                                                     f"{stored['kind']} {stored['target']!r}); the first one stands")
         return Accepted(fid, True, calls)
+
+    def _slot(self, given: str | None, default: str, reward: tuple) -> tuple[str, sqlite3.Row | None]:
+        """(the feedback id this reward is recorded under, the row already there or None). An app-given id is the
+        app's; a default id is the target and name's, with the value appended where that slot holds another value
+        (a stored row from before ids held the value keeps its place)."""
+        if given is not None and given != default:
+            return given, self._db.execute("SELECT * FROM feedback WHERE feedback_id=?", (given,)).fetchone()
+        stored = self._db.execute("SELECT * FROM feedback WHERE feedback_id=?", (default,)).fetchone()
+        if stored is None or (stored["kind"], stored["target"], stored["name"], stored["value"]) == reward:
+            return default, stored
+        fid = f"{default}:{reward[3]!r}"
+        return fid, self._db.execute("SELECT * FROM feedback WHERE feedback_id=?", (fid,)).fetchone()
+
+    def _held(self, kind: str, rollout_id: str | None, call_id: str | None) -> int:
+        """How many rewards (of any name) the target's call, or its episode, holds."""
+        if kind == "episode_id":
+            return self._db.execute("SELECT COUNT(*) FROM feedback WHERE rollout_id=? AND kind='episode_id'",
+                                    (rollout_id,)).fetchone()[0]
+        return self._db.execute("SELECT COUNT(*) FROM feedback WHERE call_id=? AND kind!='episode_id'",
+                                (call_id,)).fetchone()[0]
 
     def _resolve(self, kind: str, target: str) -> tuple[str | None, str | None, int, int]:
         """(episode, call, how many calls it scores, the newest call's end in ns)."""
@@ -213,3 +269,9 @@ class FeedbackLedger:
                 out[call.span_id] = out.get(call.span_id, 0.0) + w * r["value"]
         return out
 
+
+def _shown(value: Any) -> str:
+    """A refused value, briefly (an integer is never turned to text whole: Python refuses long ones)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 50:
+        return "an integer of more than 50 digits"
+    return str(value)[:50]

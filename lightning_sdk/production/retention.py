@@ -1,7 +1,10 @@
 """What `lightning serve` keeps, and for how long: stored calls (the spans table: prompts and replies, token ids,
 sampler log-probs) older than the retention window are deleted, and past `max_calls` the oldest calls go first,
-except a call an unconsumed reward still needs (with [learn]: it may yet be trained on). Feedback rows are kept
-(a few numbers each; `learn_consumed` says which were read).
+except a call an unconsumed reward still needs (with [learn]: it may yet be trained on). A reward's row goes (with
+its `learn_consumed` row) in the pass that deletes the last of the calls it scores, except the newest row of all:
+SQLite gives a new row one above the largest rowid, so keeping that one means no rowid is ever given twice, and
+the readers that follow feedback by rowid (the ledger's unread range, production.reward_log, the dashboard's live
+reward) never miss a row. A row goes only with all its calls, which the deletion log already tells those readers.
 
 Each pass is one SQLite transaction: a kill -9 leaves it done or not begun. The calls a pass deletes are listed in
 `pruned_calls` (PRUNED) in the same transaction, kept PRUNED_KEEP_S, so a reader that keeps a view of the log
@@ -62,17 +65,31 @@ def pruned_since(db: sqlite3.Connection, after: int) -> tuple[list[tuple[int, in
     return [tuple(g) for g in gone], trimmed
 
 
+# The rewards none of whose calls is stored, but the newest reward (its rowid is the next one's floor). `:all`: 1
+# looks at every row (a pass on a store pruned by code that kept feedback), 0 only at the rows of the calls and
+# episodes this pass deleted (the temporary table `gone`).
+ORPHANED = """
+    SELECT f.feedback_id FROM feedback f WHERE f.rowid < (SELECT MAX(rowid) FROM feedback) AND (
+        (f.kind = 'episode_id' AND (:all OR f.rollout_id IN (SELECT rollout_id FROM gone))
+         AND NOT EXISTS (SELECT 1 FROM spans s WHERE s.rollout_id = f.rollout_id AND s.source = :gateway))
+        OR (f.kind != 'episode_id' AND (:all OR f.call_id IN (SELECT span_id FROM gone))
+            AND NOT EXISTS (SELECT 1 FROM spans s WHERE s.span_id = f.call_id AND s.source = :gateway)))
+"""
+
+
 @dataclass(frozen=True)
 class Pruned:
     aged: int  # spans deleted: older than the retention window
     over_cap: int  # calls deleted: the oldest beyond max_calls
     kept: int  # calls past the window kept, since an unconsumed reward needs them
+    feedback: int = 0  # rewards deleted with the last of their calls
 
 
 def prune(path: str | Path, *, retention_s: float, max_calls: int | None, reward_name: str | None,
-          now: float | None = None) -> Pruned:
+          now: float | None = None, sweep: bool = False) -> Pruned:
     """One pass over the store at `path` (which has the ledger's tables). `reward_name`: the feedback a learner
-    still reads (None: no learner, no call is kept for a reward)."""
+    still reads (None: no learner, no call is kept for a reward). `sweep`: look at every reward for calls gone,
+    not only at those of this pass's deletions (once at start: a store may hold rewards whose calls went before)."""
     now = time.time() if now is None else now
     cutoff_ns = int((now - retention_s) * 1e9)
     needed = f"({NEEDED})" if reward_name is not None else "0"
@@ -97,6 +114,17 @@ def prune(path: str | Path, *, retention_s: float, max_calls: int | None, reward
                 gone += capped
             db.executemany(f"INSERT INTO {PRUNED} (span_rowid, span_id, rollout_id, at) VALUES (?, ?, ?, ?)",
                            [(r, s, rid, now) for r, s, rid, source in gone if source == GATEWAY])
+            calls = [(s, rid) for _r, s, rid, source in gone if source == GATEWAY]
+            dropped = 0
+            ledger = db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='feedback'").fetchone()
+            if ledger is not None and (calls or sweep):
+                db.execute("CREATE TEMP TABLE IF NOT EXISTS gone (span_id TEXT, rollout_id TEXT)")
+                db.execute("DELETE FROM gone")
+                db.executemany("INSERT INTO gone VALUES (?, ?)", calls)
+                fids = db.execute(ORPHANED, {"all": int(sweep), "gateway": GATEWAY}).fetchall()
+                db.executemany("DELETE FROM learn_consumed WHERE feedback_id=?", fids)
+                db.executemany("DELETE FROM feedback WHERE feedback_id=?", fids)
+                dropped = len(fids)
             db.execute(f"DELETE FROM {PRUNED} WHERE at < ?", (now - PRUNED_KEEP_S,))
             kept = db.execute(f"SELECT COUNT(*) FROM spans s WHERE s.source=:gateway AND s.end_ns < :cutoff AND "
                               f"{needed}", args).fetchone()[0]
@@ -106,7 +134,7 @@ def prune(path: str | Path, *, retention_s: float, max_calls: int | None, reward
             raise
     finally:
         db.close()
-    return Pruned(aged, over, kept)
+    return Pruned(aged, over, kept, dropped)
 
 
 class Pruner:
@@ -125,16 +153,18 @@ class Pruner:
         return self._thread.failures
 
     def start(self) -> None:
-        self.run_once()
+        self.run_once(sweep=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._thread.stop()
 
-    def run_once(self) -> Pruned:
-        p = prune(self.path, retention_s=self.retention_s, max_calls=self.max_calls, reward_name=self.reward_name)
+    def run_once(self, sweep: bool = False) -> Pruned:
+        p = prune(self.path, retention_s=self.retention_s, max_calls=self.max_calls, reward_name=self.reward_name,
+                  sweep=sweep)
         self.last = p
-        if p.aged or p.over_cap:
-            log.info("retention: deleted %d span(s) past the window and %d call(s) past the cap (%d kept for "
-                     "unconsumed rewards)", p.aged, p.over_cap, p.kept)
+        if p.aged or p.over_cap or p.feedback:
+            log.info("retention: deleted %d span(s) past the window, %d call(s) past the cap and %d reward(s) with "
+                     "the last of their calls (%d kept for unconsumed rewards)", p.aged, p.over_cap, p.feedback,
+                     p.kept)
         return p

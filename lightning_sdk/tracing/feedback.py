@@ -34,7 +34,7 @@ def feedback(value: float, *, response_id: str | None = None, call_id: str | Non
     """Send one reward for exactly one of `response_id` (a reply's `id`), `call_id` (its `x-lightning-call-id`
     header) or `episode_id` (the trace id its calls carried). `base_url`/`api_key`: the served address
     (".../v1") and its key; default OPENAI_BASE_URL / OPENAI_API_KEY, as the app's OpenAI client reads them.
-    `feedback_id` makes retries idempotent (default: one reward per target and name)."""
+    `feedback_id` makes retries idempotent (default: one reward per target, name and value; docs/serve.md)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"value: expected a finite number; got {value!r}")  # nothing non-finite is ever sent
     base_url = (base_url or os.environ.get("OPENAI_BASE_URL") or "").rstrip("/")
