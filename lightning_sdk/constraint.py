@@ -13,6 +13,10 @@ A forced tool call is a grammar over the `<tool_call>\\n{"name": ..., "arguments
 that Hermes / Qwen2.5 chat templates (and the builtin models') teach; vLLM instead constrains such a call to bare
 JSON (its tool parsers are bypassed), so the token ids differ and the trainer's replay leaves vLLM's forced tool
 calls out, counted (`constraint_mismatch`).
+
+`check_size` bounds a constraint before it is compiled: compiling cannot be interrupted, and its cost grows far
+faster than its size (deep nesting, long enums, many optional properties), so these limits keep every compile short.
+Each is far above what a real app's schema, tool set or grammar needs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ from typing import Any, Mapping
 OLD_VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+
+MAX_CONSTRAINT_BYTES = 256 * 1024  # the constraint's JSON text: a schema, all forced tools' parameters, a grammar
+MAX_NESTING_DEPTH = 64  # JSON levels of a schema (an object property is two); brackets in a regex or grammar
+MAX_ENUM_VALUES = 4096  # enum and const values of a schema, all together, or the choices of a choice
+MAX_PROPERTIES = 1000  # properties of one object schema (optional ones make the grammar grow fastest)
+MAX_GRAMMAR_RULES = 1000  # rules (`::=`) of an EBNF grammar
 
 
 class ConstraintError(ValueError):
@@ -64,6 +74,62 @@ class Constraint:
         if self.kind == "tool_calls":
             return "tool_calls " + ",".join(t["name"] for t in self.spec["tools"])
         return self.kind
+
+
+def check_size(c: Constraint) -> None:
+    """ConstraintError naming the field and the limit if `c` is over one of this module's MAX_ limits (bytes: about
+    the JSON text's length). Its cost is bounded by the limits, not by the input: it stops at the first one crossed."""
+    what = "grammar" if c.kind == "grammar" else "pattern" if c.kind == "regex" else "schema"
+    if isinstance(c.spec, str):
+        _check_text(c.spec, c.param, what, rules=c.kind == "grammar")
+        return
+    if c.kind == "choice" and isinstance(c.spec, list) and len(c.spec) > MAX_ENUM_VALUES:
+        raise _over(c.param, f"{len(c.spec)} choices, more than", MAX_ENUM_VALUES)
+    size, values, stack = 0, 0, [(c.spec, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING_DEPTH:
+            raise _over(c.param, f"the {what} is nested deeper than", MAX_NESTING_DEPTH, "levels")
+        # brackets or quotes, and a comma per member: counted before the members are walked
+        size += 2 + (2 * len(node) if isinstance(node, (dict, list)) else len(node) if isinstance(node, str) else 2)
+        if size > MAX_CONSTRAINT_BYTES:
+            raise _over(c.param, f"the {what} is larger than", MAX_CONSTRAINT_BYTES, "bytes")
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict) and len(props) > MAX_PROPERTIES:
+                raise _over(c.param, f"an object of the {what} has {len(props)} properties, more than",
+                            MAX_PROPERTIES)
+            enum = node.get("enum")
+            values += (len(enum) if isinstance(enum, list) else 0) + ("const" in node)
+            if values > MAX_ENUM_VALUES:
+                raise _over(c.param, f"the {what} holds more enum/const values than", MAX_ENUM_VALUES)
+            size += sum(len(k) for k in node)
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+
+
+def _check_text(text: str, param: str, what: str, *, rules: bool) -> None:
+    if len(text) > MAX_CONSTRAINT_BYTES:
+        raise _over(param, f"the {what} is {len(text)} characters, more than", MAX_CONSTRAINT_BYTES)
+    if rules and text.count("::=") > MAX_GRAMMAR_RULES:
+        raise _over(param, f"the grammar has {text.count('::=')} rules, more than", MAX_GRAMMAR_RULES)
+    depth, escaped = 0, False
+    for ch in text:  # brackets outside escapes (a quoted one counts too: no real pattern nests near the limit)
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch in "([{":
+            depth += 1
+            if depth > MAX_NESTING_DEPTH:
+                raise _over(param, f"the {what} nests brackets deeper than", MAX_NESTING_DEPTH, "levels")
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+
+
+def _over(param: str, what: str, limit: int, unit: str = "") -> ConstraintError:
+    return ConstraintError(f"{param}: {what} this server's limit of {limit}{' ' + unit if unit else ''}", param)
 
 
 def from_request(body: Mapping[str, Any]) -> Constraint | None:

@@ -7,52 +7,183 @@ Only xgrammar's public API: GrammarCompiler, GrammarMatcher, allocate_token_bitm
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from lightning_sdk.constraint import TOOL_CLOSE, TOOL_OPEN, Constraint, ConstraintError
+from lightning_sdk.constraint import TOOL_CLOSE, TOOL_OPEN, Constraint, ConstraintError, check_size
 
 _ENGINE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " before its message
 
+# A compile cannot be interrupted: constraint.check_size keeps each one short, these bound how many run and how long
+# a request waits for one. Compiles run on their own threads, never the event loop's default executor, so a plain
+# chat's encoding never queues behind them.
+COMPILE_SECONDS = 30.0  # a compile that runs longer is refused and discarded; so is a wait this long for a thread
+COMPILE_WORKERS = 2  # threads that compile
+COMPILES_IN_FLIGHT = 8  # compiles running or waiting for a thread; past this a request is refused (busy) at once
+# Compiled grammars kept, by xgrammar's own estimate of each one's memory (CompiledGrammar.memory_size_bytes: the
+# grammar and its per-state token-mask cache, which dominates) plus its key's text; least recently used go first.
+CACHE_BYTES = 256 * 2**20
+CACHE_ENTRIES = 256
+
+
+class GrammarBusy(ConstraintError):
+    """Every compile slot is taken, or the request's compile did not get a thread within the deadline: the server is
+    busy, the constraint is not at fault (an HTTP 503)."""
+
 
 class Grammars:
-    """Compiles constraints for one tokenizer (cached by their canonical text); thread-safe."""
+    """Compiles constraints for one tokenizer on threads of its own, bounded in size (constraint.check_size), time
+    (`deadline_s`), compiles in flight and cached bytes; cached by their canonical text; thread-safe."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int]):
-        import xgrammar as xgr
-
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], *, lock: Any = None,
+                 deadline_s: float = COMPILE_SECONDS, workers: int = COMPILE_WORKERS,
+                 in_flight: int = COMPILES_IN_FLIGHT, cache_bytes: int = CACHE_BYTES):
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self._cache: dict[str, Any] = {}
+        self.deadline_s, self.max_in_flight, self.cache_limit = deadline_s, in_flight, cache_bytes
+        self._tokenizer, self._stop_ids, self._tokenizer_lock = tokenizer, sorted(stop_ids), lock
+        self._compiler: Any = None  # made on the first compile, on a compile thread (the vocabulary scan takes a while)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self.cache_bytes = 0
+        self._running: dict[str, Future] = {}  # key -> its compile, shared by every request that asks for it
+        self._started: dict[str, float] = {}  # key -> when its compile got a thread
         self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()
 
     def compile(self, c: Constraint) -> Any:
-        """The compiled grammar (xgrammar.CompiledGrammar); ConstraintError naming the request's part if it cannot
-        be compiled (blocking: call it off the event loop)."""
+        """The compiled grammar (xgrammar.CompiledGrammar), blocking at most `deadline_s` for a compile thread and
+        `deadline_s` more for the compile. ConstraintError naming the request's part if it is over a limit, compiles
+        longer or cannot be compiled; GrammarBusy if no slot is free or no thread in time."""
+        asked = time.monotonic()
+        key, hit, job = self._start(c)
+        while job is not None:
+            try:
+                return job.result(timeout=self._left(c, key, job, asked))
+            except TimeoutError:
+                continue
+        return hit
+
+    async def compile_async(self, c: Constraint) -> Any:
+        """`compile` for the event loop: the loop only waits, the compile runs on this object's threads."""
+        asked = time.monotonic()
+        key, hit, job = self._start(c)
+        if job is None:
+            return hit
+        waited = asyncio.wrap_future(job)
+        while True:
+            try:  # shielded: the compile is shared by every request for the same constraint
+                return await asyncio.wait_for(asyncio.shield(waited), self._left(c, key, job, asked))
+            except TimeoutError:
+                continue
+
+    def _start(self, c: Constraint) -> tuple[str, Any, Future | None]:
+        """(key, cached grammar, None) or (key, None, the compile to wait for: one running for the same key, or a
+        new one). The size check and the key cost no more than the limits allow, so they run on the caller's thread."""
+        check_size(c)
         key = c.to_json()
         with self._lock:
             hit = self._cache.get(key)
-        if hit is not None:
-            return hit
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return key, hit[0], None
+            job = self._running.get(key)
+            if job is not None:
+                return key, None, job
+            if len(self._running) >= self.max_in_flight:
+                raise GrammarBusy(f"{c.param}: this server's limit of {self.max_in_flight} grammar compiles in "
+                                  f"flight is reached; retry later", c.param)
+            job = self._pool.submit(self._compile_timed, c, key)
+            self._running[key] = job
+        job.add_done_callback(lambda _: self._finished(key))
+        return key, None, job
+
+    def _finished(self, key: str) -> None:
+        with self._lock:
+            self._running.pop(key, None)
+            self._started.pop(key, None)
+
+    def _left(self, c: Constraint, key: str, job: Future, asked: float) -> float:
+        """Seconds a request asked at `asked` may still wait for `job`: till `deadline_s` after it asked while the
+        compile waits for a thread (then GrammarBusy: the server is busy, the constraint is not at fault), till
+        `deadline_s` after the compile started once it runs (then ConstraintError). The compile goes on (it cannot
+        be stopped) and holds its slot till it ends; it is cached only if it took less than the deadline."""
+        if job.done():
+            return 0.0
+        now = time.monotonic()
+        with self._lock:
+            started = self._started.get(key)
+        if started is None:
+            if now - asked >= self.deadline_s:
+                raise GrammarBusy(f"{c.param}: its grammar did not start compiling within this server's limit of "
+                                  f"{self.deadline_s:g} s (the compile threads are busy); retry later", c.param)
+            return asked + self.deadline_s - now
+        if now - started >= self.deadline_s:
+            raise ConstraintError(f"{c.param}: the grammar did not compile within this server's limit of "
+                                  f"{self.deadline_s:g} s; simplify it", c.param)
+        return started + self.deadline_s - now
+
+    def _compile_timed(self, c: Constraint, key: str) -> Any:
+        """On a compile thread: compile, and cache the result unless it took longer than the deadline (then the
+        request was refused, and a retry is refused the same way)."""
+        started = time.monotonic()
+        with self._lock:
+            self._started[key] = started
         try:
             compiled = self._compile(c)
         except (RuntimeError, ValueError, TypeError) as e:
             message = _ENGINE_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConstraintError(f"{c.param}: the grammar engine cannot compile it: {message}", c.param) from None
+        if time.monotonic() - started > self.deadline_s:
+            raise ConstraintError(f"{c.param}: the grammar did not compile within this server's limit of "
+                                  f"{self.deadline_s:g} s; simplify it", c.param)
+        size = int(compiled.memory_size_bytes) + len(key)
         with self._lock:
-            if len(self._cache) > 256:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = compiled
+            if size <= self.cache_limit:
+                self._cache[key] = (compiled, size)
+                self.cache_bytes += size
+                while self.cache_bytes > self.cache_limit or len(self._cache) > CACHE_ENTRIES:
+                    _, (_, gone) = self._cache.popitem(last=False)
+                    self.cache_bytes -= gone
         return compiled
 
+    def close(self) -> None:
+        """Start no more compiles (one running finishes on its thread)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def cached(self) -> int:
+        """How many compiled grammars the cache holds (`cache_bytes`: their estimated memory)."""
+        return len(self._cache)
+
+    @property
+    def running(self) -> int:
+        """Compiles in flight: running, or waiting for a thread."""
+        return len(self._running)
+
+    def _xgr_compiler(self) -> Any:
+        import xgrammar as xgr
+
+        with self._compiler_lock:
+            if self._compiler is None:
+                with self._tokenizer_lock or contextlib.nullcontext():
+                    info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                              stop_token_ids=self._stop_ids)
+                # xgrammar's own cache is unbounded by default: this class's cache (bounded by bytes) is the one
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
     def _compile(self, c: Constraint) -> Any:
-        comp = self._compiler
+        comp = self._xgr_compiler()
         if c.kind in ("json_schema", "json_object"):  # compact JSON, as vLLM with disable_any_whitespace
             schema = json.dumps(c.spec if c.kind == "json_schema" else {"type": "object"})
             return comp.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))

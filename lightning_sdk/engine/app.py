@@ -36,6 +36,7 @@ from lightning_sdk.engine.engine import (
     RequestError,
 )
 from lightning_sdk.gateway.guard import INT64, MAX_BODY_BYTES, BodyLimit, KeyCheck, Lenient, error_body, text_size
+from lightning_sdk.grammar import GrammarBusy
 
 log = logging.getLogger("lightning_sdk.servers")
 
@@ -324,11 +325,14 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
 
 
 async def _grammar(engine: Engine, fields: dict[str, Any]) -> Any:
-    """The request's output constraint compiled (off the loop: a large schema takes a while), or None; a 400
-    naming the part that is malformed or that the grammar engine cannot compile."""
+    """The request's output constraint compiled (on the grammar's own threads, never the default executor that
+    every chat's encoding waits on), or None; a 400 naming the part that is malformed, over a limit or that the
+    grammar engine cannot compile, a 503 while the compile threads are busy."""
     try:
         constraint = from_request(fields)
-        return None if constraint is None else await asyncio.to_thread(engine.compile, constraint)
+        return None if constraint is None else await engine.compile(constraint)
+    except GrammarBusy as e:
+        raise APIError(503, str(e), e.param) from e
     except ConstraintError as e:
         raise APIError(400, str(e), e.param) from e
 

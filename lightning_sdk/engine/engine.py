@@ -130,14 +130,13 @@ class Engine:
             self._token_text[token_id] = text
         return text
 
-    def compile(self, constraint: Constraint) -> Any:
-        """The constraint compiled for this tokenizer (blocking: call it in a thread); ConstraintError names the
-        request's part the grammar engine cannot compile."""
-        if self._grammars is None:
-            with self._tok_lock:
-                if self._grammars is None:
-                    self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
-        return self._grammars.compile(constraint)
+    async def compile(self, constraint: Constraint) -> Any:
+        """The constraint compiled for this tokenizer, on the grammar's own threads (grammar.Grammars: bounded in
+        size, time and compiles in flight); ConstraintError names the request's part that is over a limit or that
+        the grammar engine cannot compile, GrammarBusy says the compile threads are busy."""
+        if self._grammars is None:  # the event loop's thread only: no race
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids, lock=self._tok_lock)
+        return await self._grammars.compile_async(constraint)
 
     def check(self, req: GenerationRequest) -> None:
         if not req.prompt_ids:
@@ -181,6 +180,8 @@ class Engine:
 
     def close(self) -> None:
         self._scheduler.close()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def _submit(self, req: GenerationRequest, *, stream: bool) -> Job:
         self.check(req)
