@@ -247,3 +247,32 @@ def test_the_kept_view_follows_feedback_rows_deleted_under_it(tmp_path, which):
     finally:
         log.close()
         app.close()
+
+
+def test_feedback_rows_deleted_with_their_calls_are_forgotten_without_a_rebuild(tmp_path):
+    """As retention prunes feedback rows with the calls they score: the samples are gone already, nothing else
+    changes, so nothing is read again."""
+    from lightning_sdk.production.retention import prune
+    from lightning_sdk.production.reward_log import RewardLog
+    from tests.test_serve_reward_log import DAY, whole_log
+
+    app = App(tmp_path / "serve.sqlite", seed=9)
+    log = RewardLog(app.store, lightning_rl)
+    try:
+        app.traffic(120)
+        log.refresh()
+        assert prune(app.store.path, retention_s=DAY, max_calls=150, reward_name=None, now=app.now).over_cap > 0
+        db = sqlite3.connect(app.store.path)
+        with db:
+            gone = db.execute("DELETE FROM feedback WHERE (kind != 'episode_id' AND call_id NOT IN "
+                              "(SELECT span_id FROM spans)) OR (kind = 'episode_id' AND rollout_id NOT IN "
+                              "(SELECT rollout_id FROM spans))").rowcount
+        db.close()
+        app.traffic(10)
+        read = log.spans_read
+        log.refresh()
+        assert gone > 0 and log.rebuilds == 0 and log.spans_read - read < 60
+        assert log.everything() == whole_log(app.ledger, app.store, lightning_rl)
+    finally:
+        log.close()
+        app.close()

@@ -16,8 +16,11 @@ order its first reward arrived; see rewarded.py), maintained instead of recomput
 
 Nothing is persisted: the cursors start at 0, so a restart (kill -9 included) re-derives everything from the store
 once. Where the cursors cannot be trusted (a reward that sorts before one already read, a span id reused, the
-deletion log trimmed past the cursor, a feedback row already read deleted: one COUNT on the name's index tells) the
-view is rebuilt the same way.
+deletion log trimmed past the cursor, the newest feedback row read deleted) the view is rebuilt the same way.
+
+Feedback rows may be deleted (retention prunes them with their calls): one COUNT on the name's index per refresh
+tells; the rows of samples whose calls are gone are forgotten (those samples are no longer in the estimate), and a
+deleted row of a sample still in it (its reward, or its place in arrival order, would change) rebuilds the view.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class RewardLog:
         self._sums: dict[str, tuple[dict[str, float], float]] = {}  # prompt -> leave_one_out(group), while unchanged
         self._refused: set[str] = set()  # present samples whose reward is not admissible
         self._feedback = self._spans = self._pruned = 0  # cursors: the last rowid / seq taken in
-        self._read = 0  # feedback rows of the name taken in: fewer stored up to the cursor means some were deleted
+        self._rows: dict[int, str] = {}  # rowid -> sample of each feedback row taken in and still stored
         self._at_cursor: str | None = None  # the feedback id at the cursor's rowid (SQLite may give a deleted
         # table's last rowid again: another id there means the row read was deleted)
         self._next = 0  # the order the next new sample gets
@@ -106,12 +109,9 @@ class RewardLog:
         for seq, _rowid, span_id, rollout_id in gone:
             self._pruned = seq
             dirty.update(k for k in (span_id, rollout_id) if k in self.samples)
-        if not fresh and self._read and (
-                self._db.execute("SELECT COUNT(*) FROM feedback WHERE name=? AND rowid<=?",
-                                 (self.name, self._feedback)).fetchone()[0] != self._read
-                or self._db.execute("SELECT feedback_id FROM feedback WHERE rowid=?",
-                                    (self._feedback,)).fetchone() != (self._at_cursor,)):
-            return False  # feedback rows deleted: the rewards summed from them are no longer the log's
+        if self._rows and self._db.execute("SELECT feedback_id FROM feedback WHERE rowid=?",
+                                           (self._feedback,)).fetchone() != (self._at_cursor,):
+            return False  # the newest row read was deleted: a new reward may hold its rowid, below the cursor
         newest = self._db.execute("SELECT COALESCE(MAX(rowid), 0) FROM spans").fetchone()[0]
         if newest < self._spans:
             return False
@@ -131,9 +131,9 @@ class RewardLog:
         for rowid, kind, rollout_id, call_id, value, received_at, fid in rows:
             if rowid > self._feedback:
                 self._feedback, self._at_cursor = rowid, fid
-            self._read += 1
             self._last = (received_at, fid)
             key = rollout_id if kind == "episode_id" else call_id
+            self._rows[rowid] = key
             s = self.samples.get(key)
             if s is None:
                 s = self.samples[key] = Sample(key, kind == "episode_id", rollout_id or "", self._next)
@@ -148,6 +148,25 @@ class RewardLog:
         for s in changed.values():
             if not s.episode and not s.calls:  # its call is gone for good (a call's id is never given again)
                 del self.samples[s.key]
+        return self._forget_deleted_feedback()
+
+    def _forget_deleted_feedback(self) -> bool:
+        """Drop the feedback rows read that are no longer stored; False where one was a sample's still in the
+        estimate (or one that keeps other rows): then the view is rebuilt."""
+        if not self._rows or self._db.execute("SELECT COUNT(*) FROM feedback WHERE name=? AND rowid<=?",
+                                              (self.name, self._feedback)).fetchone()[0] == len(self._rows):
+            return True
+        stored = {r for (r,) in self._db.execute("SELECT rowid FROM feedback WHERE name=? AND rowid<=?",
+                                                 (self.name, self._feedback))}
+        keys = {self._rows.pop(r) for r in [r for r in self._rows if r not in stored]}
+        kept = set(self._rows.values())
+        for key in keys:
+            s = self.samples.get(key)
+            if s is None:
+                continue  # a call's sample, dropped when its call was
+            if s.calls or key in kept:
+                return False
+            del self.samples[key]  # an episode with no call left and no reward left
         return True
 
     def _load(self, s: Sample) -> None:
