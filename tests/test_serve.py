@@ -183,8 +183,11 @@ def test_the_traffic_advantage_matches_a_hand_computation():
     assert got["s-2"] == (-0.5, 0.5, "running")
     assert got["s-3"] == (0.125, 0.375, "running")
     assert got["j-1"] == (None, None, "none")  # the judge's first episode: no baseline yet
-    with pytest.raises(ValueError, match="reward is not a finite number"):
-        estimate([Rewarded("x", "P", "c", math.nan)])
+    # a reward that is not a finite number within +-1e6 is refused: no advantage, in no group or baseline
+    got = estimate([Rewarded("x", "P", "c", math.nan), Rewarded("y", "P", "c", 1e300), Rewarded("z", "P", "c", 2.0),
+                    Rewarded("w", "Q", "c", 1.0)])
+    assert [(e.advantage, e.how) for e in got] == [(None, "refused"), (None, "refused"), (None, "none"),
+                                                    (-1.0, "running")]
 
 
 def test_advantages_from_the_log_group_repeated_prompts_and_share_episodes_by_credit(served, client):

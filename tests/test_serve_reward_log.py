@@ -33,17 +33,19 @@ def whole_log(ledger, store, rule, name="reward", alpha=0.1):
             samples[key] = calls if row["kind"] == "episode_id" else [c for c in calls if c.span_id == key]
         rewards[key] = rewards.get(key, 0.0) + row["value"]
     key_of = lambda c: hashlib.sha256(json.dumps(c.attributes.get(PROMPT_IDS)).encode()).hexdigest()  # noqa: E731
-    episodes = [Rewarded(k, key_of(calls[0]), calls[0].component or "", rewards[k])
+    episodes = [Rewarded(k, key_of(calls[0]), calls[0].component or "", rewards[k], calls[0].span_id)
                 for k, calls in samples.items() if calls]
-    by_call, left_out = {}, 0
+    by_sample, left_out = {}, 0
     for est in estimate(episodes, alpha=alpha):
+        if est.how == "refused":
+            continue
         if est.advantage is None:
             left_out += 1
             continue
         calls = samples[est.episode]
         for call, w in zip(calls, weights(rule, calls)):
-            by_call[call.span_id] = by_call.get(call.span_id, 0.0) + w * est.advantage
-    return by_call, left_out
+            by_sample[(est.episode, call.span_id)] = w * est.advantage
+    return by_sample, left_out
 
 
 class App:
@@ -112,15 +114,15 @@ def test_the_kept_view_computes_the_advantages_of_the_whole_log(tmp_path, rule):
             log.refresh()
             want = whole_log(app.ledger, app.store, rule, alpha=0.3)
             assert log.everything() == want and len(want[0]) > 150
-            some = app.rng.sample(sorted(want[0]), 30)
-            assert log.advantages(some) == {c: want[0][c] for c in some}
+            some = app.rng.sample(sorted({k for k, _ in want[0]}), 30)
+            assert log.advantages(some) == {(k, c): a for (k, c), a in want[0].items() if k in some}
         # retention deletes the oldest calls beyond a cap (as a serve without a learner prunes: no reward keeps one)
         gone = prune(app.store.path, retention_s=DAY, max_calls=400, reward_name=None, now=app.now)
         assert gone.over_cap > 0
         log.refresh()
         assert log.everything() == whole_log(app.ledger, app.store, rule, alpha=0.3)
         got = call_advantages(app.store, rule, alpha=0.3)
-        assert (got.by_call, got.no_baseline) == whole_log(app.ledger, app.store, rule, alpha=0.3)
+        assert (got.by_sample, got.no_baseline) == whole_log(app.ledger, app.store, rule, alpha=0.3)
         assert log.rebuilds == 0  # every change was taken in, none by reading the whole log again
     finally:
         log.close()
@@ -148,7 +150,7 @@ def test_a_refresh_reads_only_the_spans_of_what_arrived(tmp_path):
         app.close()
 
 
-def test_a_non_finite_reward_is_refused_as_before(tmp_path):
+def test_a_non_finite_reward_is_left_out_and_counted_and_learning_goes_on(tmp_path):
     app = App(tmp_path / "serve.sqlite")
     log = RewardLog(app.store, lightning_rl)
     try:
@@ -160,11 +162,10 @@ def test_a_non_finite_reward_is_refused_as_before(tmp_path):
                            [(f"x{i}", c.attributes["gen_ai.response.id"], c.span_id, app.now, app.now + i)
                             for i in range(2)])
         db.close()
+        app.traffic(20)
         log.refresh()
-        with pytest.raises(ValueError, match=f"episode {c.span_id}: reward is not a finite number"):
-            log.advantages([c.span_id])
-        with pytest.raises(ValueError, match="reward is not a finite number"):
-            whole_log(app.ledger, app.store, lightning_rl)
+        assert log.refused() == 1 and log.advantages([c.span_id]) == {}
+        assert log.everything() == whole_log(app.ledger, app.store, lightning_rl)
     finally:
         log.close()
         app.close()
@@ -217,7 +218,8 @@ def test_the_learners_read_for_an_update_is_what_arrived_whatever_the_logs_size(
             start = learner.spans_read
             kept, adv, _, _ = learner.transitions(new)
             want, _ = whole_log(app.ledger, app.store, learner.rule, alpha=cfg.learn.alpha)
-            assert kept and {t.span_id: adv[t.span_id] for t in kept} == {t.span_id: want[t.span_id] for t in kept}
+            key = lambda t: (t.rollout_id, t.span_id)  # noqa: E731
+            assert kept and {key(t): adv[key(t)] for t in kept} == {key(t): want[key(t)] for t in kept}
             return learner.spans_read - start, spans
         finally:
             learner.close()

@@ -3,6 +3,13 @@ the calls they score into transitions (transitions.to_transitions, from the reco
 log-probs), gives each call its traffic advantage (reward_log.RewardLog, kept up to date) and takes one GRPO update
 (train.trainer.GRPOTrainer, with [train]'s KL to the reference and its safeguards).
 
+Only the samples the update read train, each (sample, call) with its own advantage: a call rewarded by its id and
+as part of its episode is two transitions, each trained when its own reward is read, never with the other's. A
+sample whose reward is refused (traffic_advantage.admissible) is left out, counted (skipped: reward_refused).
+A version is made only where an optimizer step was taken: an update whose every step was skipped (a non-finite
+gradient) makes none; its rewards are consumed with the reason, and the trainer resumes from the last commit.
+The evidence stored is strict JSON: a non-finite metric is stored as null and named in its `nonfinite` list.
+
 Versions: update n makes adapter version n (the base model is version 0) from its parent, the version the trainer
 stood at: the newest version in service (serving, or serving a canary), which the schedule sets (`follow`). So a
 candidate the gate rejects (or whose canary is rolled back) is never trained on: the next update starts again from
@@ -26,6 +33,7 @@ that can never train does not stall learning.
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -65,10 +73,31 @@ class Update:
     calls: int  # transitions trained on
     stale: int  # calls left out: served by an adapter more than K updates old
     no_baseline: int  # calls left out: their sample had no baseline yet (a component's first)
-    skipped: dict[str, int]  # calls left out by to_transitions, by reason
+    skipped: dict[str, int]  # calls left out by to_transitions or for a refused reward (reward_refused), by reason
     metrics: dict[str, float]
     quarantined: int = 0  # rewards set aside untrained after learn.max_update_failures failures in a row
-    reason: str | None = None  # why they were
+    reason: str | None = None  # why they were; or why an update that trained made no version
+
+
+def strict_json(evidence: dict) -> str:
+    """`evidence` as strict JSON (SQLite's json functions and every parser read it): each float that is not finite is
+    stored as null, and its path (e.g. "metrics.loss") listed under "nonfinite"."""
+    named: list[str] = []
+
+    def clean(v, path: str):
+        if isinstance(v, float) and not math.isfinite(v):
+            named.append(path)
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x, f"{path}.{k}" if path else str(k)) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x, f"{path}[{i}]") for i, x in enumerate(v)]
+        return v
+
+    out = clean(evidence, "")
+    if named:
+        out["nonfinite"] = named
+    return json.dumps(out, allow_nan=False)
 
 
 def sampling_cap(cfg: Config) -> float | None:
@@ -176,19 +205,21 @@ class Learner:
         return ({self.base if v == 0 else self.adapter_name(v): 2 * depth[common(v)] - depth[v] for v in depth},
                 depth[self.parent])
 
-    def transitions(self, rows: list[sqlite3.Row]) -> tuple[list[Transition], dict[str, float], int, Counter]:
-        """The calls the rewards `rows` score, as transitions, with their advantages by span id (those calls'); and
-        how many calls had no baseline, and what to_transitions left out. Reads what arrived since the last call and
-        the rows' own calls, not the whole log."""
+    def transitions(self, rows: list[sqlite3.Row]) -> tuple[list[Transition], dict[tuple[str, str], float], int,
+                                                           Counter]:
+        """The calls of the samples the rewards `rows` score, as transitions (each one's rollout_id is its sample:
+        the episode's rollout id, or the call's span id), with their advantages by (sample, call); and how many calls
+        had no baseline, and what was left out by reason (to_transitions' and reward_refused). Reads what arrived
+        since the last call and the rows' own calls, not the whole log."""
         self.rewards.refresh()
         skipped: Counter = Counter()
-        seen: set[str] = set()
+        keys: dict[str, None] = {}  # the samples read, in order
         out: list[Transition] = []
         for r in rows:
             key = r["rollout_id"] if r["kind"] == "episode_id" else r["call_id"]
-            if key in seen:
+            if key in keys:
                 continue
-            seen.add(key)
+            keys[key] = None
             if r["kind"] == "episode_id":
                 spans = self.store.spans(r["rollout_id"])
             else:  # one call: read by its id, never the other calls of its episode (or of none)
@@ -198,12 +229,15 @@ class Learner:
             calls = [s for s in spans if s.source == GATEWAY]
             if not calls:
                 continue
+            if self.rewards.refused([key]):
+                skipped["reward_refused"] += len(calls)
+                continue
             sample = RolloutRecord(rollout_id=key, task_id="", group_id=key, iteration=0, phase="serve", attempt=0,
                                    model=None, status="succeeded", output=None, reward=0.0, error=None,
                                    traceback=None, started_at=0.0, ended_at=None)
             out += to_transitions(sample, spans, credit=self.rule, skipped=skipped)
-        adv = self.rewards.advantages({t.span_id for t in out})
-        kept = [t for t in out if t.span_id in adv]
+        adv = self.rewards.advantages(keys)
+        kept = [t for t in out if (t.rollout_id, t.span_id) in adv]
         return kept, adv, len(out) - len(kept), skipped
 
     def update(self) -> Update:
@@ -235,7 +269,7 @@ class Learner:
                 if made is not None:
                     self._db.execute("INSERT INTO learn_updates VALUES (?, ?, ?, ?, ?)",
                                      (made, time.time(), self.adapter_name(made), str(self.checkpoint(made)),
-                                      json.dumps(evidence)))
+                                      strict_json(evidence)))
                 self._db.executemany("INSERT INTO learn_consumed (feedback_id, version, reason) VALUES (?, ?, ?)",
                                      [(r["feedback_id"], made, reason) for r in rows])
                 self._db.execute("COMMIT")
@@ -250,20 +284,26 @@ class Learner:
         versions, depth = self.versions()
         kept, age = split_stale(ts, versions, depth, self.learn.max_versions_behind)
         metrics: dict[str, float] = {}
-        made = None
+        made = reason = None
         if kept:
             trainer = self.trainer()
             before = trainer.global_step
-            metrics = trainer.step(kept, advantages=[adv[t.span_id] for t in kept])
-            if trainer.global_step > before:
+            metrics = trainer.step(kept, advantages=[adv[(t.rollout_id, t.span_id)] for t in kept])
+            if trainer.global_step > before and metrics.get("skipped_steps", 0.0) >= self.cfg.train.epochs:
+                # no optimizer step taken, yet the trainer counted one (and moved its schedule): drop it, so the
+                # next update resumes from the last commit, and make no version
+                self._trainer = None
+                reason = (f"no optimizer step taken: every gradient was non-finite "
+                          f"(train.skipped_steps = {metrics['skipped_steps']:g})")
+            elif trainer.global_step > before:
                 made = self.version + 1
                 trainer.save_state(self.checkpoint(made))  # before the commit: see the module docstring
         metrics.update(age.metrics())
         evidence = {"rewards": len(rows), "calls": len(kept) if made else 0, "stale": age.dropped,
                     "no_baseline": no_baseline, "skipped": dict(skipped), "metrics": metrics, "parent": self.parent}
-        self._commit(rows, made, evidence)
+        self._commit(rows, made, evidence, reason)
         if made is not None:
             self.version = self.parent = made
         return Update(made, self.adapter_name(made) if made else None,
                       self.checkpoint(made) / ADAPTER if made else None, len(rows), evidence["calls"],
-                      age.dropped, no_baseline, dict(skipped), metrics)
+                      age.dropped, no_baseline, dict(skipped), metrics, reason=reason)

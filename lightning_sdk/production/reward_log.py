@@ -4,29 +4,35 @@ learner's view of the log, so an update costs what its new rewards cost, not wha
 The numbers are rewarded.call_advantages' (the traffic advantage over every rewarded sample still stored, in the
 order its first reward arrived; see rewarded.py), maintained instead of recomputed:
 
-- a refresh reads the feedback rows after its cursor (their rowid: arrival order, rows are never deleted), the
-  calls stored after its cursor (rowid) that belong to a rewarded episode, and the calls retention deleted
-  (retention.PRUNED: a log of them); only the samples these touch are read again from the store;
+- a refresh reads the feedback rows after its cursor (their rowid: arrival order), the calls stored after its
+  cursor (rowid) that belong to a rewarded episode, and the calls retention deleted (retention.PRUNED: a log of
+  them); only the samples these touch are read again from the store;
 - each component's running baseline is a chain in arrival order; a change re-runs it from the changed sample until
   the baseline it reaches equals the one stored (the rest of the chain is then the same, number for number);
-- same-prompt groups keep their members in order; a group's sum is recomputed only when it changed.
+- same-prompt groups keep their members in order; a group's sums (per reply, see traffic_advantage) are recomputed
+  only when it changed;
+- a sample whose reward is refused (traffic_advantage.admissible) is kept, counted, and filed under no group or
+  chain.
 
 Nothing is persisted: the cursors start at 0, so a restart (kill -9 included) re-derives everything from the store
 once. Where the cursors cannot be trusted (a reward that sorts before one already read, a span id reused, the
-deletion log trimmed past the cursor) the view is rebuilt the same way.
+deletion log trimmed past the cursor, the newest feedback row read deleted) the view is rebuilt the same way.
+
+Feedback rows may be deleted (retention prunes them with their calls): one COUNT on the name's index per refresh
+tells; the rows of samples whose calls are gone are forgotten (those samples are no longer in the estimate), and a
+deleted row of a sample still in it (its reward, or its place in arrival order, would change) rebuilds the view.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from lightning_sdk.credit import CreditRule, weights
 from lightning_sdk.production.retention import pruned_since
-from lightning_sdk.production.traffic_advantage import DEFAULT_ALPHA
+from lightning_sdk.production.traffic_advantage import DEFAULT_ALPHA, admissible, leave_one_out
 from lightning_sdk.store import Store, connect_read_only
 from lightning_sdk.tracing.records import GATEWAY, PROMPT_IDS, SpanRecord
 
@@ -48,6 +54,7 @@ class Sample:
     calls: list[str] = field(default_factory=list)  # its calls' span ids, in order; empty: not in the estimate
     weights: list[float] = field(default_factory=list)  # the credit rule's, over `calls`
     prompt: str | None = None
+    reply: str | None = None  # its first call's span id: an episode and its first call rewarded alone are one reply
     component: str = ""
     placed: tuple[str, str] | None = None  # (prompt, component) it is filed under, None when absent
     before: float | None = None  # its component's running baseline before it
@@ -71,12 +78,14 @@ class RewardLog:
 
     def _reset(self) -> None:
         self.samples: dict[str, Sample] = {}
-        self._containing: dict[str, list[str]] = {}  # call span id -> the samples it is in
         self._chains: dict[str, list[str]] = {}  # component -> its present samples, in order
         self._groups: dict[str, list[str]] = {}  # prompt -> its present samples, in order
-        self._sums: dict[str, float] = {}  # prompt -> sum of its rewards (as sum() adds them), while unchanged
-        self._bad: set[str] = set()  # present samples whose reward is not finite
+        self._sums: dict[str, tuple[dict[str, float], float]] = {}  # prompt -> leave_one_out(group), while unchanged
+        self._refused: set[str] = set()  # present samples whose reward is not admissible
         self._feedback = self._spans = self._pruned = 0  # cursors: the last rowid / seq taken in
+        self._rows: dict[int, str] = {}  # rowid -> sample of each feedback row taken in and still stored
+        self._at_cursor: str | None = None  # the feedback id at the cursor's rowid (SQLite may give a deleted
+        # table's last rowid again: another id there means the row read was deleted)
         self._next = 0  # the order the next new sample gets
         self._last: tuple[float, str] | None = None  # the (received_at, feedback_id) read last
 
@@ -100,6 +109,9 @@ class RewardLog:
         for seq, _rowid, span_id, rollout_id in gone:
             self._pruned = seq
             dirty.update(k for k in (span_id, rollout_id) if k in self.samples)
+        if self._rows and self._db.execute("SELECT feedback_id FROM feedback WHERE rowid=?",
+                                           (self._feedback,)).fetchone() != (self._at_cursor,):
+            return False  # the newest row read was deleted: a new reward may hold its rowid, below the cursor
         newest = self._db.execute("SELECT COALESCE(MAX(rowid), 0) FROM spans").fetchone()[0]
         if newest < self._spans:
             return False
@@ -117,9 +129,11 @@ class RewardLog:
             return False  # arrived out of order: a sample's place may change
         changed: dict[str, Sample] = {}
         for rowid, kind, rollout_id, call_id, value, received_at, fid in rows:
-            self._feedback = max(self._feedback, rowid)
+            if rowid > self._feedback:
+                self._feedback, self._at_cursor = rowid, fid
             self._last = (received_at, fid)
             key = rollout_id if kind == "episode_id" else call_id
+            self._rows[rowid] = key
             s = self.samples.get(key)
             if s is None:
                 s = self.samples[key] = Sample(key, kind == "episode_id", rollout_id or "", self._next)
@@ -134,6 +148,25 @@ class RewardLog:
         for s in changed.values():
             if not s.episode and not s.calls:  # its call is gone for good (a call's id is never given again)
                 del self.samples[s.key]
+        return self._forget_deleted_feedback()
+
+    def _forget_deleted_feedback(self) -> bool:
+        """Drop the feedback rows read that are no longer stored; False where one was a sample's still in the
+        estimate (or one that keeps other rows): then the view is rebuilt."""
+        if not self._rows or self._db.execute("SELECT COUNT(*) FROM feedback WHERE name=? AND rowid<=?",
+                                              (self.name, self._feedback)).fetchone()[0] == len(self._rows):
+            return True
+        stored = {r for (r,) in self._db.execute("SELECT rowid FROM feedback WHERE name=? AND rowid<=?",
+                                                 (self.name, self._feedback))}
+        keys = {self._rows.pop(r) for r in [r for r in self._rows if r not in stored]}
+        kept = set(self._rows.values())
+        for key in keys:
+            s = self.samples.get(key)
+            if s is None:
+                continue  # a call's sample, dropped when its call was
+            if s.calls or key in kept:
+                return False
+            del self.samples[key]  # an episode with no call left and no reward left
         return True
 
     def _load(self, s: Sample) -> None:
@@ -145,15 +178,10 @@ class RewardLog:
             spans = [one] if one is not None and one.rollout_id == s.rollout_id else []
         self.spans_read += len(spans)
         calls = [c for c in spans if c.source == GATEWAY]
-        for c in s.calls:
-            self._containing[c].remove(s.key)
-            if not self._containing[c]:
-                del self._containing[c]
         s.calls = [c.span_id for c in calls]
-        for c in s.calls:
-            self._containing.setdefault(c, []).append(s.key)
         s.weights = weights(self.rule, calls) if calls else []
         s.prompt = prompt_key(calls[0]) if calls else None
+        s.reply = calls[0].span_id if calls else None
         s.component = (calls[0].component or "") if calls else ""
 
     # ------------------------------------------------------------------------------------------- the estimate
@@ -165,7 +193,7 @@ class RewardLog:
         """File the changed samples under their (prompt, component) and re-run the chains they touch."""
         touched: dict[str, list[int]] = {}  # component -> orders changed in its chain
         for s in changed:
-            where = (s.prompt, s.component) if s.prompt is not None else None
+            where = (s.prompt, s.component) if s.prompt is not None and admissible(s.reward) else None
             if s.placed is not None and s.placed != where:
                 prompt, comp = s.placed
                 chain, group = self._chains[comp], self._groups[prompt]
@@ -185,10 +213,10 @@ class RewardLog:
                     s.placed = where
                 self._sums.pop(s.prompt, None)
                 touched.setdefault(s.component, []).append(s.order)
-            if where is not None and not math.isfinite(s.reward):
-                self._bad.add(s.key)
+            if s.prompt is not None and where is None:
+                self._refused.add(s.key)
             else:
-                self._bad.discard(s.key)
+                self._refused.discard(s.key)
         for comp, orders in touched.items():
             self._rechain(comp, min(orders), max(orders))
 
@@ -209,45 +237,37 @@ class RewardLog:
             self._chains.pop(comp, None)
 
     def advantage(self, s: Sample) -> float | None:
-        """traffic_advantage.estimate's number for a present sample: None where it has no baseline."""
+        """traffic_advantage.estimate's number for a present sample: None where it has no baseline (or is refused)."""
+        if s.placed is None:
+            return None
         group = self._groups[s.prompt]
-        if len(group) >= 2:
-            total = self._sums.get(s.prompt)
-            if total is None:
-                total = self._sums[s.prompt] = sum(self.samples[k].reward for k in group)
-            return s.reward - (total - s.reward) / (len(group) - 1)
+        sums = self._sums.get(s.prompt)
+        if sums is None:
+            sums = self._sums[s.prompt] = leave_one_out([(self.samples[k].reply, self.samples[k].reward)
+                                                         for k in group])
+        value, total = sums
+        if len(value) >= 2:
+            return s.reward - (total - value[s.reply]) / (len(value) - 1)
         return None if s.before is None else s.reward - s.before
 
-    def _check(self) -> None:
-        if self._bad:
-            first = min(self._bad, key=self._order)
-            raise ValueError(f"episode {first}: reward is not a finite number")
+    def refused(self, keys=None) -> int:
+        """How many of the samples `keys` (None: all present) have a reward that is refused (not admissible)."""
+        return len(self._refused) if keys is None else sum(k in self._refused for k in set(keys))
 
-    def advantages(self, call_ids) -> dict[str, float]:
-        """Each of `call_ids` that some sample with a baseline holds: the sum over those samples (in arrival order)
-        of the credit weight times the sample's advantage; the others are left out."""
-        self._check()
-        out: dict[str, float] = {}
-        for c in call_ids:
-            for key in sorted(self._containing.get(c, ()), key=self._order):
-                s = self.samples[key]
-                a = self.advantage(s)
-                if a is not None:
-                    out[c] = out.get(c, 0.0) + s.weights[s.calls.index(c)] * a
+    def advantages(self, keys) -> dict[tuple[str, str], float]:
+        """For each sample of `keys` with a baseline: (sample, call) -> the credit weight of the call in the sample
+        times the sample's advantage. A call in several samples has one entry per sample; the others are left out."""
+        out: dict[tuple[str, str], float] = {}
+        for key in keys:
+            s = self.samples.get(key)
+            a = None if s is None else self.advantage(s)
+            if a is not None:
+                for c, w in zip(s.calls, s.weights):
+                    out[(key, c)] = w * a
         return out
 
-    def everything(self) -> tuple[dict[str, float], int]:
-        """(every call's advantage, as `advantages`; how many present samples have no baseline): the whole log."""
-        self._check()
-        out: dict[str, float] = {}
-        none = 0
-        for s in self.samples.values():
-            if s.prompt is None:
-                continue
-            a = self.advantage(s)
-            if a is None:
-                none += 1
-                continue
-            for c, w in zip(s.calls, s.weights):
-                out[c] = out.get(c, 0.0) + w * a
-        return out, none
+    def everything(self) -> tuple[dict[tuple[str, str], float], int]:
+        """(`advantages` over every present sample; how many present samples have no baseline): the whole log.
+        Refused samples are in neither (`refused()` counts them)."""
+        none = sum(1 for s in self.samples.values() if s.placed is not None and self.advantage(s) is None)
+        return self.advantages(list(self.samples)), none

@@ -5,7 +5,9 @@ reward_log.RewardLog keeps them up to date as rewards arrive.
 
 An episode reward (by episode id) makes the episode one sample; a reward for one call (by call or response id)
 makes that call a sample of its own. Several rewards of the same name for one sample add up. A sample's prompt is
-the exact prompt token ids of its first call; its component is that call's (none: "").
+the exact prompt token ids of its first call; its component is that call's (none: ""). Advantages are keyed by
+(sample, call): a call rewarded by its id and as part of its episode is two samples, each with its own advantage
+(and one reply in a leave-one-out baseline: traffic_advantage).
 """
 
 from __future__ import annotations
@@ -20,18 +22,28 @@ from lightning_sdk.store import Store
 
 @dataclass(frozen=True)
 class CallAdvantages:
-    by_call: dict[str, float]  # call id -> advantage (credit weight x the sample's)
+    by_sample: dict[tuple[str, str], float]  # (sample, call id) -> advantage (credit weight x the sample's)
     no_baseline: int  # samples left out: their component had no baseline yet
+    refused: int = 0  # samples left out: their reward is not a finite number within +-MAX_ABS_REWARD
+
+    @property
+    def by_call(self) -> dict[str, float]:
+        """Call id -> the sum of its (sample, call) advantages: what the call is pushed by over the whole log."""
+        out: dict[str, float] = {}
+        for (_, call), a in self.by_sample.items():
+            out[call] = out.get(call, 0.0) + a
+        return out
 
 
 def call_advantages(store: Store, rule: CreditRule, name: str = "reward",
                     alpha: float = DEFAULT_ALPHA) -> CallAdvantages:
-    """Every rewarded call's advantage over the whole log of `store` (its feedback and calls), read once (reward_log.RewardLog: a
-    learner keeps one and refreshes it instead)."""
+    """Every rewarded (sample, call)'s advantage over the whole log of `store` (its feedback and calls), read once
+    (reward_log.RewardLog: a learner keeps one and refreshes it instead)."""
     log = RewardLog(store, rule, name, alpha)
     try:
         log.refresh()
-        by_call, none = log.everything()
+        by_sample, none = log.everything()
+        refused = log.refused()
     finally:
         log.close()
-    return CallAdvantages(by_call, none)
+    return CallAdvantages(by_sample, none, refused)

@@ -244,7 +244,9 @@ class GRPOTrainer:
         if advantages is not None and not all(math.isfinite(float(v)) for v in advantages):
             raise ValueError("GRPOTrainer.step: an advantage is not a finite number; nothing non-finite is trained on")
         t0 = time.perf_counter()
-        given = None if advantages is None else dict(zip((t.span_id for t in transitions), map(float, advantages)))
+        # keyed by (rollout, call): one call may be in two samples of a batch, each with its own advantage
+        given = None if advantages is None else dict(zip(((t.rollout_id, t.span_id) for t in transitions),
+                                                         map(float, advantages)))
         transitions, masks, mismatched = self._replay(transitions)
         if not transitions and mismatched:  # every call of the batch left out: no update, not an error
             self._advance_schedule(self.config.epochs)
@@ -366,7 +368,7 @@ class GRPOTrainer:
 
     def _prepare(self, transitions: Sequence[Transition], scored: GroupOutcomes | None,
                  components: Sequence[str] = (), *, masks: dict[str, torch.Tensor] | None = None,
-                 given: dict[str, float] | None = None) -> _Plan:
+                 given: dict[tuple[str, str], float] | None = None) -> _Plan:
         """Advantages and token weights over the whole batch, then micro-batches of similar lengths (less padding).
         With `components` (one policy's), the plan holds only their calls, with the advantages of the whole batch.
 
@@ -378,7 +380,7 @@ class GRPOTrainer:
         if not transitions:
             raise ValueError("GRPOTrainer.step: empty batch, no transitions to train on")
         if given is not None:  # made elsewhere: every transition kept, with its own advantage
-            ts, frac, values = list(transitions), 0.0, [given[t.span_id] for t in transitions]
+            ts, frac, values = list(transitions), 0.0, [given[(t.rollout_id, t.span_id)] for t in transitions]
         else:
             b = batch_advantages([t.outcome for t in transitions], [t.group_id for t in transitions],
                                  [t.rollout_id for t in transitions], cfg.scale_rewards,
