@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
+import sqlite3
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from lightning_sdk.production import live_reward
 from lightning_sdk.store import connect_tables
 
 SCHEMA = """
@@ -52,24 +53,32 @@ class Verdict:
     canary_mean: float
     serving_mean: float
     reason: str
+    left_out: int = 0  # episodes of either side whose reward is not a finite number
 
 
 def judge(candidate: str, canary: Sequence[float], serving: str, served: Sequence[float], *, min_rewards: int,
           margin: float, z: float) -> Verdict | None:
     """The canary's verdict, or None while either side has fewer than `min_rewards` (>= 2) rewarded episodes;
-    `canary` and `served`: one reward per episode (live_reward.by_adapter)."""
+    `canary` and `served`: one reward per episode (live_reward.by_adapter). Never raises on the values: a non-finite
+    one is left out (counted: `left_out`), and the rule is computed in units of the largest magnitude
+    (live_reward.moments), so a reward near the float limit decides like any other; a reported number beyond float
+    is inf (stored as null)."""
     c = [float(v) for v in canary if math.isfinite(v)]
     s = [float(v) for v in served if math.isfinite(v)]
+    left_out = len(canary) + len(served) - len(c) - len(s)
     if len(c) < max(2, min_rewards) or len(s) < max(2, min_rewards):
         return None
-    d = statistics.fmean(c) - statistics.fmean(s)
-    se = math.sqrt(statistics.variance(c) / len(c) + statistics.variance(s) / len(s))
-    lower = d - z * se
-    promoted = lower >= -margin
-    return Verdict(candidate, serving, promoted, d, se, lower, margin, z, len(c), len(s), statistics.fmean(c),
-                   statistics.fmean(s), f"live mean difference {d:+.4f} ± {se:.4f} (se), lower bound {lower:+.4f} "
+    scale = live_reward.magnitude(c, s)
+    (mc, vc), (ms, vs) = live_reward.moments(c, scale), live_reward.moments(s, scale)
+    du, seu = mc - ms, math.sqrt(vc / len(c) + vs / len(s))  # in units of `scale`: each within a few units
+    promoted = du - z * seu >= -margin / scale
+    d, se, lower = du * scale, seu * scale, (du - z * seu) * scale  # a product beyond float is inf, never an error
+    dropped = f" ({left_out} episode reward(s) not finite, left out)" if left_out else ""
+    return Verdict(candidate, serving, promoted, d, se, lower, margin, z, len(c), len(s), live_reward.mean_of(c),
+                   live_reward.mean_of(s),
+                   f"live mean difference {d:+.4g} ± {se:.4g} (se), lower bound {lower:+.4g} "
                    f"{'>=' if promoted else '<'} -margin {-margin:+.4f}: "
-                   f"{'promoted' if promoted else 'rolled back'}")
+                   f"{'promoted' if promoted else 'rolled back'}{dropped}", left_out)
 
 
 @dataclass(frozen=True)
@@ -92,9 +101,19 @@ def _execute(path: str | Path, sql: str, args: tuple = (), *, read_only: bool = 
 
 def start(path: str | Path, candidate: str, serving: str, share: float) -> Running:
     """A committed row before the first episode is routed to the canary."""
+    db = connect_tables(path, SCHEMA)
+    try:
+        return insert(db, candidate, serving, share)
+    finally:
+        db.close()
+
+
+def insert(db: sqlite3.Connection, candidate: str, serving: str, share: float) -> Running:
+    """The canary's row on `db` (a connection with SCHEMA made), committed with the caller's transaction: the gate's
+    pass and its canary are one commit (production.promotion), so no restart finds the one without the other."""
     now = time.time()
-    _execute(path, "INSERT INTO canaries (started_at, candidate, serving, share) VALUES (?, ?, ?, ?)",
-             (now, candidate, serving, share))
+    db.execute("INSERT INTO canaries (started_at, candidate, serving, share) VALUES (?, ?, ?, ?)",
+               (now, candidate, serving, share))
     return Running(now, candidate, serving, share)
 
 
@@ -107,8 +126,9 @@ def running(path: str | Path) -> Running | None:
 
 def conclude(path: str | Path, verdict: Verdict) -> None:
     """The verdict stored with its evidence on the canary's own row (set once: a decided row is never rewritten)."""
+    evidence = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in asdict(verdict).items()}
     _execute(path, "UPDATE canaries SET decided_at=?, promoted=?, evidence=? WHERE candidate=? AND decided_at IS NULL",
-             (time.time(), int(verdict.promoted), json.dumps(asdict(verdict)), verdict.candidate))
+             (time.time(), int(verdict.promoted), json.dumps(evidence, allow_nan=False), verdict.candidate))
 
 
 def history(path: str | Path, *, read_only: bool = False) -> list[dict]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -79,10 +80,16 @@ def record(path: str | Path, decision: Decision) -> None:
     """Store the decision with its evidence (one committed row)."""
     db = connect_tables(path, SCHEMA)
     try:
-        db.execute("INSERT INTO promotions VALUES (?, ?, ?, ?, ?)", (time.time(), decision.candidate,
-                   decision.serving, int(decision.promoted), json.dumps(asdict(decision))))
+        insert(db, decision)
     finally:
         db.close()
+
+
+def insert(db: sqlite3.Connection, decision: Decision) -> None:
+    """The decision's row on `db` (a connection with SCHEMA made), committed with the caller's transaction: a pass
+    and the canary it starts are one commit (production.promotion)."""
+    db.execute("INSERT INTO promotions VALUES (?, ?, ?, ?, ?)", (time.time(), decision.candidate,
+               decision.serving, int(decision.promoted), json.dumps(asdict(decision))))
 
 
 def decisions(path: str | Path) -> list[Decision]:

@@ -10,6 +10,10 @@ adapter that served its calls (the record's policy attribute; the canary routes 
 Read-only (the dashboard reads a serving store with it), and bounded by `since`: only calls started at or after it
 and rewards received at or after it (a reward names a call recorded before it arrived) are read, so a canary's
 poll reads its own window, not the whole log.
+
+Rewards are app input: a value near the float limit (1.7e308) must not stop a canary or the dashboard, so means and
+variances are taken in units of the largest magnitude (`moments`): statistics.fmean and variance raise OverflowError
+on such values. An episode whose rewards add up beyond float (inf) is not a number to average: left out, counted.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import statistics
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from lightning_sdk.production.retention import pruned_since
 from lightning_sdk.store import connect_read_only
@@ -41,9 +46,29 @@ class Live:
     episodes: int
 
 
+def magnitude(*sides: Sequence[float]) -> float:
+    """The unit `moments` takes values in: the largest finite magnitude, at least 1 (so rewards in [-1, 1] are
+    taken as they are)."""
+    return max([1.0, *(abs(v) for side in sides for v in side if math.isfinite(v))])
+
+
+def moments(values: Sequence[float], scale: float = 1.0) -> tuple[float, float]:
+    """Mean and sample variance (0.0 under 2 values) of finite `values`, each divided by `scale` first: with `scale`
+    their largest magnitude (`magnitude`), every sum stays within float, however large the values."""
+    xs = [v / scale for v in values]
+    return statistics.fmean(xs), statistics.variance(xs) if len(xs) >= 2 else 0.0
+
+
+def mean_of(values: Sequence[float]) -> float:
+    """The mean of finite `values`, in their own unit (`moments`): finite, however large they are."""
+    scale = magnitude(values)
+    return moments(values, scale)[0] * scale
+
+
 def by_adapter(path: str | Path, name: str = "reward", *, since: float = 0.0) -> dict[str, list[float]]:
     """Each adapter's rewarded episodes' values (feedback named `name`), for calls started at or after `since`
-    (unix seconds); the base model's calls under its served name, a call with none under ""."""
+    (unix seconds); the base model's calls under its served name, a call with none under "". An episode whose
+    rewards add up beyond float is there as inf (or nan): `summarize` and canary.judge leave it out, counted."""
     db = connect_read_only(path)
     try:
         args = (f'$."{POLICY}"', GATEWAY, int(since * 1e9), name, since)
@@ -57,16 +82,19 @@ def by_adapter(path: str | Path, name: str = "reward", *, since: float = 0.0) ->
         calls[span_id] = calls.get(span_id, 0.0) + value
     out: dict[str, list[float]] = {}
     for (policy, _unit), calls in sorted(units.items()):
-        value = statistics.fmean(calls.values())
-        if math.isfinite(value):
-            out.setdefault(policy, []).append(value)
+        values = list(calls.values())
+        value = mean_of(values) if all(math.isfinite(v) for v in values) else sum(values)
+        out.setdefault(policy, []).append(value)
     return out
 
 
-def summarize(adapter: str, values: list[float]) -> Live:
-    """Mean and standard error (sample std / sqrt(n)) over the episodes."""
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) >= 2 else None
-    return Live(adapter, statistics.fmean(values), se, len(values))
+def summarize(adapter: str, values: Sequence[float]) -> Live:
+    """Mean and standard error (sample std / sqrt(n)) over the episodes with a finite value (the others left out)."""
+    kept = [v for v in values if math.isfinite(v)]
+    scale = magnitude(kept)
+    average, variance = moments(kept, scale) if kept else (math.nan, 0.0)
+    se = math.sqrt(variance / len(kept)) * scale if len(kept) >= 2 else None
+    return Live(adapter, average * scale, se, len(kept))
 
 
 class LiveLog:

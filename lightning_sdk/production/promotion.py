@@ -25,6 +25,7 @@ from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.production import canary, gate, live_reward
 from lightning_sdk.production.learner import Update
 from lightning_sdk.servers import InferenceServer
+from lightning_sdk.store import connect_tables
 from lightning_sdk.train.checkpoint import ADAPTER
 
 # An adapter to score: its PEFT directory (None: the base model) and its version.
@@ -67,6 +68,24 @@ def last_promoted(path: str | Path) -> tuple[str, Path, int] | None:
     promoted = [d.candidate for d in gate.decisions(path) if d.promoted and
                 (d.candidate not in canaries or canaries[d.candidate]["promoted"])]
     return kept_adapter(path, promoted[-1]) if promoted else None
+
+
+def passed_to_canary(path: str | Path, decision: gate.Decision, share: float) -> canary.Running:
+    """The gate's pass and the canary it starts, stored in one transaction: both rows or neither."""
+    db = connect_tables(path, gate.SCHEMA + canary.SCHEMA)
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            gate.insert(db, decision)
+            running = canary.insert(db, decision.candidate, decision.serving, share)
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+    finally:
+        db.close()
+    return running
 
 
 class Promoter:
@@ -119,14 +138,17 @@ class Promoter:
             # one canary at a time: a pass now is not served, so it is not a promotion (a restart must not serve it)
             decision = dataclasses.replace(decision, promoted=False, reason=(
                 f"{decision.reason}; not served: the canary {self.canary.candidate} is still being judged"))
-        gate.record(self.path, decision)
-        if decision.promoted and self.canary_share is None:
-            self.serve(update.adapter, update.adapter_path, update.version)
-        elif decision.promoted:  # with a canary share, none running (a pass beside a running one was made a no)
+        if decision.promoted and self.canary_share is not None:  # none running (a pass beside one was made a no)
             self.server.load_adapter(update.adapter, str(update.adapter_path))
-            self.canary = canary.start(self.path, update.adapter, name, self.canary_share)
+            # the pass and its canary in one commit: a pass recorded alone would make a restart (kill -9 between
+            # two writes) serve the candidate to all traffic without its canary (last_promoted)
+            self.canary = passed_to_canary(self.path, decision, self.canary_share)
             self.canary_version = update.version
             self.gateway.canary = (update.adapter, self.canary_share)
+            return decision
+        gate.record(self.path, decision)
+        if decision.promoted:
+            self.serve(update.adapter, update.adapter_path, update.version)
         return decision
 
     def check_canary(self) -> canary.Verdict | None:

@@ -4,6 +4,8 @@
 A failed update or eval is logged and counted (`failures`), and the server keeps serving what it served: a fault
 of the learning side never stops serving. Its rewards stay unread, so the next pass tries them again, up to
 learn.max_update_failures times in a row; then they are quarantined (production.learner) and learning goes on.
+A canary that cannot be judged (its check raised) is said in one line, once per distinct reason, not a traceback
+each poll; the canary keeps serving its share, the update runs as due, and the next poll judges it again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class Schedule:
         self.learner, self.promoter, self.poll_seconds = learner, promoter, poll_seconds
         learner.follow(promoter.in_service())  # after a restart: never from a candidate that was not put in service
         self.last: Update | None = None  # what the latest update read, trained and left out
+        self.canary_fault: str | None = None  # the last canary check's failure, said once
         self._thread = Periodic(self.run_once, poll_seconds, name="lightning-learn",
                                 on_failure="learn: the update or its gate failed; serving goes on with the adapter "
                                            "it served")
@@ -40,7 +43,16 @@ class Schedule:
     def run_once(self) -> Update | None:
         """A running canary's verdict, if due; then one update and its gate, if due; what the update read, trained
         and left out."""
-        verdict = self.promoter.check_canary()
+        try:
+            verdict = self.promoter.check_canary()
+            self.canary_fault = None
+        except Exception as e:  # noqa: BLE001 - said once; learning and serving go on, the next poll tries again
+            verdict = None
+            fault = (f"learn: the canary cannot be judged now ({type(e).__name__}: {str(e)[:200]}); "
+                     "it keeps its share, tried again each poll")
+            if fault != self.canary_fault:
+                log.warning("%s", fault)
+            self.canary_fault = fault
         if verdict is not None:
             log.info("learn: canary %s %s", verdict.candidate, verdict.reason)
             self.learner.follow(self.promoter.in_service())
