@@ -123,7 +123,11 @@ def serve_figures() -> None:
         for field in ("value", "timestamp"):
             body = {"response_id": "chatcmpl-x", "value": 1.0, field: 10 ** 400}
             r = httpx.post(f"{s.url}/feedback", content=json.dumps(body), headers=s.headers, timeout=30)
-            codes.append(f"{field} {r.status_code} {r.json().get('error', {}).get('param') if r.content else ''}")
+            try:
+                named = r.json().get("error", {}).get("param")
+            except ValueError:  # a 500's plain-text body
+                named = f"(not JSON: {r.text[:30]!r})"
+            codes.append(f"{field} {r.status_code} {named}")
         serving.emit(9, "feedback with a 401-digit value / timestamp: status, field named", "; ".join(codes))
 
         ask = [{"role": "user", "content": "SECRET-TEXT"}]
