@@ -305,17 +305,32 @@ class Call:
                 a["gen_ai.response.id"] = str(self.response_id)
         else:
             a["error.type"] = str(self.status)
+        name, error = f"{operation} {self.asked}", None if ok else self.error
         if not self.capture.store_text:
-            for key in TEXT_ATTRIBUTES:
-                a.pop(key, None)
-            a[TEXT] = TEXT_NOT_STORED
+            name, error = operation, None if ok else f"HTTP {self.status} (its message is not stored: store_text off)"
+            _drop_text(a, keep_constraint=ok)
         return SpanRecord(
             span_id=self.call_id, trace_id=o.trace_id or "0" * 32, parent_id=o.parent_id,
             rollout_id=o.rollout.rollout_id if o.rollout else "", attempt=o.rollout.attempt if o.rollout else 0,
-            component=o.component, name=f"{operation} {self.asked}", start_ns=self.start_ns, end_ns=self.end_ns,
-            status="OK" if ok else "ERROR", status_message=None if ok else self.error, attributes=a,
-            source=GATEWAY,
+            component=o.component, name=name, start_ns=self.start_ns, end_ns=self.end_ns,
+            status="OK" if ok else "ERROR", status_message=error, attributes=a, source=GATEWAY,
         )
+
+
+def _drop_text(a: dict[str, Any], *, keep_constraint: bool) -> None:
+    """A record without text: no message, stop string, asked model name or setting the app wrote as a string (any
+    of them may carry its users' words); the constraint stays on a call that can train (the trainer replays it)."""
+    for key in (*TEXT_ATTRIBUTES, "gen_ai.request.model", "gen_ai.request.stop_sequences"):
+        a.pop(key, None)
+    for key in [k for k, v in a.items() if k.startswith("gen_ai.request.") and not _number(v)]:
+        del a[key]
+    if not keep_constraint:
+        a.pop(CONSTRAINT, None)
+    a[TEXT] = TEXT_NOT_STORED
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @functools.lru_cache(maxsize=64)

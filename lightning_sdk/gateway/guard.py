@@ -318,6 +318,12 @@ class BodyLimit:
         messages, size = [], 0
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                # The client left before its body was whole (an aborted upload): nobody is there to answer, and no
+                # route is given half a body.
+                log.debug("%s %s: the client left before sending its whole body", scope.get("method"),
+                          scope.get("path"))
+                return
             messages.append(message)
             if message["type"] != "http.request":
                 break

@@ -112,6 +112,8 @@ class IsolatedGateway:
         return self._gone is None and self._proc.poll() is None
 
     def stop(self) -> None:
+        if self.why_stopped() is not None:
+            self._proc.kill()  # it would answer nothing: no flush to wait for
         if self._proc.poll() is None:
             try:
                 self.call("stop", None, timeout=15)
@@ -177,6 +179,9 @@ class IsolatedGateway:
     def call(self, op: str, arg: Any, *, timeout: float = ANSWER_S) -> Any:
         """Send the child one command (`COMMANDS`), and return its answer. RunError if the child is gone, fails the
         command, or does not answer within `timeout`."""
+        stopped = self.why_stopped()
+        if stopped is not None:  # it would answer nothing until continued
+            raise RunError(stopped)
         done = threading.Event()
         out: list[tuple[str, Any]] = []
         ask = self._waiting_for(lambda kind, value: (out.append((kind, value)), done.set()))
@@ -188,7 +193,24 @@ class IsolatedGateway:
     def _late(self, op: str, ask: int, timeout: float) -> RunError:
         with self._lock:
             self._waiting.pop(ask, None)  # its answer, if it comes, is dropped
-        return RunError(f"the gateway's process did not answer {op!r} within {timeout:.0f} s")
+        stopped = self.why_stopped()
+        return RunError(stopped or f"the gateway's process did not answer {op!r} within {timeout:.0f} s")
+
+    def why_down(self) -> str | None:
+        """The line naming why the child serves no call (ended, or stopped), else None."""
+        return self.why_gone() if not self.is_alive() else self.why_stopped()
+
+    def why_stopped(self) -> str | None:
+        """The line naming a child that is stopped (SIGSTOP, SIGTSTP: it serves nothing until continued), else None.
+        Read from /proc; elsewhere None."""
+        try:
+            stat = Path(f"/proc/{self._proc.pid}/stat").read_text()
+        except OSError:
+            return None
+        if stat.rpartition(")")[2].split()[:1] != ["T"]:
+            return None
+        return (f"the gateway's process (pid {self._proc.pid}) is stopped (SIGSTOP or SIGTSTP): it serves no call "
+                f"until it is continued (kill -CONT {self._proc.pid})")
 
     def _waiting_for(self, settle: Callable[[str, Any], None]) -> int:
         with self._lock:
@@ -222,8 +244,9 @@ class IsolatedGateway:
                 return
             if kind == "records":
                 self.capture.write(value)
-            elif kind == "log":
-                log.log(value[0], "gateway: %s", value[1])
+            elif kind == "log":  # the gateway's own lines say so already; the others are named here
+                level, line = value
+                log.log(level, "%s", line if line.startswith("gateway: ") else f"gateway: {line}")
             else:  # an answer: (its command's number, the value)
                 with self._lock:
                     settle = self._waiting.pop(value[0], None)
@@ -263,7 +286,12 @@ class Rollouts:
         self._send(("open", (key, rollout_id, attempt, phase, seed, secret)))
 
     def close(self, key: str) -> None:
-        self._send(("close", key))
+        """Closed; on a gateway that is gone there is nothing to close (a rollout's `finally` must not raise what
+        its opening, or the run, says already)."""
+        try:
+            self._send(("close", key))
+        except RunError:
+            pass
 
     def _send(self, message: tuple) -> None:
         with self._lock:
@@ -285,12 +313,14 @@ class Records(RecordOutlet):
     def record_to(self, sink: CallSink | None) -> None:
         self.flush()
         self.sink = sink
+        if sink is None and (not self._gateway.is_alive() or self._gateway.why_stopped() is not None):
+            return  # a child gone or stopped sends no more records: nothing to turn off
         self._gateway.call("record", sink is not None)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every call the child has ended is written here; False if that took longer than `timeout_s`."""
-        if not self._gateway.is_alive():
-            return False  # what it had not sent is lost
+        if not self._gateway.is_alive() or self._gateway.why_stopped() is not None:
+            return False  # what it had not sent is lost (or, stopped, it sends nothing until continued)
         return bool(self._gateway.call("flush", timeout_s, timeout=timeout_s + 5))
 
     def write(self, records: list[SpanRecord]) -> None:

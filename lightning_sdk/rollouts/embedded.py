@@ -116,6 +116,10 @@ class EmbeddedCollector:
                 async def one(job: RolloutJob) -> RolloutResult:
                     generation = self._generation
                     result = await attempt(job)
+                    if result.status == "failed" and isinstance(self.gateway, IsolatedGateway):
+                        down = self.gateway.why_down()  # its rollouts fail or time out: the cause is named instead
+                        if down is not None:
+                            raise RunError(down)
                     if result.status == "failed" and await server_lost(generation):
                         retry = job.retry()
                         self.store.abandon(job.rollout_id, f"the inference server died during the rollout; re-run "
@@ -124,7 +128,16 @@ class EmbeddedCollector:
                     advance()
                     return result
 
-                return await asyncio.gather(*(one(j) for j in jobs))
+                tasks = [asyncio.ensure_future(one(j)) for j in jobs]
+                try:
+                    return await asyncio.gather(*tasks)
+                except BaseException:
+                    # The run stops on this error: the other rollouts end here, before the store closes, not as
+                    # tracebacks when the loop shuts down.
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise
 
         return _event_loop().run(go())
 

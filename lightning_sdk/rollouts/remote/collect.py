@@ -26,7 +26,6 @@ from rich.markup import escape
 from lightning_sdk.config import Config
 from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_write_text
-from lightning_sdk.rollouts.remote import protocol
 from lightning_sdk.rollouts.collector import Agent, progress_bar
 from lightning_sdk.rollouts.remote.dispatch import Claimed, Dispatch
 from lightning_sdk.rollouts.embedded import EmbeddedCollector
@@ -103,12 +102,9 @@ class RemoteCollector(EmbeddedCollector):
 
     def _goodbye(self) -> None:
         """Give workers heard from lately a moment to claim once more and hear that the run is over (410)."""
-        d = self.dispatch
-        recent = d.clock() - protocol.LONG_POLL_S - 5
         until = time.monotonic() + GOODBYE_S
         while time.monotonic() < until:
-            waiting = {w for w, t in d.seen.items() if t >= recent} - d.told_over
-            if not waiting:
+            if not self.dispatch.untold():
                 return
             time.sleep(0.05)
 

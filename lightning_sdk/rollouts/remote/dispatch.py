@@ -14,11 +14,11 @@ import hmac
 import secrets
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from lightning_sdk.rollouts.remote.protocol import Result
+from lightning_sdk.rollouts.remote.protocol import LONG_POLL_S, Result
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk import tracing
 from lightning_sdk.agent import RewardError, reward_value
@@ -28,6 +28,9 @@ from lightning_sdk.rollouts.remote.otlp import Decoded
 from lightning_sdk.rollouts.episode import export_root
 from lightning_sdk.tracing.context import new_span_id
 from lightning_sdk.tracing.records import CLAIM, REWARD_SPAN, REWARD_VALUE
+
+MAX_WORKER_NAMES = 4096  # worker names remembered (the goodbye waits only for those heard from lately)
+RECENT_S = LONG_POLL_S + 5  # a worker heard from this lately may still be polling: the goodbye gives it a moment
 
 
 @dataclass
@@ -93,8 +96,10 @@ class Dispatch:
         self.generation = 0
         self.over = False
         self.last_contact = float("-inf")  # any request from any worker
-        self.seen: dict[str, float] = {}  # worker -> its last request
-        self.told_over: set[str] = set()  # workers that have heard the run is over
+        # worker -> its last request, oldest first; workers that have heard the run is over. Both bounded: any key
+        # holder can send a name of its own with every request.
+        self.seen: OrderedDict[str, float] = OrderedDict()
+        self.told_over: OrderedDict[str, None] = OrderedDict()
         self.spans_refused: Counter = Counter()  # for the whole run, by reason
 
     # --------------------------------------------------------------------------------- the collector's side
@@ -159,6 +164,9 @@ class Dispatch:
             self.last_contact = now
             if worker is not None:
                 self.seen[worker] = now
+                self.seen.move_to_end(worker)
+                while len(self.seen) > MAX_WORKER_NAMES or next(iter(self.seen.values())) < now - RECENT_S:
+                    self.seen.popitem(last=False)
 
     def claim_now(self, worker: str) -> Claimed | None:
         """The next waiting rollout, now claimed by `worker` (its row started in the store); None if none waits."""
@@ -277,7 +285,16 @@ class Dispatch:
 
     def mark_told(self, worker: str) -> None:
         with self._lock:
-            self.told_over.add(worker)
+            self.told_over[worker] = None
+            self.told_over.move_to_end(worker)
+            if len(self.told_over) > MAX_WORKER_NAMES:
+                self.told_over.popitem(last=False)
+
+    def untold(self) -> list[str]:
+        """Workers heard from lately (RECENT_S) that have not yet heard the run is over."""
+        since = self.clock() - RECENT_S
+        with self._lock:
+            return [w for w, t in self.seen.items() if t >= since and w not in self.told_over]
 
     def _wake(self) -> None:
         with self._lock:

@@ -20,6 +20,8 @@ import os
 import random
 import signal
 import socket
+import sys
+import threading
 import time
 import tomllib
 from dataclasses import dataclass
@@ -39,6 +41,9 @@ from lightning_sdk.rollouts.episode import run_rollout
 from lightning_sdk.rollouts.remote.ship import RolloutShipper
 
 SERVER_ENV, TOKEN_ENV = "LIGHTNING_SERVER", "LIGHTNING_TOKEN"
+# A run that starts its workers (run.runtime = "processes") hands each the read end of a pipe whose write end only
+# the run holds: end of file there means the run's process is gone, however it ended (kill -9 included).
+LIFELINE_ENV = "LIGHTNING_WORKER_LIFELINE"
 MAX_BACKOFF_S = 10.0
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as a shell reports a process it stopped
 SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
@@ -161,6 +166,7 @@ class Worker:
     def run(self) -> str:
         """Work until the run is over, or a SIGINT / SIGTERM drains it (`exit_code` says which); returns the closing
         line. SetupError for bad input, RunError else."""
+        end_with_run(self.console)
         # Set both handlers ourselves: a job a script starts in the background inherits SIGINT ignored.
         previous = {sig: signal.signal(sig, self._interrupt) for sig in EXIT_CODES}
         try:
@@ -361,3 +367,24 @@ class Worker:
             self.http.headers["Authorization"] = f"Bearer {token}"
             if self.shipper is not None:
                 self.shipper.exporter = self._exporter()
+
+
+def end_with_run(console: Console) -> None:
+    """With LIFELINE_ENV set (a worker its run started): exit as soon as the run's process is gone. Nothing this
+    worker holds can be reported to a run that is gone; a resumed run starts workers of its own."""
+    fd = os.environ.pop(LIFELINE_ENV, None)  # not handed on to what the agent starts
+    if fd is None or not fd.isdigit():
+        return
+
+    def watch() -> None:
+        try:
+            while os.read(int(fd), 64):
+                pass
+        except OSError:
+            pass
+        console.print(f"worker {os.getpid()}: the run that started it is gone; exiting", highlight=False,
+                      soft_wrap=True)
+        sys.stdout.flush()  # os._exit skips it; the line goes to the run's workers.log
+        os._exit(1)
+
+    threading.Thread(target=watch, name="lightning-worker-lifeline", daemon=True).start()
