@@ -139,3 +139,33 @@ def test_the_compiled_grammar_cache_is_bounded_by_bytes(tokenizer):
         assert g.cache_bytes <= limit
     assert g.cache_bytes == sum(sizes[-g.cached:]) and 0 < g.cached < 8  # the least recently used went first
     g.close()
+
+
+def test_the_gateway_refuses_a_constraint_over_a_limit_before_any_backend():
+    """Every backend (vLLM compiles its own grammars, and the trainer replays each recorded one): the gateway refuses
+    at once, for chat, completions and Responses alike. Its backend is a closed port, so a 400 (not a 502) is the
+    gateway's own answer."""
+    from lightning_sdk.gateway.proxy import Gateway
+    from lightning_sdk.gateway.listen import bind
+
+    dead = bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    dead.close()  # nothing listens there: a request that reached it would be a 502
+    g = Gateway(api_key="agents")
+    g.start([url], backend_key="x")
+    g.policy = NAME
+    try:
+        deep = schema_format(nested_arrays(900))
+        with httpx.Client(base_url=g.url, timeout=10, headers={"Authorization": "Bearer agents"}) as c:
+            for route, body in (("/v1/chat/completions", {**PLAIN, "response_format": deep}),
+                                ("/v1/completions", {"model": NAME, "prompt": "2+2=", "max_tokens": 2,
+                                                     "response_format": deep}),
+                                ("/v1/responses", {"model": NAME, "input": "2+2=", "text": {"format": {
+                                    "type": "json_schema", "name": "x", "schema": nested_arrays(900)}}})):
+                r = c.post(route, json=body)
+                assert r.status_code == 400, (route, r.status_code, r.text[:300])
+                assert f"this server's limit of {constraint.MAX_NESTING_DEPTH}" in r.json()["error"]["message"]
+            r = c.post("/v1/chat/completions", json=PLAIN)
+            assert r.status_code == 502, r.text  # and a plain request does reach for the backend
+    finally:
+        g.stop()

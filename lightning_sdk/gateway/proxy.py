@@ -35,6 +35,7 @@ import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lightning_sdk.constraint import ConstraintError, check_size, from_request
 from lightning_sdk.gateway.canary_share import routes_to_canary
 from lightning_sdk.gateway.capture import CALL_ID_HEADER, Call, Capture, OpenRollouts, origin
 from lightning_sdk.gateway.guard import (MAX_BODY_BYTES, PARSE_INLINE_BYTES, BodyLimit, GatewayError, KeyCheck,
@@ -281,6 +282,7 @@ class Gateway:
         where = origin(request.headers, self.rollouts, request.scope.get("state", {}).get(ROLLOUT_KEY))
         try:
             served = self.serve_as(asked, where.component, where.trace_id)
+            over_limit(body)
         except GatewayError as e:  # refused here: a failed call of its rollout all the same
             call = self.capture.begin(where, api, body, asked=str(asked)[:200], policy="")
             call.fail(e.status, e.message)
@@ -434,6 +436,20 @@ class CallRoutes:
         except RecursionError as e:
             response = await _too_deep(request, e)
         await response(scope, receive, send)
+
+
+def over_limit(body: dict) -> None:
+    """GatewayError 400 where the request's output constraint is over a size limit of constraint.py: refused here,
+    before any backend (vLLM's compiler included) or the trainer's replay spends minutes compiling it."""
+    try:
+        c = from_request(body)
+    except ConstraintError:  # malformed: the backend refuses it as it would anyway
+        return
+    if c is not None:
+        try:
+            check_size(c)
+        except ConstraintError as e:
+            raise GatewayError(400, str(e), e.param) from None
 
 
 def _vary(seed: int, key: str) -> int:
