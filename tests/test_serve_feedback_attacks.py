@@ -3,7 +3,6 @@ reward is bounded as a run bounds rewards, a Responses-API reply is rewarded by 
 a default feedback id cannot be taken first, one call or episode holds a bounded number of rewards, and retention
 deletes a reward with the calls it scores without ever giving a rowid twice (issue 52, items 1, 7 and 8)."""
 
-import json
 import sqlite3
 import time
 from pathlib import Path
@@ -13,26 +12,20 @@ import openai
 import pytest
 
 import lightning_sdk as ls
-from lightning_sdk import config
 from lightning_sdk.credit import lightning_rl
-from lightning_sdk.production import deployment
 from lightning_sdk.production.ledger import BY_RESPONSE_ID, FeedbackLedger
 from lightning_sdk.production.retention import prune
 from lightning_sdk.production.reward_log import RewardLog
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.records import COMPLETION_IDS, GATEWAY, PROMPT_IDS, SpanRecord
+from tests.projects import deploy
 
 DAY = 86400.0
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve")
-    (d / "train.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
-    (d / "lightning.toml").write_text('[data]\ntrain = "train.jsonl"\n[model]\nname = "builtin:tiny-arith"\n'
-                                      '[agent]\nmodule = "app"\n[serve]\nmax_batch_size = 4\n')
-    dep = deployment.start(config.load(d / "lightning.toml"), d / "serve", host="127.0.0.1", port=0, api_key=None,
-                           retention_s=3600)
+    dep = deploy(tmp_path_factory.mktemp("serve"))
     yield dep
     dep.close()
 

@@ -11,11 +11,10 @@ import sqlite3
 import httpx
 import pytest
 
-from lightning_sdk import config
-from lightning_sdk.production import deployment
 from lightning_sdk.rollouts.remote.dispatch import Dispatch
 from lightning_sdk.rollouts.remote.protocol import Result
 from lightning_sdk.store import Store
+from tests.projects import deploy
 
 
 def test_the_dispatcher_remembers_a_bounded_number_of_worker_names(tmp_path):
@@ -36,12 +35,7 @@ SECRETS = ("SECRET-MODEL", "SECRET-STOP", "SECRET-TEXT", "SECRET-MAX", "SECRET-T
 
 @pytest.fixture(scope="module")
 def served_without_text(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve")
-    (d / "train.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
-    (d / "lightning.toml").write_text('[data]\ntrain = "train.jsonl"\n[model]\nname = "builtin:tiny-arith"\n'
-                                      '[agent]\nmodule = "app"\n[serve]\nmax_batch_size = 4\nstore_text = false\n')
-    dep = deployment.start(config.load(d / "lightning.toml"), d / "serve", host="127.0.0.1", port=0, api_key=None,
-                           retention_s=3600)
+    dep = deploy(tmp_path_factory.mktemp("serve"), 'store_text = false\n')
     yield dep
     dep.close()
 

@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
-import subprocess
-import sys
 import time
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
-from lightning_sdk import config
 from lightning_sdk.gateway.isolated import IsolatedGateway
-from lightning_sdk.production import deployment
 from tests.conftest import SERVED
+from tests.projects import deploy, run_one_task
 
 
 class Kept(logging.Handler):
@@ -41,12 +37,7 @@ class Kept(logging.Handler):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve")
-    (d / "train.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
-    (d / "lightning.toml").write_text('[data]\ntrain = "train.jsonl"\n[model]\nname = "builtin:tiny-arith"\n'
-                                      '[agent]\nmodule = "app"\n[serve]\nmax_batch_size = 4\n')
-    dep = deployment.start(config.load(d / "lightning.toml"), d / "serve", host="127.0.0.1", port=0, api_key=None,
-                           retention_s=3600)
+    dep = deploy(tmp_path_factory.mktemp("serve"))
     yield dep
     dep.close()
 
@@ -118,17 +109,8 @@ def score(task, output):
 
 
 def test_killing_the_runs_gateway_says_its_line_without_shutdown_tracebacks(tmp_path):
-    (tmp_path / "agent.py").write_text(AGENT)
-    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "What is 2 + 2?", "answer": "4"}) + "\n")
-    (tmp_path / "lightning.toml").write_text(
-        '[run]\nname = "one"\ndir = "run"\niterations = 1\n[agent]\nmodule = "agent.py"\n'
-        '[data]\ntrain = "train.jsonl"\ntasks_per_iteration = 1\ngroup_size = 6\n'
-        '[model]\ndtype = "float32"\n[rollout]\nconcurrency = 6\ntimeout = 60.0\n[train]\nlora_r = 4\n')
-    out = subprocess.run([sys.executable, "-m", "lightning_sdk.cli", "run", "-c", "lightning.toml"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.getcwd(), "COLUMNS": "400"})
-    text = out.stdout + out.stderr
-    assert out.returncode != 0
+    code, text = run_one_task(tmp_path, AGENT, group_size=6, timeout=60.0)
+    assert code != 0
     assert "gateway's process ended (exit code -9)" in text, text[-3000:]
     assert "unhandled exception during asyncio.run() shutdown" not in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
