@@ -71,7 +71,8 @@ def main() -> None:
         before, t0 = figures(script, older, args.timeout)
         after, t1 = figures(script, ROOT, args.timeout)
         for key in sorted(set(before) | set(after)):
-            print(f"| {key[0]} | {key[1]} | {before.get(key, '-')} | {after.get(key, '-')} |", flush=True)
+            cells = (str(key[0]), key[1], before.get(key, "-"), after.get(key, "-"))
+            print("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |", flush=True)
         print(f"<!-- {script.stem}: before {older} ({t0:.0f} s), after {ROOT} ({t1:.0f} s) -->", flush=True)
 
 

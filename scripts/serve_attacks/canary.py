@@ -135,11 +135,11 @@ def item2() -> None:
         refused = [code for k, t in enumerate(on_canary[:2]) if (code := feedback(client, s.url, t, HUGE, f"h{k}"))
                    != 200]
         if refused:  # the ledger bounds feedback: the value as a store made before the bound may hold it
+            for k, t in enumerate(on_canary[:2]):
+                feedback(client, s.url, t, 0.0, f"h{k}")
             db = sqlite3.connect(s.directory / "serve.sqlite", timeout=30)
             with db:
-                for k, t in enumerate(on_canary[:2]):
-                    feedback(client, s.url, t, 0.0, f"h{k}")
-                    db.execute("UPDATE feedback SET value=? WHERE feedback_id=?", (HUGE, f"h{k}"))
+                db.executemany("UPDATE feedback SET value=? WHERE feedback_id=?", [(HUGE, f"h{k}") for k in range(2)])
             db.close()
         size, t0 = s.log.stat().st_size, time.monotonic()
         for t in on_canary[2:5]:
@@ -154,9 +154,9 @@ def item2() -> None:
         said = (f"{'decided (' + ('promoted' if outcome[0][0] else 'rolled back') + ')' if decided else 'undecided'} "
                 f"at {seconds:.0f} s; {text.count('Traceback (most recent call last)')} tracebacks, "
                 f"{len(text.encode())} log bytes; /api/summary {status}")
-        how = f" (refused {refused[0]} by the ledger; set in the store)" if refused else ""
-        serving.emit(2, f"canary (share 0.5, poll 1 s) after 1.7e308 on 2 canary episodes{how}, then 3+3 honest "
-                        "rewards", said)
+        how = f" (the feedback refused {refused[0]} by the ledger; set in the store)" if refused else ""
+        serving.emit(2, "canary (share 0.5, poll 1 s) after 1.7e308 on 2 canary episodes, then 3+3 honest rewards",
+                     said + how)
 
 
 def restart(s: serving.Served) -> tuple[subprocess.Popen, str]:
@@ -223,8 +223,8 @@ def item4() -> None:
             at_commit = item4_at("COMMIT")
         finally:
             os.environ["PYTHONPATH"] = path
-    serving.emit(4, "restart after kill -9 right after the gate's pass is written | after the first COMMIT from "
-                    "it (16 new episodes)", f"{at_pass} | {at_commit}")
+    serving.emit(4, "restart after kill -9 (a) right after the gate's pass is written, (b) after the first COMMIT "
+                    "from it (16 new episodes)", f"(a) {at_pass}; (b) {at_commit}")
 
 
 if __name__ == "__main__":
