@@ -70,7 +70,7 @@ def main() -> None:
             sys.exit(f"--before: no older checkout for {script.stem} (give DIR or {script.stem}=DIR)")
         before, t0 = figures(script, older, args.timeout)
         after, t1 = figures(script, ROOT, args.timeout)
-        for key in sorted(set(before) | set(after)):
+        for key in [*after, *(k for k in before if k not in after)]:  # in the order the file measured them
             cells = (str(key[0]), key[1], before.get(key, "-"), after.get(key, "-"))
             print("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |", flush=True)
         print(f"<!-- {script.stem}: before {older} ({t0:.0f} s), after {ROOT} ({t1:.0f} s) -->", flush=True)
