@@ -247,8 +247,8 @@ def worker_figures() -> None:
             proc.wait()
             time.sleep(10)
             left = [p for p in known if alive(p)]
-            serving.emit(10, f"a processes run killed with -9: its {len(known - {victim})} workers alive 10 s later",
-                         len(left))
+            serving.emit(10, "a processes run killed with -9: its workers alive 10 s later",
+                         f"{len(left)} of {len(known - {victim})}")
         finally:
             if proc.poll() is None:
                 proc.kill()
