@@ -92,7 +92,8 @@ def main() -> None:
     print(f"answers: {first} then {more}", file=sys.stderr)
     serving.emit(10, f"{FIRST:,} bogus results under random worker names (the work routes in process): RSS growth, "
                      f"then over {MORE:,} more; names kept",
-                 f"+{after_first - base:.1f} MiB, then +{after_more - after_first:.1f} MiB; {len(dispatch.seen):,} names")
+                 f"+{after_first - base:.1f} MiB, then +{after_more - after_first:.1f} MiB; "
+                 f"{len(dispatch.seen):,} names")
 
 
 if __name__ == "__main__":
