@@ -7,8 +7,8 @@ is read after each part (gc.collect() first), so the client's own memory is not 
 of the dispatcher's map of worker names.
 
 Only the gateway's process is measured: a `lightning run` loads its trainer just after it prints that it waits for
-workers, so its RSS read then and later grows by the trainer's start-up (370 -> 550 MiB in 3 s on this machine with
-no request at all), which is not the results'.
+workers, so its RSS read then and later grows by the trainer's start-up (hundreds of MiB in seconds, with no
+request at all), which is not the results'.
 
 Run: PYTHONPATH=<checkout> python scripts/serve_attacks/dispatcher_memory.py   (about 1.5 minutes)
 """
