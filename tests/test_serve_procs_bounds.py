@@ -67,3 +67,24 @@ def test_store_text_false_keeps_no_stop_string_asked_model_or_error_text(served_
         assert not [s for s in SECRETS if s in str(row)], row
     ok = json.loads(rows[0][2])  # what training reads stays
     assert ok["gen_ai.request.temperature"] == 1.0 and ok["gen_ai.request.max_tokens"] == 2
+
+
+def test_store_text_false_keeps_no_user_text_from_a_responses_call(served_without_text):
+    dep = served_without_text
+    bodies = [{"model": "SECRET-RESP-MODEL", "input": "SECRET-RESP-TEXT", "instructions": "SECRET-RESP-INSTR",
+               "max_output_tokens": 2},
+              {"model": "SECRET-RESP-MODEL", "input": "SECRET-RESP-TEXT", "max_output_tokens": "SECRET-RESP-MAX"}]
+    codes = [httpx.post(f"{dep.url}/v1/responses", json=b, timeout=60,
+                        headers={"Authorization": f"Bearer {dep.api_key}"}).status_code for b in bodies]
+    assert codes[0] == 200 and codes[1] in (400, 422), codes
+    assert dep.gateway.capture.flush()
+    db = sqlite3.connect(dep.store.path)
+    try:
+        tables = [t for (t,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        kept = {t: db.execute(f"SELECT * FROM {t}").fetchall() for t in tables}  # every row of the store
+    finally:
+        db.close()
+    assert any("responses" in str(r) for r in kept["spans"]), "the Responses call was not recorded"
+    for table, rows in kept.items():
+        for row in rows:
+            assert "SECRET-RESP" not in str(row), (table, row)
