@@ -13,7 +13,7 @@ import pytest
 
 import lightning_sdk as ls
 from lightning_sdk.credit import lightning_rl
-from lightning_sdk.production.ledger import BY_RESPONSE_ID, FeedbackLedger
+from lightning_sdk.production.ledger import BY_RESPONSE_ID, FeedbackError, FeedbackLedger
 from lightning_sdk.production.retention import prune
 from lightning_sdk.production.reward_log import RewardLog
 from lightning_sdk.store import Store
@@ -103,6 +103,8 @@ def test_a_default_feedback_id_cannot_be_taken_first(served, client):
     assert again.status_code == 200 and again.json()["duplicate"] is True
     assert post(served, {"response_id": theirs, "value": 1.0, "feedback_id": f"response_id:{theirs}:reward"}
                 ).json()["duplicate"] is True  # an app that spells its own default id gets the same
+    retry = post(served, {"response_id": theirs, "value": 1.0, "feedback_id": app.json()["feedback_id"]})
+    assert retry.status_code == 200 and retry.json()["duplicate"] is True, retry.text  # ... or the id it was given
     db = sqlite3.connect(served.store.path)
     try:
         values = sorted(v for (v,) in db.execute("SELECT value FROM feedback WHERE target=?", (theirs,)))
@@ -170,3 +172,13 @@ def test_retention_deletes_a_reward_with_its_calls_and_never_gives_a_rowid_twice
     finally:
         db.close()
         ledger.close()
+
+
+def test_the_ledger_alone_answers_a_number_no_float_holds_with_one_line(served, client):
+    """Whatever route it comes by (the HTTP route parses JSON, where an integer may have any number of digits)."""
+    rid = reply_id(client)
+    for field in ("value", "timestamp"):
+        body = {"response_id": rid, "value": 1.0, field: 10 ** 400}
+        with pytest.raises(FeedbackError) as e:
+            served.ledger.give(body)
+        assert (e.value.status, e.value.field) == (422, field), e.value.message

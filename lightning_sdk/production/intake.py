@@ -5,7 +5,6 @@ the event loop that relays calls."""
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any, Callable
 
 from fastapi import APIRouter, Request
@@ -31,10 +30,6 @@ def feedback_router(ledger: FeedbackLedger, flush: Callable[[], Any]) -> APIRout
             body = json.loads(raw)
         except ValueError:
             return _refuse(FeedbackError(422, "body", "expected a JSON object"))
-        beyond = _beyond_float(body)
-        if beyond is not None:
-            return _refuse(FeedbackError(422, beyond, "expected a finite number; got an integer of "
-                                                      f"{len(str(abs(body[beyond])))} digits"))
         return await run_in_threadpool(record, body)
 
     def record(body: Any) -> JSONResponse:
@@ -47,17 +42,6 @@ def feedback_router(ledger: FeedbackLedger, flush: Callable[[], Any]) -> APIRout
 
     router.add_api_route("/v1/feedback", read, methods=["POST"])
     return router
-
-
-def _beyond_float(body: Any) -> str | None:
-    """The number field (value, timestamp) holding an integer no float can hold: JSON allows any number of digits,
-    and a float past 1.8e308 is read as inf (refused as not finite), but an integer is read exactly."""
-    if isinstance(body, dict):
-        for key in ("value", "timestamp"):
-            value = body.get(key)
-            if type(value) is int and abs(value) > sys.float_info.max:
-                return key
-    return None
 
 
 def _refuse(e: FeedbackError) -> JSONResponse:

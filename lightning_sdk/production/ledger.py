@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import sqlite3
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -144,28 +145,30 @@ class FeedbackLedger:
         if not isinstance(name, str) or not name or len(name) > 200 or not name.isprintable():
             raise FeedbackError(422, "name", "expected a non-empty printable string of at most 200 characters")
         at = body.get("timestamp", now)
-        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not -sys.float_info.max <= at <= \
+                sys.float_info.max:  # compared, never converted, as the value
             raise FeedbackError(422, "timestamp", "expected unix seconds (a finite number)")
         given = body.get("feedback_id")
         if given is not None and (not isinstance(given, str) or not given or len(given) > 200 or
                                   not given.isprintable()):
             raise FeedbackError(422, "feedback_id", "expected a non-empty printable string of at most 200 characters")
+        value = float(value)
         default = f"{kind}:{target}:{name}"
-        if given is not None and given != default and given.partition(":")[0] in KINDS:
+        valued = f"{default}:{value!r}"  # the id a default slot holding another value gives (see _slot)
+        if given is not None and given not in (default, valued) and given.partition(":")[0] in KINDS:
             raise FeedbackError(422, "feedback_id", f"{given[:80]!r} has the form of a default id (KIND:ID:NAME), "
                                                     f"which only its own target and name may use; give another "
                                                     f"feedback_id, or none")
-        value = float(value)
         reward = (kind, target, name, value)
         with self._lock:
-            rollout_id, call_id, calls, newest_ns = self._resolve(kind, target)
-            if calls == 0:
-                raise FeedbackError(404, kind, f"no recorded call has {kind} {target!r}")
-            if newest_ns / 1e9 < now - self.retention_s:
-                raise FeedbackError(410, kind, f"its calls are older than the retention window "
-                                               f"({self.retention_s:g} s): not kept for training")
-            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("BEGIN IMMEDIATE")  # the call looked up is the call the row scores: no pass between
             try:
+                rollout_id, call_id, calls, newest_ns = self._resolve(kind, target)
+                if calls == 0:
+                    raise FeedbackError(404, kind, f"no recorded call has {kind} {target!r}")
+                if newest_ns / 1e9 < now - self.retention_s:
+                    raise FeedbackError(410, kind, f"its calls are older than the retention window "
+                                                   f"({self.retention_s:g} s): not kept for training")
                 fid, stored = self._slot(given, default, reward)
                 held = 0
                 if stored is None:
@@ -194,7 +197,7 @@ class FeedbackLedger:
         """(the feedback id this reward is recorded under, the row already there or None). An app-given id is the
         app's; a default id is the target and name's, with the value appended where that slot holds another value
         (a stored row from before ids held the value keeps its place)."""
-        if given is not None and given != default:
+        if given is not None and given not in (default, f"{default}:{reward[3]!r}"):
             return given, self._db.execute("SELECT * FROM feedback WHERE feedback_id=?", (given,)).fetchone()
         stored = self._db.execute("SELECT * FROM feedback WHERE feedback_id=?", (default,)).fetchone()
         if stored is None or (stored["kind"], stored["target"], stored["name"], stored["value"]) == reward:

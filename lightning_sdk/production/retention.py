@@ -66,8 +66,8 @@ def pruned_since(db: sqlite3.Connection, after: int) -> tuple[list[tuple[int, in
 
 
 # The rewards none of whose calls is stored, but the newest reward (its rowid is the next one's floor). `:all`: 1
-# looks at every row (a pass on a store pruned by code that kept feedback), 0 only at the rows of the calls and
-# episodes this pass deleted (the temporary table `gone`).
+# looks at every row (the first pass after a start: the store may hold rewards whose calls were deleted while
+# rewards were kept), 0 only at the rows of the calls and episodes this pass deleted (the temporary table `gone`).
 ORPHANED = """
     SELECT f.feedback_id FROM feedback f WHERE f.rowid < (SELECT MAX(rowid) FROM feedback) AND (
         (f.kind = 'episode_id' AND (:all OR f.rollout_id IN (SELECT rollout_id FROM gone))

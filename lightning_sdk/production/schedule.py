@@ -65,8 +65,10 @@ class Schedule:
                         update.quarantined, self.learner.quarantined, update.reason)
             return update
         if update.version is None:
-            log.info("learn: %d reward(s) read, nothing could train (%d stale, %d without a baseline)",
-                     update.rewards, update.stale, update.no_baseline)
+            left = ", ".join(f"{n} {why}" for why, n in sorted(update.skipped.items()))
+            log.info("learn: %d reward(s) read, nothing could train (%d stale, %d without a baseline%s)%s",
+                     update.rewards, update.stale, update.no_baseline, f", {left}" if left else "",
+                     f": {update.reason}" if update.reason else "")
             return update
         decision = self.promoter.consider(update)
         self.learner.follow(self.promoter.in_service())  # a candidate not put in service is not trained on

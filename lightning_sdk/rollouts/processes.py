@@ -96,17 +96,18 @@ class ProcessesCollector(RemoteCollector):
             self._lifeline_r = self._lifeline_w = None
 
     def _replace_ended(self) -> None:
-        """A worker that ended while the run goes on (killed, crashed) is said, and another started in its place,
-        at most MAX_REPLACEMENTS times per worker the run started (a worker that cannot start at all fails the run
-        below, once all have ended)."""
+        """A worker killed by a signal while the run goes on (the OOM killer, a crash, kill -9) is said, and another
+        started in its place, at most MAX_REPLACEMENTS times per worker the run started. One that exited by itself
+        (an agent that cannot load exits 2) is not replaced: starting it again would fail the same way, so the run
+        fails below, once all have ended, with the end of workers.log."""
         for i, p in enumerate(self.procs):
             code = p.poll()
-            if code is None or self._replaced >= MAX_REPLACEMENTS * len(self.procs):
+            if code is None or code >= 0 or self._replaced >= MAX_REPLACEMENTS * len(self.procs):
                 continue
             self._replaced += 1
-            how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
             self.procs[i] = self._start_worker()
-            self.console.print(f"rollout worker {p.pid} ended ({how}); started worker {self.procs[i].pid} in its "
+            self.console.print(f"rollout worker {p.pid} ended (killed by {_signal_name(-code)}); started worker "
+                               f"{self.procs[i].pid} in its "
                                f"place (replacement {self._replaced} of at most "
                                f"{MAX_REPLACEMENTS * len(self.procs)}); a rollout it held is re-run after its deadline",
                                highlight=False, soft_wrap=True, markup=False)
