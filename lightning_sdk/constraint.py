@@ -15,13 +15,15 @@ JSON (its tool parsers are bypassed), so the token ids differ and the trainer's 
 calls out, counted (`constraint_mismatch`).
 
 `check_size` bounds a constraint before it is compiled: compiling cannot be interrupted, and its cost grows far
-faster than its size (deep nesting, long enums, many optional properties), so these limits keep every compile short.
-Each is far above what a real app's schema, tool set or grammar needs.
+faster than its size (deep nesting, long enums, many optional properties, repetition counts: `a{0,4000}` in a
+schema's pattern is expanded, and nested counts multiply), so these limits keep every compile short. Each is far
+above what a real app's schema, tool set or grammar needs.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -35,6 +37,10 @@ MAX_NESTING_DEPTH = 64  # JSON levels of a schema (an object property is two); b
 MAX_ENUM_VALUES = 4096  # enum and const values of a schema, all together, or the choices of a choice
 MAX_PROPERTIES = 1000  # properties of one object schema (optional ones make the grammar grow fastest)
 MAX_GRAMMAR_RULES = 1000  # rules (`::=`) of an EBNF grammar
+# `{n}`, `{n,m}`, `{n,}` in a schema's patterns, a regex or a grammar, all together: each counts its largest bound
+# (n when open), times the counts of the repetitions it applies to (a group's, nested)
+MAX_REPETITION = 1000
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:(,)\s*(\d*)\s*)?\}")  # as xgrammar reads one (spaces allowed)
 
 
 class ConstraintError(ValueError):
@@ -82,10 +88,11 @@ def check_size(c: Constraint) -> None:
     what = "grammar" if c.kind == "grammar" else "pattern" if c.kind == "regex" else "schema"
     if isinstance(c.spec, str):
         _check_text(c.spec, c.param, what, rules=c.kind == "grammar")
+        _repetitions(c.spec, c.param, what, 0, quoted=c.kind == "grammar")
         return
     if c.kind == "choice" and isinstance(c.spec, list) and len(c.spec) > MAX_ENUM_VALUES:
         raise _over(c.param, f"{len(c.spec)} choices, more than", MAX_ENUM_VALUES)
-    size, values, stack = 0, 0, [(c.spec, 1)]
+    size, values, repeats, stack = 0, 0, 0, [(c.spec, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_NESTING_DEPTH:
@@ -104,6 +111,14 @@ def check_size(c: Constraint) -> None:
             if values > MAX_ENUM_VALUES:
                 raise _over(c.param, f"the {what} holds more enum/const values than", MAX_ENUM_VALUES)
             size += sum(len(k) for k in node)
+            # patterns are scanned before their strings are counted: at most the limit's worth of text each
+            pattern, keyed = node.get("pattern"), node.get("patternProperties")
+            for text in ([pattern] if isinstance(pattern, str) else []) + (list(keyed) if isinstance(keyed, dict)
+                                                                            else []):
+                size += len(text)
+                if size > MAX_CONSTRAINT_BYTES:
+                    raise _over(c.param, f"the {what} is larger than", MAX_CONSTRAINT_BYTES, "bytes")
+                repeats = _repetitions(text, c.param, what, repeats, quoted=False)
             stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
@@ -126,6 +141,47 @@ def _check_text(text: str, param: str, what: str, *, rules: bool) -> None:
                 raise _over(param, f"the {what} nests brackets deeper than", MAX_NESTING_DEPTH, "levels")
         elif ch in ")]}":
             depth = max(0, depth - 1)
+
+
+def _repetitions(text: str, param: str, what: str, spent: int, *, quoted: bool) -> int:
+    """`spent` plus the repetition `text` asks for (MAX_REPETITION), outside escapes, character classes and (in a
+    grammar, `quoted`) string literals; ConstraintError as soon as the total passes the limit."""
+    groups = [0]  # per open bracket: the repetition inside it so far
+    last, i, n = 0, 0, len(text)  # last: the repetition inside the atom just read (a group's, or 0)
+    while i < n:
+        ch = text[i]
+        if ch == "\\":
+            i, last = i + 2, 0
+            continue
+        if ch == "[" or (quoted and ch == '"'):
+            end = "]" if ch == "[" else '"'
+            i += 1 + (ch == "[" and text[i + 1:i + 2] == "^")
+            i += ch == "[" and text[i:i + 1] == "]"  # a class's leading ] is a literal
+            while i < n and text[i] != end:
+                i += 2 if text[i] == "\\" else 1
+            last = 0
+        elif ch == "(":
+            groups.append(0)
+            last = 0
+        elif ch == ")":
+            last = groups.pop() if len(groups) > 1 else 0
+            groups[-1] += last
+        elif ch == "{" and (m := _REPEAT.match(text, i)):
+            bound = m[3] if m[2] and m[3] else m[1]
+            count = int(bound) if len(bound) <= 9 else 10**9  # no int() of a thousand digits
+            grown = count * max(1, last) - last
+            groups[-1] += grown
+            spent += grown
+            if spent > MAX_REPETITION:
+                raise _over(param, f"the {what} asks for more repetition ({{n,m}} counts, nested ones multiplied) "
+                                   f"than", MAX_REPETITION)
+            last = count * max(1, last)
+            i = m.end()
+            continue
+        else:
+            last = 0
+        i += 1
+    return spent
 
 
 def _over(param: str, what: str, limit: int, unit: str = "") -> ConstraintError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import re
 import threading
@@ -34,6 +35,7 @@ COMPILES_IN_FLIGHT = 8  # compiles running or waiting for a thread; past this a 
 # grammar and its per-state token-mask cache, which dominates) plus its key's text; least recently used go first.
 CACHE_BYTES = 256 * 2**20
 CACHE_ENTRIES = 256
+SLOW_REMEMBERED = 256  # constraints whose compile ran past the deadline, refused at once when asked again
 
 
 class GrammarBusy(ConstraintError):
@@ -43,7 +45,8 @@ class GrammarBusy(ConstraintError):
 
 class Grammars:
     """Compiles constraints for one tokenizer on threads of its own, bounded in size (constraint.check_size), time
-    (`deadline_s`), compiles in flight and cached bytes; cached by their canonical text; thread-safe."""
+    (`deadline_s`: a constraint that ran past it is refused at once when asked again), compiles in flight and cached
+    bytes; cached by their canonical text; thread-safe."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], *, lock: Any = None,
                  deadline_s: float = COMPILE_SECONDS, workers: int = COMPILE_WORKERS,
@@ -57,6 +60,8 @@ class Grammars:
         self.cache_bytes = 0
         self._running: dict[str, Future] = {}  # key -> its compile, shared by every request that asks for it
         self._started: dict[str, float] = {}  # key -> when its compile got a thread
+        # digests of the keys whose compile ran past the deadline (a key can be 256 KiB), the latest SLOW_REMEMBERED
+        self._slow: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()
 
@@ -92,6 +97,10 @@ class Grammars:
         check_size(c)
         key = c.to_json()
         with self._lock:
+            slow = hashlib.sha256(key.encode()).digest()
+            if slow in self._slow:  # a repeat would hold a compile thread as long again
+                self._slow.move_to_end(slow)
+                raise self._too_slow(c)
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
@@ -128,9 +137,22 @@ class Grammars:
                                   f"{self.deadline_s:g} s (the compile threads are busy); retry later", c.param)
             return asked + self.deadline_s - now
         if now - started >= self.deadline_s:
-            raise ConstraintError(f"{c.param}: the grammar did not compile within this server's limit of "
-                                  f"{self.deadline_s:g} s; simplify it", c.param)
+            raise self._remember_slow(c, key)
         return started + self.deadline_s - now
+
+    def _too_slow(self, c: Constraint) -> ConstraintError:
+        return ConstraintError(f"{c.param}: the grammar did not compile within this server's limit of "
+                               f"{self.deadline_s:g} s; simplify it", c.param)
+
+    def _remember_slow(self, c: Constraint, key: str) -> ConstraintError:
+        """Remember `key` as past the deadline (the latest SLOW_REMEMBERED such keys); the error to raise."""
+        slow = hashlib.sha256(key.encode()).digest()
+        with self._lock:
+            self._slow[slow] = None
+            self._slow.move_to_end(slow)
+            while len(self._slow) > SLOW_REMEMBERED:
+                self._slow.popitem(last=False)
+        return self._too_slow(c)
 
     def _compile_timed(self, c: Constraint, key: str) -> Any:
         """On a compile thread: compile, and cache the result unless it took longer than the deadline (then the
@@ -144,8 +166,7 @@ class Grammars:
             message = _ENGINE_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConstraintError(f"{c.param}: the grammar engine cannot compile it: {message}", c.param) from None
         if time.monotonic() - started > self.deadline_s:
-            raise ConstraintError(f"{c.param}: the grammar did not compile within this server's limit of "
-                                  f"{self.deadline_s:g} s; simplify it", c.param)
+            raise self._remember_slow(c, key)
         size = int(compiled.memory_size_bytes) + len(key)
         with self._lock:
             if size <= self.cache_limit:

@@ -97,6 +97,19 @@ def test_a_plain_chat_is_answered_promptly_while_8_schemas_compile(server):
      "MAX_GRAMMAR_RULES"),
     ("a 2,000-property object", {"response_format": schema_format(optional_properties(2000, "p"))}, PARAM,
      "MAX_PROPERTIES"),
+    # xgrammar expands a schema pattern's repetitions (this one compiled for seconds); a regex's or a grammar's it
+    # does not, but they are bounded alike: the gateway checks them for vLLM, whose other backends may expand them
+    ("a pattern of nested repetitions", {"response_format": schema_format(
+        {"type": "string", "pattern": "((a{0,30}){0,30}){0,30}"})}, PARAM, "MAX_REPETITION"),
+    ("repetitions over many patterns", {"response_format": schema_format({"type": "object", "properties": {
+        k: {"type": "string", "pattern": f"{k}{{0, 400}}"} for k in "abc"}})}, PARAM, "MAX_REPETITION"),
+    ("a regex of nested repetitions", {"structured_outputs": {"regex": "((a{0,30}){0,30}){0,30}"}},
+     "structured_outputs.regex", "MAX_REPETITION"),
+    ("a grammar of nested repetitions", {"structured_outputs": {"grammar": 'root ::= ("a"{0,100}){0,100}'}},
+     "structured_outputs.grammar", "MAX_REPETITION"),
+    ("a forced tool's pattern", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "x{5000}"}}}}}],
+        "tool_choice": "required"}, "tool_choice", "MAX_REPETITION"),
 ])
 def test_a_constraint_over_a_limit_gets_a_400_naming_it_at_once(server, what, fields, param, limit):
     with httpx.Client(base_url=server.url, timeout=10) as c:  # these compiled for seconds to minutes before
@@ -125,6 +138,10 @@ def test_a_compile_past_its_deadline_is_refused_discarded_and_compiles_in_flight
     while g.running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert g.running == 0 and g.cached == 0  # it finished late and was discarded, the slot is free again
+    t0 = time.perf_counter()  # asked again, it is refused at once and starts no second compile
+    with pytest.raises(ConstraintError, match="did not compile within this server's limit of 0.3 s") as e:
+        g.compile(slow)
+    assert not isinstance(e.value, grammar.GrammarBusy) and g.running == 0 and time.perf_counter() - t0 < 0.5
     assert g.compile(Constraint("regex", "[0-9]+", "structured_outputs.regex")) is not None
     g.close()
 
