@@ -137,12 +137,14 @@ def main() -> None:
                    ("a 20,000-value enum", schema({"enum": [f"value-{i}" for i in range(20000)]})),
                    ("100,000 choices", {"structured_outputs": {"choice": [f"c{i}" for i in range(100000)]}}),
                    ("a 100,000-rule grammar", {"structured_outputs": {"grammar": "root ::= r0\n" + "\n".join(
-                       f'r{i} ::= "x" | r{i + 1}' for i in range(100000)) + '\nr100000 ::= "y"'}})]
+                       f'r{i} ::= "x" | r{i + 1}' for i in range(100000)) + '\nr100000 ::= "y"'}}),
+                   ("a 31-byte pattern asking for ((a{0,30}){0,30}){0,30}",
+                    schema({"type": "string", "pattern": "((a{0,30}){0,30}){0,30}"}))]
         for what, extra in singles:
             status, seconds, message = ask(served, extra, 15)
             serving.emit(5, f"one request: {what}", answer(status, seconds, message, 15))
         late = plain_chat(served, 30)
-        serving.emit(5, "plain chat after those 4", "no answer in 30 s" if late is None else f"{late:.2f} s")
+        serving.emit(5, f"plain chat after those {len(singles)}", "no answer in 30 s" if late is None else f"{late:.2f} s")
 
 
 if __name__ == "__main__":
