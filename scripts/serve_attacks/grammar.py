@@ -144,7 +144,8 @@ def main() -> None:
             status, seconds, message = ask(served, extra, 15)
             serving.emit(5, f"one request: {what}", answer(status, seconds, message, 15))
         late = plain_chat(served, 30)
-        serving.emit(5, f"plain chat after those {len(singles)}", "no answer in 30 s" if late is None else f"{late:.2f} s")
+        serving.emit(5, f"plain chat after those {len(singles)}",
+                     "no answer in 30 s" if late is None else f"{late:.2f} s")
 
 
 if __name__ == "__main__":
