@@ -37,13 +37,14 @@ def main() -> None:
         took = []
         for n in SIZES:
             while len(took) < n:
-                r = c.post("/chat/completions", json={"model": "gpt-4o-mini", "max_tokens": 2,
-                                                     "messages": [{"role": "user", "content": f"What is {len(took)}?"}]})
+                ask = [{"role": "user", "content": f"What is {len(took)}?"}]
+                r = c.post("/chat/completions", json={"model": "gpt-4o-mini", "max_tokens": 2, "messages": ask})
                 f = c.post("/feedback", json={"response_id": r.json()["id"], "value": float(len(took) % 2)})
                 f.raise_for_status()
                 took.append(r.json()["id"])
             secs = cost(s.directory / "serve.sqlite")
-            serving.emit(6, f"call_advantages CPU s at {n} rewards (calls of no episode, by response id)", f"{secs:.3f}")
+            serving.emit(6, f"call_advantages CPU s at {n} rewards (calls of no episode, by response id)",
+                         f"{secs:.3f}")
             if n == SIZES[0]:
                 first = secs
         k = math.log(max(secs, 1e-6) / max(first, 1e-6)) / math.log(SIZES[-1] / SIZES[0])
