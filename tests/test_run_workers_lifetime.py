@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -82,17 +84,17 @@ def worker_claimed(tmp_path: Path) -> bool:
     return log.exists() and log.read_text(errors="replace").count("rollout(s) at a time") >= WORKERS
 
 
-def test_the_workers_of_a_run_killed_with_minus_9_end_with_it(tmp_path):
+@contextmanager
+def running_workers(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path, list[psutil.Process]]]:
+    """A processes run whose workers have all connected: (the run, its output, its workers: a list the test may
+    extend with workers it started); whatever is left of them is killed after."""
     run, out = start_run(tmp_path)
     workers: list[psutil.Process] = []
     try:
-        workers = wait_for(lambda: len(workers_of(run)) == WORKERS and workers_of(run), 240,
-                           "the run did not start its workers", out)
+        workers += wait_for(lambda: len(workers_of(run)) == WORKERS and workers_of(run), 240,
+                            "the run did not start its workers", out)
         wait_for(lambda: worker_claimed(tmp_path), 120, "the workers did not connect", out)
-        run.kill()  # kill -9: no stop() runs
-        run.wait()
-        wait_for(lambda: not alive(workers), 20, f"workers {[p.pid for p in alive(workers)]} outlived their run "
-                                                 f"(killed with -9) by 20 s", out)
+        yield run, out, workers
     finally:
         if run.poll() is None:
             run.kill()
@@ -101,13 +103,16 @@ def test_the_workers_of_a_run_killed_with_minus_9_end_with_it(tmp_path):
             p.kill()
 
 
+def test_the_workers_of_a_run_killed_with_minus_9_end_with_it(tmp_path):
+    with running_workers(tmp_path) as (run, out, workers):
+        run.kill()  # kill -9: no stop() runs
+        run.wait()
+        wait_for(lambda: not alive(workers), 20, f"workers {[p.pid for p in alive(workers)]} outlived their run "
+                                                 f"(killed with -9) by 20 s", out)
+
+
 def test_a_killed_worker_is_said_and_replaced(tmp_path):
-    run, out = start_run(tmp_path)
-    workers: list[psutil.Process] = []
-    try:
-        workers = wait_for(lambda: len(workers_of(run)) == WORKERS and workers_of(run), 240,
-                           "the run did not start its workers", out)
-        wait_for(lambda: worker_claimed(tmp_path), 120, "the workers did not connect", out)
+    with running_workers(tmp_path) as (run, out, workers):
         victim = workers[0]
         victim.kill()
         line = wait_for(lambda: next((x for x in out.read_text(errors="replace").splitlines()
@@ -117,10 +122,4 @@ def test_a_killed_worker_is_said_and_replaced(tmp_path):
         replaced = wait_for(lambda: len(workers_of(run)) == WORKERS and workers_of(run), 30,
                             "the killed worker was not replaced", out)
         assert victim.pid not in {p.pid for p in replaced}
-        workers = replaced + workers
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-        for p in alive(workers):
-            p.kill()
+        workers += replaced

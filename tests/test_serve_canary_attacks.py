@@ -92,13 +92,19 @@ def test_huge_rewards_neither_raise_nor_stop_the_canarys_verdict(tmp_path):
     assert evidence["promoted"] is False and evidence["mean_difference"] == pytest.approx(-HUGE)
 
 
+def canary_deployment(folder: Path):
+    """`lightning serve` with [learn] in `folder`: a gate that passes every candidate, then a canary of half the
+    new episodes deciding after 3 rewarded episodes a side, within a margin of 0.5."""
+    cfg = project(folder, every=4)
+    cfg.learn.canary_share, cfg.learn.canary_min_rewards, cfg.learn.gate_margin = 0.5, 3, 0.5
+    return deployment.start(cfg, folder / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
+                            scorer=always_passes)
+
+
 def canary_running(tmp_path, salt: str = "a"):
     """A deployment whose v1 passed the gate and serves half of new episodes as a canary; its episodes (canary,
     serving)."""
-    cfg = project(tmp_path, every=4)
-    cfg.learn.canary_share, cfg.learn.canary_min_rewards, cfg.learn.gate_margin = 0.5, 3, 0.5
-    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
-                           scorer=always_passes)
+    dep = canary_deployment(tmp_path)
     first = traffic(dep, 4)
     dep.gateway.capture.flush()
     reward_all(dep, first)
@@ -180,9 +186,8 @@ def test_the_dashboard_summary_of_a_serve_directory_with_huge_rewards_answers(tm
 CHILD = textwrap.dedent('''
     import os, signal, sqlite3, sys
     from pathlib import Path
-    from lightning_sdk.production import deployment
-    from tests.test_serve_canary import always_passes
-    from tests.test_serve_learn import project, reward_all, traffic
+    from tests.test_serve_canary_attacks import canary_deployment
+    from tests.test_serve_learn import reward_all, traffic
 
     folder, kill_at = Path(sys.argv[1]), sys.argv[2]
     armed = []  # the gate's pass was written (committed or not): from then on, kill at `kill_at`
@@ -200,10 +205,7 @@ CHILD = textwrap.dedent('''
                 os.kill(os.getpid(), signal.SIGKILL)
             return cursor
 
-    cfg = project(folder, every=4)
-    cfg.learn.canary_share, cfg.learn.canary_min_rewards, cfg.learn.gate_margin = 0.5, 3, 0.5
-    dep = deployment.start(cfg, folder / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
-                           scorer=always_passes)
+    dep = canary_deployment(folder)
     first = traffic(dep, 4)
     dep.gateway.capture.flush()
     reward_all(dep, first)
@@ -231,10 +233,7 @@ def test_a_kill_9_between_the_gates_pass_and_the_canarys_row_never_serves_the_ca
     assert child.returncode in (-signal.SIGKILL, 0), out[-3000:]
     killed = child.returncode == -signal.SIGKILL
     assert killed or kill_at == "COMMIT", out[-3000:]  # (main writes the two rows with no COMMIT statement)
-    cfg = project(tmp_path, every=4)
-    cfg.learn.canary_share, cfg.learn.canary_min_rewards, cfg.learn.gate_margin = 0.5, 3, 0.5
-    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
-                           scorer=always_passes)
+    dep = canary_deployment(tmp_path)
     try:
         passed = [d.candidate for d in gate.decisions(dep.store.path) if d.promoted]
         # main, killed after the pass's row: app-serve-v1 serves all traffic and never gets a canary
