@@ -26,6 +26,7 @@ class Placement:
     visible: int  # GPUs this process sees
     processes: int = 1  # trainer processes: one per GPU of `train` unless train.processes says otherwise
     idle: str = ""  # the GPUs nothing runs on, and why ("" when every visible GPU works)
+    vllm: bool = False  # the servers are vLLM (serve.sleep_level and serve.gpu_memory_utilization are its)
 
     @property
     def serving(self) -> tuple[int, ...]:
@@ -137,7 +138,8 @@ def place(cfg: Config, *, visible: int, backend: str) -> Placement:
                           if serve_gpu else [])
                          + ([] if train_gpu else [f"the trainer is on the CPU (train.device = {cfg.train.device!r})"]))
     return Placement(replicas, tuple(train), visible, procs,
-                     _idle(cfg, tuple(g for r in replicas for g in r), tuple(train), procs, everything, left))
+                     _idle(cfg, tuple(g for r in replicas for g in r), tuple(train), procs, everything, left),
+                     backend == "vllm")
 
 
 def _processes(cfg: Config, train: tuple[int, ...]) -> int:
@@ -187,10 +189,11 @@ def defaults_for(cfg: Config, placement: Placement) -> list[str]:
     1). A serve.sleep_level = 1 the config sets apart is kept, and the two then take turns (`turns_note`). Sets
     them on `cfg` (still defaults, as config.override sees them) and returns them as `key = value`s."""
     implied = [(cfg.train, "processes", placement.processes)]
-    if placement.apart:
+    awake = not placement.vllm or cfg.serve.sleep_level == 0 or "sleep_level" not in cfg.serve.model_fields_set
+    if placement.apart and placement.vllm:
         implied += [(cfg.serve, "sleep_level", 0), (cfg.serve, "gpu_memory_utilization", 0.9)]
-        if cfg.serve.sleep_level == 0 or "sleep_level" not in cfg.serve.model_fields_set:
-            implied.append((cfg.train, "max_staleness", 1))
+    if placement.apart and awake:
+        implied.append((cfg.train, "max_staleness", 1))
     said = []
     for table, key, value in implied:
         if key not in table.model_fields_set and getattr(table, key) != value:
@@ -205,7 +208,7 @@ def turns_note(cfg: Config, placement: Placement) -> str | None:
     serve.sleep_level = 1, which keeps it there); None where they overlap or share the GPUs anyway."""
     if not placement.apart or cfg.train.max_staleness:
         return None
-    if cfg.serve.sleep_level and "sleep_level" in cfg.serve.model_fields_set:
+    if placement.vllm and cfg.serve.sleep_level and "sleep_level" in cfg.serve.model_fields_set:
         return ("serve.sleep_level = 1 is set: vLLM sleeps during each update, which GPUs of its own do not need; "
                 "serve.sleep_level = 0 overlaps them, train.max_staleness = 1")
     return "train.max_staleness = 0 is set"

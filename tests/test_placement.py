@@ -43,6 +43,9 @@ def test_the_built_in_server_on_a_gpu_is_placed_like_vllm():
     p = place(cfg(serve={"device": "cuda:1"}), visible=2, backend="cpu")
     assert (p.replicas, p.train, p.apart) == (((1,),), (0,), True)
     assert place(cfg(), visible=2, backend="cpu").replicas == ((),)  # serve.device = 'cpu': the CPU
+    builtin = cfg(serve={"device": "cuda:1"})  # apart, pipelined; vLLM's keys are not its to imply
+    assert settle(builtin, p).endswith("at once (pipelined); so train.max_staleness = 1")
+    assert (builtin.serve.sleep_level, builtin.serve.gpu_memory_utilization) == (1, 0.5)
 
 
 def test_with_ray_the_servers_are_rays_to_place_and_the_trainer_keeps_the_head():

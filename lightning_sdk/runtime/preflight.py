@@ -68,7 +68,7 @@ def check_placement(cfg: Config, placement: Placement, backend: str) -> None:
         return
     staleness = f"train.max_staleness = {k}{_whose(cfg.train, 'max_staleness')}"
     sleep = f"serve.sleep_level = {level}{_whose(cfg.serve, 'sleep_level')}"
-    if placement.apart or cfg.run.runtime == "ray":
+    if placement.apart:
         raise SetupError(f"{staleness} has vLLM serve the next batch during each update, so it never sleeps, but "
                          f"{sleep} asks it to sleep during each update; on GPUs of its own it need not: set "
                          f"serve.sleep_level = 0, or train.max_staleness = 0 (collection and update in turns)")
