@@ -230,3 +230,26 @@ def gpu_environment(gpus: tuple[int, ...], environ: Mapping[str, str] = os.envir
         return {}
     seen = [x.strip() for x in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
     return {"CUDA_VISIBLE_DEVICES": ",".join(seen[g] if g < len(seen) else str(g) for g in gpus)}
+
+
+def lines_for(cfg_path: str, counts: tuple[int, ...] = (1, 2, 4, 8)) -> list[str]:
+    """The placement line of the config at `cfg_path` on each of `counts` GPUs (serve.backend 'auto' as on a GPU
+    machine with vLLM: 'vllm'), or the refusal's words: what a run there would say, nothing started."""
+    from lightning_sdk.config import load
+
+    out = []
+    for n in counts:
+        cfg = load(cfg_path)
+        backend = "vllm" if cfg.serve.backend == "vllm" or (cfg.serve.backend == "auto" and n) else "cpu"
+        try:
+            out.append(f"{n} GPU(s): {settle(cfg, place(cfg, visible=n, backend=backend))}")
+        except SetupError as e:
+            out.append(f"{n} GPU(s): refused: {e}")
+    return out
+
+
+if __name__ == "__main__":  # python -m lightning_sdk.placement [CONFIG] [N ...]: the lines on N GPUs (1 2 4 8)
+    import sys
+
+    print("\n".join(lines_for(sys.argv[1] if len(sys.argv) > 1 else "lightning.toml",
+                              tuple(map(int, sys.argv[2:])) or (1, 2, 4, 8))))

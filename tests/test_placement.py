@@ -252,3 +252,18 @@ def test_the_preflight_names_the_keys_as_set_or_default_and_the_real_reason(tabl
     with pytest.raises(SetupError, match="train.max_staleness = 1 .set."):
         preflight(c, ROOT / "runs" / "never-made", p)
     assert not (ROOT / "runs" / "never-made").exists()
+
+
+def test_python_m_placement_prints_the_lines_a_run_would_print(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    toml = tmp_path / "vllm.toml"
+    toml.write_text((ROOT / "lightning.toml").read_text().replace('backend = "cpu"', 'backend = "vllm"'))
+    out = subprocess.run([sys.executable, "-m", "lightning_sdk.placement", str(toml), "1", "4"], capture_output=True,
+                         text=True, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    c = config.load(toml)
+    assert out.stdout.splitlines() == ["1 GPU(s): placement: 1 GPU(s) visible; 1 inference server on GPU 0, the "
+                                       "trainer on GPU 0, in turns (the server sleeps during each update)",
+                                       f"4 GPU(s): {settle(c, place(c, visible=4, backend='vllm'))}"]
