@@ -84,7 +84,7 @@ def place(cfg: Config, *, visible: int, backend: str) -> Placement:
         # has them: the trainer here takes only the GPUs train.processes asks for, the rest are Ray's.
         procs = cfg.train.processes
         if train_gpu and procs > visible:
-            raise SetupError(f"train.processes = {procs} takes one GPU each; {visible} are visible")
+            raise SetupError(f"train.processes = {procs} takes one GPU each; only {visible} GPU(s) are visible")
         train = everything[:procs] if train_gpu else ()
         rest = everything[len(train):]
         return Placement((), train, visible, procs,

@@ -56,7 +56,7 @@ def test_with_ray_the_servers_are_rays_to_place_and_the_trainer_keeps_the_head()
                         "1 GPU (set it to train on more)")
     four = cfg(run={"runtime": "ray"}, serve={"backend": "vllm"}, train={"processes": 4})
     assert place(four, visible=4, backend="vllm").training == (0, 1, 2, 3)
-    with pytest.raises(SetupError, match=r"^train.processes = 4 takes one GPU each; 2 are visible"):
+    with pytest.raises(SetupError, match=r"^train.processes = 4 takes one GPU each; only 2 GPU\(s\) are visible"):
         place(four, visible=2, backend="vllm")
 
 
