@@ -8,22 +8,20 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 from lightning_sdk.config import Config, Policy
-from lightning_sdk.placement import Placement, defaults_for, gpu_environment
-from lightning_sdk.servers.select import cpu_threads, placement_of, resolved_backend
+from lightning_sdk.placement import Placement, gpu_environment, place, settle
+from lightning_sdk.servers.select import cpu_threads, resolved_backend, visible_gpus
 
 if TYPE_CHECKING:  # torch comes with the trainer, imported when a run starts
     from lightning_sdk.train.ranks import TrainerProcesses
     from lightning_sdk.train.trainer import GRPOTrainer
 
 
-def place_run(cfg: Config) -> tuple[Placement, str | None]:
+def place_run(cfg: Config, *, counted: bool = False) -> tuple[Placement, str | None]:
     """The run's placement, with the defaults it implies set on `cfg`, and its line for the run's first lines
-    (None on the CPU with one server: nothing to say)."""
-    placement = placement_of(cfg)
-    implied = defaults_for(cfg, placement)
-    if not (placement.serving or placement.train or len(placement.replicas) > 1):
-        return placement, None
-    return placement, placement.line() + (f"; so {', '.join(implied)}" if implied else "")
+    (None on the CPU with one server: nothing to say). `counted`: torch counts the GPUs even where the built-in
+    server is on the CPU (visible_gpus otherwise answers 0 there, to say the run's first line before torch loads)."""
+    placement = place(cfg, visible=visible_gpus(cfg, counted=counted), backend=resolved_backend(cfg))
+    return placement, settle(cfg, placement)
 
 
 def share_cores(stack: ExitStack, cfg: Config) -> None:

@@ -81,7 +81,7 @@ class Runtime:
         model_path = models.resolve(cfg.model.name)  # before the run directory: bad input writes nothing
         check_trackers(cfg.run.report_to)
         placement, placed = place_run(cfg)  # GPUs that are not there: one line, before anything is written
-        preflight(cfg, self.run_dir)
+        preflight(cfg, self.run_dir, placement)
         checkpoint = take_run_dir(stack, self.run_dir, resume=self.resume, overwrite=self.overwrite,
                                   console=self.console)
         refuse_conflict(checkpoint, cfg, self.policies if self.multi else None)
@@ -90,6 +90,8 @@ class Runtime:
         self.console.print(f"run {cfg.run.name!r}: {cfg.run.iterations} iterations of {cfg.model.name} in "
                            f"{cfg.run.dir}; starting the model server and the agent", highlight=False, soft_wrap=True,
                            markup=False)
+        if not placement.visible:  # the built-in server on the CPU: the trainer's GPUs, counted as torch loads now
+            placement, placed = place_run(cfg, counted=True)
         if placed:
             self.console.print(placed, highlight=False, soft_wrap=True, markup=False)
         say_memory(cfg, self.console, model_path)  # after the first line: it reads the trainer's device (torch)

@@ -13,13 +13,14 @@ from rich.markup import escape
 
 from lightning_sdk.config import Config
 from lightning_sdk.errors import SetupError
-from lightning_sdk.placement import place
+from lightning_sdk.placement import Placement, place
 from lightning_sdk.servers.select import placement_of, resolved_backend
 
 MIN_FREE_BYTES = 64 * 2**20  # below this a run cannot even write its first checkpoint of a tiny model
 
 
-def preflight(cfg: Config, run_dir: Path) -> None:
+def preflight(cfg: Config, run_dir: Path, placement: Placement | None = None) -> None:
+    """`placement`: the run's (default: this machine's, placement_of)."""
     d = run_dir
     if d.exists() and not d.is_dir():
         raise SetupError(f"run.dir = {str(d)!r}: is a file; expected a directory (or a path that does not exist "
@@ -37,11 +38,7 @@ def preflight(cfg: Config, run_dir: Path) -> None:
     if free < MIN_FREE_BYTES:
         raise SetupError(f"run.dir = {str(d)!r}: only {free / 2**20:.1f} MiB free on its disk; a run needs at "
                          f"least {MIN_FREE_BYTES / 2**20:.0f} MiB for its store and checkpoints")
-    if cfg.train.max_staleness and cfg.serve.sleep_level and resolved_backend(cfg) == "vllm":
-        raise SetupError(f"train.max_staleness = {cfg.train.max_staleness} updates while vLLM serves, so both "
-                         f"must fit in memory at once, but serve.sleep_level = {cfg.serve.sleep_level} puts vLLM "
-                         f"to sleep for each update: set serve.sleep_level = 0 (and serve.gpu_memory_utilization "
-                         f"to leave the trainer room), or train.max_staleness = 0")
+    check_placement(cfg, placement_of(cfg) if placement is None else placement, resolved_backend(cfg))
     if cfg.serve.backend == "vllm":
         from lightning_sdk.servers.select import check_vllm
 
@@ -61,6 +58,29 @@ def preflight(cfg: Config, run_dir: Path) -> None:
 
         if not torch.backends.mps.is_available():
             raise SetupError("train.device = 'mps': MPS is not available here; use 'cpu' or 'auto'")
+
+
+def check_placement(cfg: Config, placement: Placement, backend: str) -> None:
+    """The faults of `cfg` placed so (placement.py, its defaults set) with servers of `backend`: a SetupError that
+    names the keys (each said to be set or the default) and why they cannot go together there."""
+    k, level = cfg.train.max_staleness, cfg.serve.sleep_level
+    if not (k and level and backend == "vllm"):
+        return
+    staleness = f"train.max_staleness = {k}{_whose(cfg.train, 'max_staleness')}"
+    sleep = f"serve.sleep_level = {level}{_whose(cfg.serve, 'sleep_level')}"
+    if placement.apart:
+        raise SetupError(f"{staleness} has vLLM serve the next batch during each update, so it never sleeps, but "
+                         f"{sleep} asks it to sleep during each update; on GPUs of its own it need not: set "
+                         f"serve.sleep_level = 0, or train.max_staleness = 0 (collection and update in turns)")
+    where = f"on {'the GPUs' if len(placement.train) > 1 else 'the GPU'} they share" if placement.shared else ""
+    raise SetupError(f"{staleness} has vLLM serve the next batch during each update, so vLLM and the trainer must "
+                     f"fit in memory at once{' ' + where if where else ''}, but {sleep} puts vLLM to sleep for each "
+                     f"update: set serve.sleep_level = 0 (and serve.gpu_memory_utilization to leave the trainer "
+                     f"room), or train.max_staleness = 0")
+
+
+def _whose(table: Any, key: str) -> str:
+    return " (set)" if key in table.model_fields_set else " (the default)"
 
 
 def memory_warning(cfg: Config, model_path: str | None = None, *, device: tuple[str, float, bool] | None = None,

@@ -72,11 +72,11 @@ def one_server(cfg: Config, model_path: str, log_path: Path, api_key: str, *, gp
     )
 
 
-def visible_gpus(cfg: Config) -> int:
-    """The CUDA GPUs this process sees (torch's count). 0 without asking torch (whose import takes seconds, before
-    the run's first line) where the servers are the built-in one on the CPU and [devices] is not set: nothing is
-    then placed, and the trainer goes where train.device says, as on one GPU."""
-    if cfg.serve.backend == "cpu" and cfg.serve.device == "cpu" and cfg.devices.serve is None \
+def visible_gpus(cfg: Config, *, counted: bool = False) -> int:
+    """The CUDA GPUs this process sees (torch's count). Unless `counted`, 0 without asking torch (whose import takes
+    seconds, before the run's first line) where the servers are the built-in one on the CPU and [devices] is not
+    set: nothing is then placed, and the trainer goes where train.device says, as on one GPU."""
+    if not counted and cfg.serve.backend == "cpu" and cfg.serve.device == "cpu" and cfg.devices.serve is None \
             and cfg.devices.train is None:
         return 0
     try:
