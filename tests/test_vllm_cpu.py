@@ -77,6 +77,16 @@ def test_parser_names_are_vllms():
     assert set(REASONING_PARSERS) == set(ReasoningParserManager.list_registered())
 
 
+def test_quantization_methods_are_vllms():
+    """config refuses a --quantization in serve.extra_args that is not in this list, without importing vllm."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    from lightning_sdk.config import VLLM_QUANTIZATION_METHODS
+
+    assert sorted(VLLM_QUANTIZATION_METHODS) == sorted(QUANTIZATION_METHODS)
+    assert "bitsandbytes" not in QUANTIZATION_METHODS  # docs/gpu.md: vLLM 0.32 cannot serve the trainer's nf4 base
+
+
 def test_the_server_was_started_with_the_model_s_tool_call_parser(server):
     cmd = server.command()
     assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in cmd
