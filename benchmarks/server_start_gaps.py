@@ -11,6 +11,7 @@ prints the two figures and the log line each long silence followed.
 
 from __future__ import annotations
 
+import logging
 import sys
 import tempfile
 import threading
@@ -32,12 +33,15 @@ def last_line(path: Path) -> str:
 
 
 def main(backend: str) -> None:
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("lightning_sdk").setLevel(logging.INFO)  # the "still starting" lines, as `lightning run` shows
     model = models.resolve("builtin:tiny-arith")
     work = Path(tempfile.mkdtemp(prefix="start-gaps-"))
     log = work / "server.log"
     if backend == "vllm":
         server = VLLMServer(model, served_model_name="tiny", lora_r=8, max_model_len=512, dtype="bfloat16",
                             sleep_level=0, startup_timeout=900, log_path=log)
+        server.progress_every = 10.0
     else:
         server = CPUServer(model, served_model_name="tiny", startup_timeout=900, log_path=log)
     done = threading.Event()
