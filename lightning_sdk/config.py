@@ -194,10 +194,10 @@ class ServeConfig(_Section):
     max_model_len: int | None = Field(None, ge=16, description="prompt + completion tokens one call may hold; none = "
                                       "the model's own context (max_position_embeddings; 4096 for builtin: and tiny: "
                                       "models), as vLLM does")
-    startup_timeout: float = Field(120.0, gt=0, description="seconds a starting inference server (vLLM or the "
+    startup_timeout: float = Field(300.0, gt=0, description="seconds a starting inference server (vLLM or the "
                                    "built-in) may go without writing to its log: the wait for /health goes on while "
                                    "its process lives and its log grows (loading, compiling, capturing graphs), and "
-                                   "stops after this long with no new line, at once when the process exits, or at 30 "
+                                   "stops after this long with no new line, at once when the process exits, or at 12 "
                                    "x this in all")
     device: str = Field("cpu", description="where the built-in server (backend 'cpu', transformers) runs the "
                                            "model: 'cpu', 'cuda' or 'cuda:N'; vLLM always takes the GPU")

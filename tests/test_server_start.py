@@ -44,7 +44,7 @@ def test_a_start_that_keeps_logging_is_waited_for_past_the_timeout(tmp_path, mon
     finally:
         server.stop()
     said = [r.getMessage() for r in caplog.records if "still starting" in r.getMessage()]
-    assert said and all(m.startswith("vLLM server still starting (") for m in said)
+    assert said and all(m.startswith(f"vLLM server on port {server.port} still starting (") for m in said)
     # the log's last line, a bar's redraw included, one line with no control character
     assert all("Loading weights: step " in m and "\r" not in m and "\n" not in m for m in said)
 
@@ -96,8 +96,8 @@ def test_a_log_that_grows_forever_meets_the_ceiling(tmp_path, monkeypatch):
 
 
 def test_vllm_s_own_engine_wait_gets_the_ceiling_unless_set(monkeypatch):
-    server = VLLMServer("m", served_model_name="p", lora_r=8, startup_timeout=120)
+    server = VLLMServer("m", served_model_name="p", lora_r=8)
     monkeypatch.delenv(ENGINE_READY_TIMEOUT, raising=False)
-    assert server.environment()[ENGINE_READY_TIMEOUT] == "3600"  # 30 x 120: vLLM's default 600 would stop it first
+    assert server.environment()[ENGINE_READY_TIMEOUT] == "3600"  # 12 x 300: vLLM's default 600 would stop it first
     monkeypatch.setenv(ENGINE_READY_TIMEOUT, "900")
     assert ENGINE_READY_TIMEOUT not in server.environment()  # the user's own value reaches vLLM as it is

@@ -69,11 +69,11 @@ class ServerProcess:
 
     name = "inference server"  # for error messages
     stop_timeout = 10.0  # seconds between terminate and kill
-    startup_ceiling_factor = 30.0  # a start may take this many startup_timeouts in all, its log growing throughout
+    startup_ceiling_factor = 12.0  # a start may take this many startup_timeouts in all, its log growing throughout
     progress_every = 30.0  # seconds between the "still starting" lines
 
     def __init__(self, *, served_model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, startup_timeout: float = 120, log_path: str | Path | None = None):
+                 api_key: str | None = None, startup_timeout: float = 300, log_path: str | Path | None = None):
         if api_key == "":
             raise ValueError("api_key must not be empty: give a key, or None for a server without one")
         self.served_model_name = served_model_name
@@ -162,7 +162,8 @@ class ServerProcess:
                     f"({self.startup_timeout:g} s) in all; log {self.log_path}:\n{self.log_tail(40)}")
             if now - last_said >= self.progress_every:
                 last_said = now
-                log.info("%s still starting (%.0f s): %s", self.name, now - start, printable(self.last_log_line()))
+                log.info("%s on port %d still starting (%.0f s): %s", self.name, self.port, now - start,
+                         printable(self.last_log_line()))
             time.sleep(0.2)
 
     @property

@@ -110,7 +110,7 @@ class VLLMServer(ServerProcess):
                  api_key: str | None = None, max_loras: int = 2, dtype: str = "auto", max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.5, sleep_level: int = 1, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, extra_args: Sequence[str] = (), tensor_parallel_size: int = 1,
-                 startup_timeout: float = 120, log_path: str | Path | None = None,
+                 startup_timeout: float = 300, log_path: str | Path | None = None,
                  launcher: Sequence[str] | None = None):
         super().__init__(served_model_name=served_model_name, host=host, port=port, api_key=api_key,
                          startup_timeout=startup_timeout, log_path=log_path)
