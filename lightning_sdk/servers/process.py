@@ -1,7 +1,8 @@
 """An OpenAI-compatible inference server run as a managed subprocess on a local port.
 
-What every backend shares: start the command with its log in a file, wait for `/health` (failing fast, with
-the exit code and the log's tail, when the process dies while starting), hot-load LoRA adapters through the
+What every backend shares: start the command with its log in a file, wait for `/health` for as long as the
+process lives and its log grows (failing fast, with the exit code and the log's tail, when the process dies while
+starting; naming serve.startup_timeout when the log stays silent that long), hot-load LoRA adapters through the
 `/v1/load_lora_adapter` routes vLLM defined, and stop cleanly (terminate, then kill). A backend says only how
 its process is started: `command()` and `environment()`. `control_request` is the one way to call a server's
 (or the router's) control routes with its API key.
