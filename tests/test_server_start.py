@@ -6,6 +6,7 @@ that exits is named with its log's end; one whose log grows forever meets the ce
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,8 @@ def test_a_silent_start_stops_naming_the_setting(tmp_path, monkeypatch):
                               "serve.startup_timeout = 1.5 is the longest a starting server may go without a new "
                               "log line")
     assert f"log {tmp_path / 'server.log'}:\nstand-in: loading" in message
+    left = subprocess.run(["pgrep", "-f", "--", f"--port {server.port} "], capture_output=True, text=True)
+    assert left.returncode == 1 and left.stdout == ""  # 1: no process matched (2 would be pgrep's own error)
 
 
 def test_a_server_that_goes_silent_after_progress_is_stopped_too(tmp_path, monkeypatch):
