@@ -43,6 +43,29 @@ VLLM_REASONING_PARSERS = (
     "minimax_m2_append_think", "minimax_m3", "mistral", "muse_glimmer", "nemotron_v3", "olmo3", "openai_gptoss",
     "plamo3", "poolside_v1", "qwen3", "seed_oss", "step3", "step3p5",
 )
+# vLLM 0.32.0's --quantization methods (vllm.model_executor.layers.quantization.QUANTIZATION_METHODS), for
+# serve.extra_args; the vLLM lane's tests/test_vllm_cpu.py::test_quantization_methods_are_vllms fails when it changes.
+VLLM_QUANTIZATION_METHODS = (
+    "awq", "auto_awq", "fp8", "fbgemm_fp8", "fp_quant", "modelopt", "modelopt_fp4", "modelopt_mxfp8", "modelopt_mixed",
+    "auto_gptq", "gptq", "gptq_marlin", "awq_marlin", "humming", "compressed-tensors", "experts_int8", "quark",
+    "moe_wna16", "torchao", "inc", "mxfp4", "gpt_oss_mxfp4", "deepseek_v4_fp8", "online", "fp8_per_tensor",
+    "fp8_per_block", "fp8_per_channel", "int8_per_channel_weight_only", "nvfp4_per_token", "mxfp8",
+)
+
+
+def flag_values(args: list[str], long: str, short: str) -> list[str]:
+    """The values a command line gives one flag, in each form argparse reads: `--flag V`, `--flag=V`, `-s V`,
+    `-s=V`, `-sV` (a flag at the end with no value gives none)."""
+    values = []
+    for i, a in enumerate(args):
+        if a in (long, short):
+            values += args[i + 1:i + 2]
+        elif a.startswith((f"{long}=", f"{short}=")):
+            values.append(a.split("=", 1)[1])
+        elif a.startswith(short) and not a.startswith("--"):
+            values.append(a[len(short):])
+    return values
+
 
 # In a run directory: the effective config the run started with, defaults included (`lightning run` writes it,
 # the dashboard shows it and credits the run's rollouts with its rollout.* settings).
@@ -171,7 +194,11 @@ class ServeConfig(_Section):
     max_model_len: int | None = Field(None, ge=16, description="prompt + completion tokens one call may hold; none = "
                                       "the model's own context (max_position_embeddings; 4096 for builtin: and tiny: "
                                       "models), as vLLM does")
-    startup_timeout: float = Field(120.0, gt=0)
+    startup_timeout: float = Field(300.0, gt=0, description="seconds a starting inference server (vLLM or the "
+                                   "built-in) may go without writing to its log: the wait for /health goes on while "
+                                   "its process lives and its log grows (loading, compiling, capturing graphs), and "
+                                   "stops after this long with no new line, at once when the process exits, or at 12 "
+                                   "x this in all")
     device: str = Field("cpu", description="where the built-in server (backend 'cpu', transformers) runs the "
                                            "model: 'cpu', 'cuda' or 'cuda:N'; vLLM always takes the GPU")
 
@@ -225,6 +252,12 @@ class ServeConfig(_Section):
         taken = [a for a in v if a.split("=")[0] in VLLM_MANAGED_FLAGS]
         if taken:
             raise ValueError(f"{taken} are set from other keys (serve.*, model.*, train.lora_r); remove them")
+        for method in flag_values(v, "--quantization", "-q"):
+            if method not in VLLM_QUANTIZATION_METHODS:
+                # vLLM would refuse it only once started, after the model's config is read.
+                raise ValueError(f"--quantization {method!r} is not one of vLLM's quantization methods; expected "
+                                 f"one of {', '.join(VLLM_QUANTIZATION_METHODS)} (QLoRA's 4-bit base is the "
+                                 f"trainer's: model.quantization = '4bit')")
         return v
 
 

@@ -306,3 +306,14 @@ def test_the_cpu_build_is_allowed_by_name_and_refuses_sleep_mode(tmp_path, monke
         make_server(make_cfg(tmp_path, backend="vllm"), "/models/qwen", tmp_path / "server.log")
     assert isinstance(make_server(make_cfg(tmp_path, backend="vllm", sleep_level=0), "/models/qwen",
                                   tmp_path / "server.log"), VLLMServer)
+
+
+@pytest.mark.parametrize("args", [["--quantization", "bitsandbytes"], ["--quantization=bitsandbytes"],
+                                  ["--enforce-eager", "-q", "bitsandbytes"], ["-qbitsandbytes"]])
+def test_a_quantization_vllm_does_not_know_is_refused(tmp_path, args):
+    with pytest.raises(config.ConfigError) as e:
+        make_cfg(tmp_path, extra_args=args)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("serve.extra_args: --quantization 'bitsandbytes' is not one of "
+                                                "vLLM's quantization methods; expected one of awq, auto_awq, fp8,")
+    assert make_cfg(tmp_path, extra_args=["--quantization", "fp8", "-q=awq_marlin"]).serve.extra_args

@@ -77,6 +77,34 @@ def test_parser_names_are_vllms():
     assert set(REASONING_PARSERS) == set(ReasoningParserManager.list_registered())
 
 
+def test_quantization_methods_are_vllms():
+    """config refuses a --quantization in serve.extra_args that is not in this list, without importing vllm."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    from lightning_sdk.config import VLLM_QUANTIZATION_METHODS
+
+    assert sorted(VLLM_QUANTIZATION_METHODS) == sorted(QUANTIZATION_METHODS)
+    assert "bitsandbytes" not in QUANTIZATION_METHODS  # docs/gpu.md: vLLM 0.32 cannot serve the trainer's nf4 base
+
+
+def test_a_real_vllm_start_silent_past_the_timeout_stops_naming_it(tiny_model_path, tmp_path):
+    """vLLM writes nothing while it imports: given less than that, the start stops with the line naming the setting,
+    and none of its processes is left (tests/test_server_start.py has the rest, with a stand-in)."""
+    import subprocess
+
+    from lightning_sdk.servers import ServerError
+    from lightning_sdk.servers.vllm import VLLMServer
+
+    server = VLLMServer(tiny_model_path, served_model_name="p", lora_r=8, sleep_level=0, max_model_len=512,
+                        startup_timeout=0.5, log_path=tmp_path / "server.log")
+    with pytest.raises(ServerError, match=r"^vLLM server wrote nothing to its log for \d+ s while starting and is not "
+                                          r"healthy: serve\.startup_timeout = 0\.5 is the longest"):
+        server.start()
+    assert not server.is_alive()
+    left = subprocess.run(["pgrep", "-f", "--", f"--port {server.port} "], capture_output=True, text=True)
+    assert left.returncode == 1 and left.stdout == ""  # 1: no process matched (2 would be pgrep's own error)
+
+
 def test_the_server_was_started_with_the_model_s_tool_call_parser(server):
     cmd = server.command()
     assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in cmd

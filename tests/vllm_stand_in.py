@@ -5,7 +5,10 @@ It takes the command line `vllm serve` takes (model first, then flags) and serve
 (the LoRA routes need VLLM_ALLOW_RUNTIME_LORA_UPDATING, the sleep routes VLLM_SERVER_DEV_MODE=1 and
 --enable-sleep-mode, /v1 needs `Bearer $VLLM_API_KEY` when set). No generation: that needs vLLM and a GPU
 (tests/gpu). It appends one JSON line per request to $STAND_IN_RECORD, after a first line with its argv.
-A model directory that does not exist makes it exit 1, as vLLM does.
+A model directory that does not exist makes it exit 1, as vLLM does. Its start (before the port opens) lasts
+$STAND_IN_LOAD_S seconds, silent, or with a log line every $STAND_IN_PROGRESS_S seconds (a progress bar's redraw,
+as vLLM's weight loading writes, when $STAND_IN_PROGRESS_BAR is set), then $STAND_IN_HANG_S more seconds silent;
+$STAND_IN_EXIT makes it exit with that code at the end of its start instead of serving.
 """
 
 import argparse
@@ -36,7 +39,12 @@ def main() -> None:
     if not Path(args.model).is_dir():
         print(f"ValueError: model {args.model!r} not found", flush=True)
         sys.exit(1)
-    time.sleep(float(os.environ.get("STAND_IN_LOAD_S", "0")))  # the model load, before the port opens
+    load(float(os.environ.get("STAND_IN_LOAD_S", "0")), float(os.environ.get("STAND_IN_PROGRESS_S", "0")),
+         bar=bool(os.environ.get("STAND_IN_PROGRESS_BAR")))
+    time.sleep(float(os.environ.get("STAND_IN_HANG_S", "0")))
+    if os.environ.get("STAND_IN_EXIT"):
+        print("RuntimeError: the engine core died while starting", flush=True)
+        sys.exit(int(os.environ["STAND_IN_EXIT"]))
 
     key = os.environ.get("VLLM_API_KEY")
     lora_routes = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
@@ -103,6 +111,19 @@ def main() -> None:
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     print(f"stand-in: serving on {args.host}:{args.port}", flush=True)
     server.serve_forever()
+
+
+def load(seconds: float, every: float, *, bar: bool) -> None:
+    """The model load, before the port opens: silent, or a line (or a bar's redraw) every `every` seconds."""
+    end, step = time.monotonic() + seconds, 0
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, every) if every else left)
+        if every:
+            step += 1
+            line = f"Loading weights: step {step}"
+            print(f"\r{line}" if bar else line, end="" if bar else "\n", flush=True)
+    if bar:
+        print(flush=True)
 
 
 if __name__ == "__main__":

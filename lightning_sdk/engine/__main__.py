@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # The runtime follows a start by its log (servers/process.py): say what the silent load ahead is.
+    logging.getLogger("lightning_sdk.servers").info("loading %s on %s", args.model, args.device)
     engine = Engine(models.resolve(args.model), dtype=args.dtype, quantization=args.quantization,
                     max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, seed=args.seed,
                     device=args.device)

@@ -15,7 +15,7 @@ class CPUServer(ServerProcess):
     def __init__(self, model: str, *, served_model_name: str, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, max_batch_size: int = 64, max_model_len: int | None = None,
                  dtype: str = "auto", quantization: str = "none", threads: int | None = None,
-                 startup_timeout: float = 120, log_path: str | Path | None = None,
+                 startup_timeout: float = 300, log_path: str | Path | None = None,
                  header_timeout: float | None = None, max_connections: int | None = None, device: str = "cpu",
                  seed: int = 0):
         super().__init__(served_model_name=served_model_name, host=host, port=port, api_key=api_key,

@@ -1,7 +1,8 @@
 """An OpenAI-compatible inference server run as a managed subprocess on a local port.
 
-What every backend shares: start the command with its log in a file, wait for `/health` (failing fast, with
-the exit code and the log's tail, when the process dies while starting), hot-load LoRA adapters through the
+What every backend shares: start the command with its log in a file, wait for `/health` for as long as the
+process lives and its log grows (failing fast, with the exit code and the log's tail, when the process dies while
+starting; naming serve.startup_timeout when the log stays silent that long), hot-load LoRA adapters through the
 `/v1/load_lora_adapter` routes vLLM defined, and stop cleanly (terminate, then kill). A backend says only how
 its process is started: `command()` and `environment()`. `control_request` is the one way to call a server's
 (or the router's) control routes with its API key.
@@ -9,6 +10,7 @@ its process is started: `command()` and `environment()`. `control_request` is th
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -21,7 +23,10 @@ from pathlib import Path
 
 import httpx
 
+from lightning_sdk.console import printable
 from lightning_sdk.servers import ServerError
+
+log = logging.getLogger("lightning_sdk")  # the runtime's logger: a slow start's progress is part of a run
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,9 +70,11 @@ class ServerProcess:
 
     name = "inference server"  # for error messages
     stop_timeout = 10.0  # seconds between terminate and kill
+    startup_ceiling_factor = 12.0  # a start may take this many startup_timeouts in all, its log growing throughout
+    progress_every = 30.0  # seconds between the "still starting" lines
 
     def __init__(self, *, served_model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, startup_timeout: float = 120, log_path: str | Path | None = None):
+                 api_key: str | None = None, startup_timeout: float = 300, log_path: str | Path | None = None):
         if api_key == "":
             raise ValueError("api_key must not be empty: give a key, or None for a server without one")
         self.served_model_name = served_model_name
@@ -125,8 +132,12 @@ class ServerProcess:
             raise
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
+        """Wait for `/health` while the server makes progress: its process lives and its log grows (loading
+        weights, compiling, capturing graphs). Stops when the process exits, when the log has not grown for
+        startup_timeout seconds, or at startup_ceiling in all; says the log's last line every progress_every s."""
+        start = last_growth = last_said = time.monotonic()
+        size = self._log_size()
+        while True:
             if not self.is_alive():
                 code = self._proc.returncode if self._proc else None
                 raise ServerError(f"{self.name} exited with code {code} while starting; "
@@ -136,9 +147,48 @@ class ServerProcess:
                     return
             except httpx.HTTPError:
                 pass
+            now = time.monotonic()
+            if (n := self._log_size()) != size:
+                size, last_growth = n, now
+            if now - last_growth > self.startup_timeout:
+                raise ServerError(
+                    f"{self.name} wrote nothing to its log for {now - last_growth:.0f} s while starting and is not "
+                    f"healthy: serve.startup_timeout = {self.startup_timeout:g} is the longest a starting server "
+                    f"may go without a new log line (raise it for a longer silent step, e.g. a model downloaded "
+                    f"from the Hub); log {self.log_path}:\n{self.log_tail(40)}")
+            if now - start > self.startup_ceiling:
+                raise ServerError(
+                    f"{self.name} not healthy after {now - start:.0f} s although its log kept growing: a start may "
+                    f"take at most {self.startup_ceiling_factor:g} x serve.startup_timeout "
+                    f"({self.startup_timeout:g} s) in all; log {self.log_path}:\n{self.log_tail(40)}")
+            if now - last_said >= self.progress_every:
+                last_said = now
+                log.info("%s on port %d still starting (%.0f s): %s", self.name, self.port, now - start,
+                         printable(self.last_log_line()))
             time.sleep(0.2)
-        raise ServerError(f"{self.name} not healthy after {self.startup_timeout:.0f}s; "
-                          f"log {self.log_path}:\n{self.log_tail(40)}")
+
+    @property
+    def startup_ceiling(self) -> float:
+        """Seconds a start may take in all, however busy its log."""
+        return self.startup_ceiling_factor * self.startup_timeout
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size if self.log_path else 0
+        except OSError:
+            return 0
+
+    def last_log_line(self, limit: int = 160) -> str:
+        """The log's last non-blank line, read from its last few KB; a progress bar's redraws (carriage returns)
+        count as lines, so the newest one is what it shows."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                tail = f.read().decode(errors="replace")
+        except (OSError, TypeError):
+            return ""
+        lines = [line.strip() for line in tail.replace("\r", "\n").split("\n") if line.strip()]
+        return lines[-1][:limit] if lines else ""
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None

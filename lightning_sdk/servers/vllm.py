@@ -22,6 +22,7 @@ This module never imports vllm: it only runs it, in its own process (and maybe i
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from lightning_sdk.servers.process import ServerProcess
 
 # The LoRA ranks vLLM accepts for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+ENGINE_READY_TIMEOUT = "VLLM_ENGINE_READY_TIMEOUT_S"  # vllm/envs.py
 MANAGED_FLAGS = VLLM_MANAGED_FLAGS  # the flags vllm_command sets itself; config refuses them in serve.extra_args
 
 
@@ -108,7 +110,7 @@ class VLLMServer(ServerProcess):
                  api_key: str | None = None, max_loras: int = 2, dtype: str = "auto", max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.5, sleep_level: int = 1, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, extra_args: Sequence[str] = (), tensor_parallel_size: int = 1,
-                 startup_timeout: float = 600, log_path: str | Path | None = None,
+                 startup_timeout: float = 300, log_path: str | Path | None = None,
                  launcher: Sequence[str] | None = None):
         super().__init__(served_model_name=served_model_name, host=host, port=port, api_key=api_key,
                          startup_timeout=startup_timeout, log_path=log_path)
@@ -141,7 +143,12 @@ class VLLMServer(ServerProcess):
                             tensor_parallel_size=self.tensor_parallel_size, launcher=self.launcher)
 
     def environment(self) -> dict[str, str]:
-        return vllm_environment(self.api_key, sleep=self.can_sleep)
+        env = vllm_environment(self.api_key, sleep=self.can_sleep)
+        if ENGINE_READY_TIMEOUT not in os.environ:
+            # vLLM's own fixed wait for its engine core (weights, compile, graphs; 600 s by default) would stop a
+            # slow start that ours lets go on: it gets our ceiling. A value the user set is theirs.
+            env[ENGINE_READY_TIMEOUT] = str(math.ceil(self.startup_ceiling))
+        return env
 
     def sleep(self) -> None:
         """Offload the weights to CPU memory and drop the KV cache (level 1); no request may be in flight."""
