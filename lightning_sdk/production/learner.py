@@ -44,6 +44,7 @@ from pathlib import Path
 from lightning_sdk import credit, models
 from lightning_sdk.config import AUTO_IS_CAP, Config
 from lightning_sdk.pipeline import split_stale
+from lightning_sdk.production.gpu_turn import Turn, no_turn
 from lightning_sdk.production.ledger import FeedbackLedger
 from lightning_sdk.production.reward_log import RewardLog
 from lightning_sdk.store import RolloutRecord, Store
@@ -109,12 +110,14 @@ def sampling_cap(cfg: Config) -> float | None:
 class Learner:
     """The update side of [learn] over a serve directory's store; one update at a time (`update`)."""
 
-    def __init__(self, cfg: Config, directory: Path, store: Store, ledger: FeedbackLedger, base: str):
+    def __init__(self, cfg: Config, directory: Path, store: Store, ledger: FeedbackLedger, base: str,
+                 turn: Turn = no_turn):
         if cfg.learn is None:
             raise ValueError("Learner: the config has no [learn] section")
         self.cfg, self.learn, self.store, self.ledger, self.base = cfg, cfg.learn, store, ledger, base
         self.folder = directory / "learn"
         self.rule = credit.resolve(cfg.rollout.credit)
+        self.turn = turn  # what the trainer's step runs in: on one GPU, with the server asleep (production.gpu_turn)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(store.path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
@@ -286,9 +289,12 @@ class Learner:
         metrics: dict[str, float] = {}
         made = reason = None
         if kept:
-            trainer = self.trainer()
-            before = trainer.global_step
-            metrics = trainer.step(kept, advantages=[adv[(t.rollout_id, t.span_id)] for t in kept])
+            turn: dict[str, float] = {}
+            with self.turn(turn):  # made (first use) and stepped with the GPU the trainer's
+                trainer = self.trainer()
+                before = trainer.global_step
+                metrics = trainer.step(kept, advantages=[adv[(t.rollout_id, t.span_id)] for t in kept])
+            metrics.update(turn)
             if trainer.global_step > before and metrics.get("skipped_steps", 0.0) >= self.cfg.train.epochs:
                 # no optimizer step taken, yet the trainer counted one (and moved its schedule): drop it, so the
                 # next update resumes from the last commit, and make no version

@@ -1,0 +1,55 @@
+"""One GPU shared in time by `lightning serve`: the learner's update takes the GPU from vLLM and gives it back.
+
+For the update the gateway's door closes (new calls wait in the gateway, gateway/door.py), the calls at vLLM
+finish, vLLM sleeps (runtime.handover.gpu_handover, the one `lightning run` uses: its weights to CPU memory, its KV
+cache dropped), the trainer steps in the memory freed, vLLM wakes and the door opens: the calls that waited are
+answered then. A backend that cannot sleep (the built-in server; vLLM with serve.sleep_level = 0, as on its CPU
+build; several replicas apart from the trainer) is left alone and keeps answering during the update. The gate
+needs no turn: it scores on the serving backend itself (production.promotion.eval_scorer), with vLLM awake.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+
+from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.runtime.handover import gpu_handover
+from lightning_sdk.servers import SleepableServer
+
+DRAIN_S = 600.0  # the longest the turn waits for the calls at vLLM to finish before it gives up (the update fails)
+
+Turn = Callable[[dict[str, float]], AbstractContextManager[None]]
+
+
+def sleeps(server: object) -> bool:
+    return isinstance(server, SleepableServer) and server.can_sleep
+
+
+def gpu_turn(gateway: Gateway, server: object, drain_s: float = DRAIN_S) -> Turn:
+    """The context an update runs in: with a server that sleeps, the door closed and vLLM asleep; the timings
+    (drain_s, sleep_s, wake_s, held_s: the door closed, calls_held: calls that waited) written into the dict given."""
+
+    @contextmanager
+    def turn(timings: dict[str, float]) -> Iterator[None]:
+        if not sleeps(server):
+            yield
+            return
+        t, waited = time.perf_counter(), gateway.door.waited
+        try:
+            with gateway.door.closed(drain_s):
+                timings["drain_s"] = time.perf_counter() - t
+                with gpu_handover(server, timings):
+                    yield
+        finally:
+            timings["held_s"] = time.perf_counter() - t
+            timings["calls_held"] = float(gateway.door.waited - waited)
+
+    return turn
+
+
+@contextmanager
+def no_turn(timings: dict[str, float]) -> Iterator[None]:
+    """The update beside serving, with nothing handed over."""
+    yield
