@@ -106,7 +106,9 @@ def test_an_update_puts_the_server_to_sleep_with_no_call_in_flight_and_holds_cal
         update.join(120)
         assert answered and answered[0].choices  # answered once the server woke, not refused
         assert sleeper.seen == [("sleep", 0), ("wake", 0)]  # nothing at the backend when it slept or woke
-        (u,) = dep.schedule.learner.updates()
+        learner = dep.schedule.learner
+        (u,) = learner.updates()
+        assert learner.trainer().global_step == 1  # it left the GPU after the update; reloaded from its checkpoint
         m = json.loads(u["evidence"])["metrics"]
         assert m["calls_held"] == 1 and m["held_s"] >= 1.5 and m["held_s"] >= m["drain_s"] + m["sleep_s"]
         dep.gateway.capture.flush()

@@ -2,8 +2,10 @@
 
 For the update the gateway's door closes (new calls wait in the gateway, gateway/door.py), the calls at vLLM
 finish, vLLM sleeps (runtime.handover.gpu_handover, the one `lightning run` uses: its weights to CPU memory, its KV
-cache dropped), the trainer steps in the memory freed, vLLM wakes and the door opens: the calls that waited are
-answered then. A backend that cannot sleep (the built-in server; vLLM with serve.sleep_level = 0, as on its CPU
+cache dropped), the trainer is made from its parent's checkpoint and steps in the memory freed, saves, leaves the
+GPU (production.learner's `release`), vLLM wakes and the door opens: the calls that waited are answered then. So
+between updates vLLM has the GPU's whole serve.gpu_memory_utilization share, and no phase holds two copies of the
+model's weights on the GPU. A backend that cannot sleep (the built-in server; vLLM with serve.sleep_level = 0, as on its CPU
 build; several replicas apart from the trainer) is left alone and keeps answering during the update. The gate
 needs no turn: it scores on the serving backend itself (production.promotion.eval_scorer), with vLLM awake.
 """
@@ -28,14 +30,11 @@ def sleeps(server: object) -> bool:
 
 
 def gpu_turn(gateway: Gateway, server: object, drain_s: float = DRAIN_S) -> Turn:
-    """The context an update runs in: with a server that sleeps, the door closed and vLLM asleep; the timings
+    """The context an update runs in (for a server that `sleeps`): the door closed and the server asleep; the timings
     (drain_s, sleep_s, wake_s, held_s: the door closed, calls_held: calls that waited) written into the dict given."""
 
     @contextmanager
     def turn(timings: dict[str, float]) -> Iterator[None]:
-        if not sleeps(server):
-            yield
-            return
         t, waited = time.perf_counter(), gateway.door.waited
         try:
             with gateway.door.closed(drain_s):
@@ -47,9 +46,3 @@ def gpu_turn(gateway: Gateway, server: object, drain_s: float = DRAIN_S) -> Turn
             timings["calls_held"] = float(gateway.door.waited - waited)
 
     return turn
-
-
-@contextmanager
-def no_turn(timings: dict[str, float]) -> Iterator[None]:
-    """The update beside serving, with nothing handed over."""
-    yield
