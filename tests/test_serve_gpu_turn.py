@@ -117,3 +117,30 @@ def test_an_update_puts_the_server_to_sleep_with_no_call_in_flight_and_holds_cal
     finally:
         wake.set()
         dep.close()
+
+
+def test_an_update_that_fails_wakes_the_server_and_the_held_calls_are_answered(tmp_path, monkeypatch):
+    from lightning_sdk.train.trainer import GRPOTrainer
+
+    def out_of_memory(self, *a, **kw):
+        raise RuntimeError("CUDA out of memory (raised by the test)")
+
+    monkeypatch.setattr(GRPOTrainer, "step", out_of_memory)
+    cfg = project(tmp_path)
+    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
+                           scorer=every_one_better)
+    wake = threading.Event()
+    wake.set()
+    sleeper = Sleeper(dep.server, dep.gateway.door, wake)
+    dep.schedule.learner.turn = gpu_turn(dep.gateway, sleeper)
+    try:
+        calls = traffic(dep, 4)
+        dep.gateway.capture.flush()
+        reward_all(dep, calls)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            dep.schedule.run_once()
+        assert sleeper.seen == [("sleep", 0), ("wake", 0)]  # woken though the update failed
+        assert traffic(dep, 1)  # the door is open: a call is answered
+        assert dep.schedule.learner.updates() == [] and len(dep.schedule.learner.pending()) == 4  # kept, unread
+    finally:
+        dep.close()

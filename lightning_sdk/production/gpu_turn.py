@@ -12,6 +12,7 @@ needs no turn: it scores on the serving backend itself (production.promotion.eva
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -20,7 +21,10 @@ from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.runtime.handover import gpu_handover
 from lightning_sdk.servers import SleepableServer
 
+WAKE_TRIES = 3  # after a failed update: how often the turn asks vLLM to wake before it gives up (and says so)
 DRAIN_S = 600.0  # the longest the turn waits for the calls at vLLM to finish before it gives up (the update fails)
+
+log = logging.getLogger("lightning_sdk")
 
 Turn = Callable[[dict[str, float]], AbstractContextManager[None]]
 
@@ -39,10 +43,28 @@ def gpu_turn(gateway: Gateway, server: object, drain_s: float = DRAIN_S) -> Turn
         try:
             with gateway.door.closed(drain_s):
                 timings["drain_s"] = time.perf_counter() - t
-                with gpu_handover(server, timings):
-                    yield
+                try:
+                    with gpu_handover(server, timings):
+                        yield
+                except BaseException:
+                    # The update (or the wake itself) failed: gpu_handover wakes only after a body that returned,
+                    # and the door must not open onto a server asleep.
+                    awake(server)
+                    raise
         finally:
             timings["held_s"] = time.perf_counter() - t
             timings["calls_held"] = float(gateway.door.waited - waited)
 
     return turn
+
+
+def awake(server: object, tries: int = WAKE_TRIES) -> None:
+    """Wake the server after a failed update (waking one awake does nothing); said in the log when it will not."""
+    for i in range(1, tries + 1):
+        try:
+            server.wake_up()  # type: ignore[attr-defined]
+            return
+        except Exception as e:  # noqa: BLE001 - tried again, then said: the update's own error is raised
+            log.error("learn: vLLM did not wake after a failed update (try %d of %d): %s: %s", i, tries,
+                      type(e).__name__, str(e)[:300])
+            time.sleep(1.0)

@@ -310,20 +310,22 @@ class Learner:
         if kept:
             turn: dict[str, float] = {}
             with self.turn(turn) if self.turn is not None else nullcontext():
-                trainer = self.trainer()  # made (or reloaded) and stepped while the GPU is the trainer's
-                before = trainer.global_step
-                metrics = trainer.step(kept, advantages=[adv[(t.rollout_id, t.span_id)] for t in kept])
-                if trainer.global_step > before and metrics.get("skipped_steps", 0.0) >= self.cfg.train.epochs:
-                    # no optimizer step taken, yet the trainer counted one (and moved its schedule): drop it, so
-                    # the next update resumes from the last commit, and make no version
-                    self._trainer = None
-                    reason = (f"no optimizer step taken: every gradient was non-finite "
-                              f"(train.skipped_steps = {metrics['skipped_steps']:g})")
-                elif trainer.global_step > before:
-                    made = self.version + 1
-                    trainer.save_state(self.checkpoint(made))  # before the commit: see the module docstring
-                if self.turn is not None:
-                    self.release()
+                try:
+                    trainer = self.trainer()  # made (or reloaded) and stepped while the GPU is the trainer's
+                    before = trainer.global_step
+                    metrics = trainer.step(kept, advantages=[adv[(t.rollout_id, t.span_id)] for t in kept])
+                    if trainer.global_step > before and metrics.get("skipped_steps", 0.0) >= self.cfg.train.epochs:
+                        # no optimizer step taken, yet the trainer counted one (and moved its schedule): drop it,
+                        # so the next update resumes from the last commit, and make no version
+                        self._trainer = None
+                        reason = (f"no optimizer step taken: every gradient was non-finite "
+                                  f"(train.skipped_steps = {metrics['skipped_steps']:g})")
+                    elif trainer.global_step > before:
+                        made = self.version + 1
+                        trainer.save_state(self.checkpoint(made))  # before the commit: see the module docstring
+                finally:  # also after a failed step (out of memory, say): the server wakes into this memory
+                    if self.turn is not None:
+                        self.release()
             metrics.update(turn)
         metrics.update(age.metrics())
         evidence = {"rewards": len(rows), "calls": len(kept) if made else 0, "stale": age.dropped,
