@@ -5,9 +5,10 @@ finish, vLLM sleeps (runtime.handover.gpu_handover, the one `lightning run` uses
 cache dropped), the trainer is made from its parent's checkpoint and steps in the memory freed, saves, leaves the
 GPU (production.learner's `release`), vLLM wakes and the door opens: the calls that waited are answered then. So
 between updates vLLM has the GPU's whole serve.gpu_memory_utilization share, and no phase holds two copies of the
-model's weights on the GPU. A backend that cannot sleep (the built-in server; vLLM with serve.sleep_level = 0, as on its CPU
-build; several replicas apart from the trainer) is left alone and keeps answering during the update. The gate
-needs no turn: it scores on the serving backend itself (production.promotion.eval_scorer), with vLLM awake.
+model's weights on the GPU. A backend that cannot sleep (the built-in server; vLLM with serve.sleep_level = 0, as
+on its CPU build; several replicas apart from the trainer) gets no turn (production.deployment) and keeps answering
+during the update. The gate needs no turn: it scores on the serving backend itself (production.promotion.eval_scorer),
+with vLLM awake. A failed update still releases the trainer and wakes vLLM before the door opens.
 """
 
 from __future__ import annotations
