@@ -24,6 +24,10 @@ transaction records the update and every feedback id it read. A kill before the 
 (the next start redoes update n from checkpoint n - 1, and the uncommitted checkpoint is replaced); after it, no
 reward is read twice. No update is repeated and none lost.
 
+One GPU shared in time (production.gpu_turn, with a server that sleeps): each update's trainer is made, steps and
+saves inside the turn (the server asleep), then leaves the GPU (`release`); the next update reloads it from its
+parent's checkpoint, as a restart does.
+
 Failures: an update that raises drops the in-memory trainer (the next try resumes from the last committed
 checkpoint) and its rewards stay unread. After learn.max_update_failures in a row, the rewards it read are
 quarantined: consumed with no version and the error as their `reason` (counted in `quarantined`), so one batch
