@@ -1,8 +1,8 @@
 """The gateway's door to its backend: while it is closed, new calls wait in the gateway (answered once it opens),
 and `closed()` returns once no call is at the backend. `lightning serve` closes it while its vLLM sleeps for the
 learner's update (one GPU shared in time): vLLM must have no request in flight when it sleeps (its /sleep aborts
-them: pause mode "abort", vLLM 0.32's default), and none may reach it asleep. A waiting call holds no backend resource, only its connection; the app sees a slower answer, never an
-error.
+them: pause mode "abort", vLLM 0.32's default), and none may reach it asleep. A waiting call holds no backend
+resource, only its connection; the app sees a slower answer, never an error.
 """
 
 from __future__ import annotations
