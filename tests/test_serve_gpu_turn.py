@@ -50,6 +50,13 @@ def test_the_door_waits_for_the_calls_inside_and_holds_new_ones_until_it_opens()
             opened = time.monotonic()
         loop.run_until_complete(asyncio.wait_for(task, 1.0))
         assert entered and entered[0] >= opened and door.inside == 1
+        door.leave()
+        with door.closed(timeout=1.0):  # a thousand calls wait, each woken once the door opens
+            many = [loop.create_task(door.enter()) for _ in range(1000)]
+            loop.run_until_complete(asyncio.sleep(0.2))
+            assert not any(t.done() for t in many) and door.waited == 1001
+        loop.run_until_complete(asyncio.wait_for(asyncio.gather(*many), 5.0))
+        assert door.inside == 1000
     finally:
         loop.close()
 

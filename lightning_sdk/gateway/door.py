@@ -13,18 +13,20 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-POLL_S = 0.02  # how often a waiting call (and `closed`, waiting for the backend to empty) looks again
+POLL_S = 0.02  # how often `closed` looks whether the calls at the backend are done
 
 
 class Door:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the loop thread's check-and-enter and a closer's close are one step each
         self._open = True
+        self._waiting: dict[asyncio.AbstractEventLoop, asyncio.Event] = {}  # set when the door opens, per loop
         self.inside = 0  # calls sent to the backend and not yet done
         self.waited = 0  # calls that found the door closed (since start)
 
     async def enter(self) -> None:
-        """On the gateway's loop, before a call goes to the backend: wait while the door is closed."""
+        """On the gateway's loop, before a call goes to the backend: wait while the door is closed (woken when it
+        opens, not polling: a thousand waiting calls cost nothing meanwhile)."""
         counted = False
         while True:
             with self._lock:
@@ -33,7 +35,8 @@ class Door:
                     return
                 if not counted:
                     self.waited, counted = self.waited + 1, True
-            await asyncio.sleep(POLL_S)
+                opened = self._waiting.setdefault(asyncio.get_running_loop(), asyncio.Event())
+            await opened.wait()
 
     def leave(self) -> None:
         """The call is done at the backend (answered, failed, or its client went away)."""
@@ -60,3 +63,9 @@ class Door:
         finally:
             with self._lock:
                 self._open = True
+                waiting, self._waiting = self._waiting, {}
+            for loop, opened in waiting.items():
+                try:
+                    loop.call_soon_threadsafe(opened.set)
+                except RuntimeError:  # that loop is closed: nobody waits on it any more
+                    pass
