@@ -20,7 +20,7 @@ import lightning_sdk as ls
 
 from lightning_sdk import config
 from lightning_sdk.evals import draw_seed
-from lightning_sdk.production import deployment, gate, promotion
+from lightning_sdk.production import deployment, gate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,6 +102,14 @@ def start_serve(project: Path, directory: Path, *flags: str) -> tuple[subprocess
             return proc, line.split(" at ", 1)[1].split()[0]
     proc.kill()
     raise AssertionError("lightning serve did not start: " + "".join(lines))
+
+
+def served_models(dep) -> list[str]:
+    """The model and adapters loaded in the serving backend, as it lists them."""
+    import httpx
+
+    r = httpx.get(f"{dep.server.base_url}/models", headers={"Authorization": f"Bearer {dep.server.api_key}"})
+    return [m["id"] for m in r.raise_for_status().json()["data"]]
 
 
 def no_gate(candidate, serving, draw):  # a gate that never promotes: the test looks at the updates alone
@@ -195,14 +203,23 @@ def test_the_gate_promotes_a_better_candidate_and_rejects_a_worse_one_end_to_end
     reward is deterministic: 1 where the adapter serving the eval call is version 1 (served there as app-iter1).
     Each decision scores the serving adapter again, both sides with that decision's seeds, new ones each time."""
     cfg = project(tmp_path, every=2)
-    scored, scorer = [], promotion.eval_scorer(cfg)
+    scored = []
+    # the gate serve starts by default: promotion.eval_scorer on the serving backend itself (lent to the eval)
+    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600)
+    scorer = dep.schedule.promoter.scorer
 
     def recorded(candidate, serving, draw):  # (candidate version, serving version, draw) of each decision
         scored.append((candidate[1], serving[1], draw))
         return scorer(candidate, serving, draw)
 
-    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
-                           scorer=recorded)
+    dep.schedule.promoter.scorer = recorded
+    loads, load = [], dep.server.load_adapter
+
+    def seen(name, path, **kw):  # the real load, with the names it was given kept
+        loads.append(name)
+        return load(name, path, **kw)
+
+    dep.server.load_adapter = seen
     try:
         learner = dep.schedule.learner
         calls = traffic(dep, 4)
@@ -210,6 +227,9 @@ def test_the_gate_promotes_a_better_candidate_and_rejects_a_worse_one_end_to_end
         reward_all(dep, calls[:2])
         dep.schedule.run_once()  # version 1: scores 1,1,1 against the base model's 0,0,0
         assert dep.gateway.policy == "app-serve-v1"  # promoted: hot-loaded, every call routed to it
+        # the eval ran on the serving backend (no second one): the candidate loaded into it as app-iter1 for the
+        # gate, and unloaded after; the promoted copy (app-serve-v1) stays
+        assert loads == ["app-iter1", "app-serve-v1"] and served_models(dep) == ["builtin:tiny-arith", "app-serve-v1"]
         client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key=dep.api_key, max_retries=0)
         reply = client.chat.completions.create(model="gpt-4o-mini", max_tokens=2,
                                                messages=[{"role": "user", "content": "What is 1 + 1?"}])
@@ -235,6 +255,8 @@ def test_the_gate_promotes_a_better_candidate_and_rejects_a_worse_one_end_to_end
         assert learner.parent == 1 and learner.versions() == (
             {"builtin:tiny-arith": 0, "app-serve-v1": 1, "app-serve-v2": 0, "app-serve-v3": 0}, 1)
         assert scored == [(1, 0, 0), (2, 1, 1), (3, 1, 2)]  # v1 scored again against v2 and v3, new draws
+        assert loads[2:] == ["app-iter2", "app-iter1", "app-iter3", "app-iter1"]
+        assert served_models(dep) == ["builtin:tiny-arith", "app-serve-v1"]  # rejected candidates never stay
         assert len({draw_seed(cfg.run.seed, d) for d in range(3)}) == 3
     finally:
         dep.close()

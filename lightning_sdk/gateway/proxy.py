@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lightning_sdk.constraint import ConstraintError, check_size, from_request
 from lightning_sdk.gateway.canary_share import routes_to_canary
 from lightning_sdk.gateway.capture import CALL_ID_HEADER, Call, Capture, OpenRollouts, origin
+from lightning_sdk.gateway.door import Door
 from lightning_sdk.gateway.guard import (MAX_BODY_BYTES, PARSE_INLINE_BYTES, BodyLimit, GatewayError, KeyCheck,
                                         error_body, parse_off_loop)
 from lightning_sdk.gateway.listen import ThreadedServer, bind, url_of
@@ -76,6 +77,7 @@ class Gateway:
         self.canary: tuple[str, float] | None = None
         self.asked: Counter[str] = Counter()  # model names the agent asked for, and how often
         self.backends: Backends | None = None
+        self.door = Door()  # closed while the backend must take no call (lightning serve: vLLM asleep for an update)
         self._sock = sock if sock is not None else bind(host, port)
         self.url = url_of(self._sock)
         self._routers: list[APIRouter] = []
@@ -318,21 +320,26 @@ class Gateway:
             # An idle connection is dropped before the backend's own keep-alive (uvicorn's and vLLM's: 5 s) can
             # close it under a request reusing it, which would fail that call.
             self._client = BackendClient(idle_s=BACKEND_IDLE_S)
-        while True:
-            i = backends.pick()
-            try:
-                upstream = await self._client.post(f"{backends.urls[i]}{path}", content, self._backend_headers)
-            except BackendError as e:
-                backends.done(i)
-                if isinstance(e, Refused) and backends.refused(i):
-                    continue  # nothing reached that replica: another takes the call
-                message = f"the inference server at {backends.urls[i]} is unreachable ({type(e).__name__})"
-                call.fail(502, message)
-                call.end()
-                raise GatewayError(502, message)
-            backends.reached(i)
-            call.server = backends.urls[i]
-            break
+        await self.door.enter()
+        try:
+            while True:
+                i = backends.pick()
+                try:
+                    upstream = await self._client.post(f"{backends.urls[i]}{path}", content, self._backend_headers)
+                except BackendError as e:
+                    backends.done(i)
+                    if isinstance(e, Refused) and backends.refused(i):
+                        continue  # nothing reached that replica: another takes the call
+                    message = f"the inference server at {backends.urls[i]} is unreachable ({type(e).__name__})"
+                    call.fail(502, message)
+                    call.end()
+                    raise GatewayError(502, message)
+                backends.reached(i)
+                call.server = backends.urls[i]
+                break
+        except BaseException:
+            self.door.leave()
+            raise
         close, done = upstream.aclose, False
 
         async def aclose() -> None:
@@ -343,6 +350,7 @@ class Gateway:
                 if not done:
                     done = True
                     backends.done(i)
+                    self.door.leave()
 
         upstream.aclose = aclose  # type: ignore[method-assign]  # in-flight counts end with the response
         asked = body.get("logprobs")  # chat: true; completions: how many alternatives (0 too)

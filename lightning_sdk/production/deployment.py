@@ -18,6 +18,7 @@ from lightning_sdk import models
 from lightning_sdk.config import Config
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.production.episodes import TraceEpisodes
+from lightning_sdk.production.gpu_turn import gpu_turn, sleeps
 from lightning_sdk.production.intake import feedback_router
 from lightning_sdk.production.learner import Learner
 from lightning_sdk.production.ledger import FeedbackLedger
@@ -107,10 +108,11 @@ def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | 
         gateway.policy = cfg.model.name
         schedule = None
         if cfg.learn is not None:
-            learner = Learner(cfg, directory, store, ledger, base=cfg.model.name)
+            learner = Learner(cfg, directory, store, ledger, base=cfg.model.name,
+                              turn=gpu_turn(gateway, server) if sleeps(server) else None)
             stack.callback(learner.close)
-            promoter = Promoter(store.path, server, gateway, scorer or eval_scorer(cfg), margin=cfg.learn.gate_margin,
-                                z=cfg.learn.gate_z, canary_share=cfg.learn.canary_share,
+            promoter = Promoter(store.path, server, gateway, scorer or eval_scorer(cfg, server),
+                                margin=cfg.learn.gate_margin, z=cfg.learn.gate_z, canary_share=cfg.learn.canary_share,
                                 canary_min_rewards=cfg.learn.canary_min_rewards,
                                 reward_name=cfg.learn.reward_name)
             schedule = Schedule(learner, promoter, cfg.learn.poll_seconds)

@@ -24,6 +24,10 @@ transaction records the update and every feedback id it read. A kill before the 
 (the next start redoes update n from checkpoint n - 1, and the uncommitted checkpoint is replaced); after it, no
 reward is read twice. No update is repeated and none lost.
 
+One GPU shared in time (production.gpu_turn, with a server that sleeps): each update's trainer is made, steps and
+saves inside the turn (the server asleep), then leaves the GPU (`release`); the next update reloads it from its
+parent's checkpoint, as a restart does.
+
 Failures: an update that raises drops the in-memory trainer (the next try resumes from the last committed
 checkpoint) and its rewards stay unread. After learn.max_update_failures in a row, the rewards it read are
 quarantined: consumed with no version and the error as their `reason` (counted in `quarantined`), so one batch
@@ -38,12 +42,14 @@ import sqlite3
 import threading
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_sdk import credit, models
 from lightning_sdk.config import AUTO_IS_CAP, Config
 from lightning_sdk.pipeline import split_stale
+from lightning_sdk.production.gpu_turn import Turn
 from lightning_sdk.production.ledger import FeedbackLedger
 from lightning_sdk.production.reward_log import RewardLog
 from lightning_sdk.store import RolloutRecord, Store
@@ -109,12 +115,16 @@ def sampling_cap(cfg: Config) -> float | None:
 class Learner:
     """The update side of [learn] over a serve directory's store; one update at a time (`update`)."""
 
-    def __init__(self, cfg: Config, directory: Path, store: Store, ledger: FeedbackLedger, base: str):
+    def __init__(self, cfg: Config, directory: Path, store: Store, ledger: FeedbackLedger, base: str,
+                 turn: Turn | None = None):
         if cfg.learn is None:
             raise ValueError("Learner: the config has no [learn] section")
         self.cfg, self.learn, self.store, self.ledger, self.base = cfg, cfg.learn, store, ledger, base
         self.folder = directory / "learn"
         self.rule = credit.resolve(cfg.rollout.credit)
+        # One GPU shared in time (production.gpu_turn): the update runs in the turn (the server asleep), and the
+        # trainer leaves the GPU after it (`release`). None: the trainer stays resident, the server awake.
+        self.turn = turn
         self._lock = threading.Lock()
         self._db = sqlite3.connect(store.path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
@@ -181,6 +191,22 @@ class Learner:
                     t.load_state(self.checkpoint(self.parent))
                 self._trainer = t
         return self._trainer
+
+    def release(self) -> None:
+        """The trainer off the accelerator until the next update, which reloads it from its parent's checkpoint (as
+        a restart does): with one GPU shared in time, the server wakes into the memory it held, and serving between
+        updates has the whole share serve.gpu_memory_utilization gives it."""
+        with self._making:
+            if self._trainer is None:
+                return
+            self._trainer = None
+        import gc
+
+        import torch
+
+        gc.collect()  # a PEFT model holds reference cycles: its tensors go only once these are collected
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the allocator's cached blocks back to the device, for the waking server
 
     def versions(self) -> tuple[dict[str, int], int]:
         """For `split_stale`: each version's adapter name -> 2 * depth(common ancestor with the parent) - its own
@@ -286,18 +312,25 @@ class Learner:
         metrics: dict[str, float] = {}
         made = reason = None
         if kept:
-            trainer = self.trainer()
-            before = trainer.global_step
-            metrics = trainer.step(kept, advantages=[adv[(t.rollout_id, t.span_id)] for t in kept])
-            if trainer.global_step > before and metrics.get("skipped_steps", 0.0) >= self.cfg.train.epochs:
-                # no optimizer step taken, yet the trainer counted one (and moved its schedule): drop it, so the
-                # next update resumes from the last commit, and make no version
-                self._trainer = None
-                reason = (f"no optimizer step taken: every gradient was non-finite "
-                          f"(train.skipped_steps = {metrics['skipped_steps']:g})")
-            elif trainer.global_step > before:
-                made = self.version + 1
-                trainer.save_state(self.checkpoint(made))  # before the commit: see the module docstring
+            turn: dict[str, float] = {}
+            with self.turn(turn) if self.turn is not None else nullcontext():
+                try:
+                    trainer = self.trainer()  # made (or reloaded) and stepped while the GPU is the trainer's
+                    before = trainer.global_step
+                    metrics = trainer.step(kept, advantages=[adv[(t.rollout_id, t.span_id)] for t in kept])
+                    if trainer.global_step > before and metrics.get("skipped_steps", 0.0) >= self.cfg.train.epochs:
+                        # no optimizer step taken, yet the trainer counted one (and moved its schedule): drop it,
+                        # so the next update resumes from the last commit, and make no version
+                        self._trainer = None
+                        reason = (f"no optimizer step taken: every gradient was non-finite "
+                                  f"(train.skipped_steps = {metrics['skipped_steps']:g})")
+                    elif trainer.global_step > before:
+                        made = self.version + 1
+                        trainer.save_state(self.checkpoint(made))  # before the commit: see the module docstring
+                finally:  # also after a failed step (out of memory, say): the server wakes into this memory
+                    if self.turn is not None:
+                        self.release()
+            metrics.update(turn)
         metrics.update(age.metrics())
         evidence = {"rewards": len(rows), "calls": len(kept) if made else 0, "stale": age.dropped,
                     "no_baseline": no_baseline, "skipped": dict(skipped), "metrics": metrics, "parent": self.parent}

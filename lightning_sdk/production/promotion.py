@@ -34,18 +34,26 @@ Side = tuple[Path | None, int]
 Scorer = Callable[[Side, Side, int], tuple[list[float], list[float]]]
 
 
-def eval_scorer(cfg) -> Scorer:
+def eval_scorer(cfg, server: InferenceServer | None = None) -> Scorer:
     """data.eval's tasks scored through the user's agent and reward, as `lightning eval` scores them, both sides in
-    one session; the tasks are read now (data.DatasetError if they cannot be)."""
+    one session; the tasks are read now (data.DatasetError if they cannot be).
+
+    `server`: the backend that serves the app. The session borrows it (servers.lent): both sides are LoRA adapters
+    loaded into it beside the serving one and unloaded after, so a decision needs no second copy of the model (on
+    one GPU there is no room for one). Without it (or with run.runtime = "ray", which places its own servers) each
+    decision's session starts a backend of its own."""
     from lightning_sdk import credit, data
     from lightning_sdk.evals import draw_seed
     from lightning_sdk.runtime.evaluation import paired
+    from lightning_sdk.servers.lent import LentServer
 
     tasks = data.load(cfg.data.eval, cfg.data.required_fields)
     rule = credit.resolve(cfg.rollout.credit)
+    shared = server is not None and cfg.run.runtime != "ray"
 
     def scorer(candidate: Side, serving: Side, draw: int) -> tuple[list[float], list[float]]:
-        ours, theirs = paired(cfg, rule, tasks, [candidate, serving], draw_seed(cfg.run.seed, draw))
+        ours, theirs = paired(cfg, rule, tasks, [candidate, serving], draw_seed(cfg.run.seed, draw),
+                              server=LentServer(server) if shared else None)
         return ours, theirs
 
     return scorer

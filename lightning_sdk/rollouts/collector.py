@@ -84,10 +84,15 @@ def gateway_apart(runtime: str) -> bool:
 
 
 def make_collector(cfg: Config, *, agent: Agent | None, gateway: Gateway | IsolatedGateway, model_path: str,
-                   store: Store, log_dir: Path, console: Console) -> Collector:
+                   store: Store, log_dir: Path, console: Console, server: InferenceServer | None = None) -> Collector:
+    """The runtime's collector; `server`: a running one it borrows instead of starting its own (servers.lent; not
+    with run.runtime = "ray", whose collector places its own servers)."""
     cls = collector_class(cfg.run.runtime)
+    lent = {} if server is None else {"server": server}
+    if lent and cfg.run.runtime == "ray":
+        raise ValueError("run.runtime = 'ray' starts its own inference servers: it cannot borrow one")
     return cls(cfg, agent=agent, gateway=gateway, model_path=model_path, store=store, log_dir=log_dir,
-               console=console)
+               console=console, **lent)
 
 
 @contextmanager

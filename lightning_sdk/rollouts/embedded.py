@@ -21,7 +21,7 @@ from lightning_sdk.errors import RunError
 from lightning_sdk.rollouts.collector import Agent, progress_bar
 from lightning_sdk.rollouts.episode import run_rollout
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
-from lightning_sdk.servers import ServerError
+from lightning_sdk.servers import InferenceServer, ServerError
 from lightning_sdk.gateway.isolated import IsolatedGateway
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.servers.select import make_server
@@ -47,10 +47,11 @@ class EmbeddedCollector:
     gateway_apart = True  # its agents hold this process's GIL: the gateway serves from a process of its own
 
     def __init__(self, cfg: Config, *, agent: Agent, gateway: Gateway | IsolatedGateway, model_path: str,
-                 store: Store, log_dir: Path, console: Console):
+                 store: Store, log_dir: Path, console: Console, server: InferenceServer | None = None):
         self.cfg, self.agent, self.gateway, self.store, self.console = cfg, agent, gateway, store, console
         self.log_path = Path(log_dir) / "server.log"
-        self.server = make_server(cfg, model_path, self.log_path)
+        # `server`: one already running that this collector borrows (servers.lent), else its own
+        self.server = server if server is not None else make_server(cfg, model_path, self.log_path)
         self._adapters: dict[str, Path] = {}  # policies hot-loaded and still served: reloaded after a restart
         self._generation, self._restarts, self._gone = 0, 0, None  # see _restart
         # A pipelined run hot-loads from its update thread while rollouts may be restarting the server.

@@ -24,6 +24,7 @@ from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.rollouts.collector import Agent
 from lightning_sdk.rollouts.remote.collect import RemoteCollector
 from lightning_sdk.rollouts.remote.worker import LIFELINE_ENV
+from lightning_sdk.servers import InferenceServer
 from lightning_sdk.store import Store
 from lightning_sdk.tracing.export import ENDPOINT_ENV
 
@@ -44,9 +45,9 @@ class ProcessesCollector(RemoteCollector):
     runs_agent = True
 
     def __init__(self, cfg: Config, *, agent: Agent | None, gateway: Gateway, model_path: str, store: Store,
-                 log_dir: Path, console: Console):
+                 log_dir: Path, console: Console, server: InferenceServer | None = None):
         super().__init__(cfg, agent=agent, gateway=gateway, model_path=model_path, store=store, log_dir=log_dir,
-                         console=console)
+                         console=console, server=server)
         self.procs: list[subprocess.Popen] = []
         self.log_path = Path(log_dir) / WORKERS_LOG
         self._lifeline_r: int | None = None

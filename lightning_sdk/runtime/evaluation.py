@@ -91,15 +91,16 @@ def evaluate(cfg: Config, console: Console, credit_rule: Any, tasks: list[dict],
 
 
 def paired(cfg: Config, credit_rule: Any, tasks: list[dict], sides: list[tuple[Path | None, int]],
-           run_seed: int) -> list[list[float]]:
+           run_seed: int, *, server: Any = None) -> list[list[float]]:
     """Each side (a PEFT directory or None for the base model, and the version that names it) scored on `tasks`
     in one throwaway session, every side with the same seeds (evals.eval_seed of `run_seed`): one score per task,
-    in task order, per side."""
+    in task order, per side. `server`: a running inference server to score on (servers.lent.LentServer: the
+    sides' adapters are loaded into it and unloaded after), else the session starts one of its own."""
     split = split_against_train(cfg, tasks)
     quiet = Console(quiet=True)
     with tempfile.TemporaryDirectory(prefix="lightning-scratch-") as tmp, \
             store_session(cfg, quiet, tasks, Path(tmp) / "store.sqlite", Path(tmp), credit_rule,
-                          run_dir=Path(cfg.run.dir), resume=False) as session:
+                          run_dir=Path(cfg.run.dir), resume=False, server=server) as session:
         out = []
         for k, (adapter, version) in enumerate(sides):
             label = f"side{k}"

@@ -25,7 +25,7 @@ from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.rollouts.collector import Agent, Collector, gateway_apart, make_collector, runs_agent
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.rollouts.remote.protocol import previous_port
-from lightning_sdk.servers import ServerError
+from lightning_sdk.servers import InferenceServer, ServerError
 from lightning_sdk.servers.process import new_api_key
 from lightning_sdk.store import Store
 from lightning_sdk.train.checkpoint import adapter_dir, policy_adapters
@@ -145,14 +145,15 @@ def agent_of(cfg: Config) -> Agent | None:
 
 @contextmanager
 def open_session(cfg: Config, console: Console, agent: Agent | None, gateway: Gateway | IsolatedGateway,
-                 model_path: str, store: Store, log_dir: Path, credit_rule: Any) -> Iterator[Session]:
+                 model_path: str, store: Store, log_dir: Path, credit_rule: Any,
+                 server: InferenceServer | None = None) -> Iterator[Session]:
     """Tracing into `store`, and the collector (its inference server, the gateway in front) started; all undone on
-    exit."""
+    exit. `server`: a running one to borrow (servers.lent) instead of starting one."""
     tracing.install(store, gateway_url=gateway.base_url, otlp_endpoint=cfg.run.otlp_endpoint)
     gateway.capture.record_to(store)
     gateway.capture.exported = tracing.export_received
     collector = make_collector(cfg, agent=agent, gateway=gateway, model_path=model_path, store=store,
-                               log_dir=log_dir, console=console)
+                               log_dir=log_dir, console=console, server=server)
     with status(console, "starting the inference server"):
         try:
             collector.start()
@@ -195,13 +196,15 @@ def close(collector: Collector, gateway: Gateway | IsolatedGateway) -> None:
 
 @contextmanager
 def store_session(cfg: Config, console: Console, tasks: list[dict], db: Path, log_dir: Path, credit_rule: Any,
-                  *, run_dir: Path, resume: bool) -> Iterator[Session]:
-    """The run's gateway, agent and inference server over the store `db`, which gets `tasks`."""
+                  *, run_dir: Path, resume: bool, server: InferenceServer | None = None) -> Iterator[Session]:
+    """The run's gateway, agent and inference server over the store `db`, which gets `tasks`; `server`: a running
+    one to borrow (servers.lent) instead of starting one."""
     with ExitStack() as stack:
         gateway = bind_gateway(cfg, stack, run_dir, resume=resume)
         agent = agent_of(cfg)
         model_path = models.resolve(cfg.model.name)
         store = stack.enter_context(Store(db))
         store.add_tasks((data.task_id(t), t) for t in tasks)
-        with open_session(cfg, console, agent, gateway, model_path, store, log_dir, credit_rule) as session:
+        with open_session(cfg, console, agent, gateway, model_path, store, log_dir, credit_rule,
+                          server=server) as session:
             yield session

@@ -33,6 +33,7 @@ from lightning_sdk.rollouts.remote.protocol import SERVER_FILE, TOKEN_FILE
 from lightning_sdk.rollouts.remote.routes import work_router
 from lightning_sdk.rollouts.job import RolloutJob, RolloutResult
 from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.servers import InferenceServer
 from lightning_sdk.servers.process import new_api_key
 from lightning_sdk.store import Store
 
@@ -45,9 +46,9 @@ class RemoteCollector(EmbeddedCollector):
     gateway_apart = False  # its routes (work, OTLP) are served on the gateway's address, from this process
 
     def __init__(self, cfg: Config, *, agent: Agent | None, gateway: Gateway, model_path: str, store: Store,
-                 log_dir: Path, console: Console):
+                 log_dir: Path, console: Console, server: InferenceServer | None = None):
         super().__init__(cfg, agent=agent, gateway=gateway, model_path=model_path, store=store, log_dir=log_dir,
-                         console=console)
+                         console=console, server=server)
         self.run_dir = Path(log_dir)
         self.dispatch = Dispatch(store, rollouts=gateway.rollouts)
         # The workers' key: opens the work routes only. A resumed run keeps the one its killed run left, so that

@@ -1,0 +1,153 @@
+"""One GPU shared in time by `lightning serve` (production/gpu_turn.py): for the learner's update the gateway's door
+closes, the calls at the backend finish, the server sleeps, the trainer steps, the server wakes and the calls that
+waited are answered. vLLM's sleep mode exists only on CUDA (its CPU build has none), so here the built-in server
+stands in for it: `Sleeper` passes everything to the real server and records, when told to sleep and to wake, what
+the door said then (its wake waits for the test, which keeps the turn open while a call arrives). The door itself,
+the gateway, the server, the store and the update are the real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+import openai
+import pytest
+
+from lightning_sdk.gateway.door import Door
+from lightning_sdk.production import deployment
+from lightning_sdk.production.episodes import episode_id
+from lightning_sdk.production.gpu_turn import gpu_turn
+from lightning_sdk.tracing.records import GATEWAY
+
+from .test_serve_learn import every_one_better, project, reward_all, traffic
+
+
+def test_the_door_waits_for_the_calls_inside_and_holds_new_ones_until_it_opens():
+    door = Door()
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(door.enter())  # a call at the backend
+        with pytest.raises(TimeoutError, match="1 call"):
+            with door.closed(timeout=0.2):
+                pass
+        # it gave up and opened again: a new call passes at once
+        loop.run_until_complete(asyncio.wait_for(door.enter(), 1.0))
+        door.leave()
+        door.leave()
+        entered = []
+
+        async def late():
+            await door.enter()
+            entered.append(time.monotonic())
+
+        with door.closed(timeout=1.0):  # nothing inside: the body runs at once
+            task = loop.create_task(late())
+            loop.run_until_complete(asyncio.sleep(0.3))
+            assert not entered and door.waited == 1  # held while closed
+            opened = time.monotonic()
+        loop.run_until_complete(asyncio.wait_for(task, 1.0))
+        assert entered and entered[0] >= opened and door.inside == 1
+        door.leave()
+        with door.closed(timeout=1.0):  # a thousand calls wait, each woken once the door opens
+            many = [loop.create_task(door.enter()) for _ in range(1000)]
+            loop.run_until_complete(asyncio.sleep(0.2))
+            assert not any(t.done() for t in many) and door.waited == 1001
+        loop.run_until_complete(asyncio.wait_for(asyncio.gather(*many), 5.0))
+        assert door.inside == 1000
+    finally:
+        loop.close()
+
+
+class Sleeper:
+    """The real built-in server, told to sleep and wake as vLLM would be; records the door's state at each."""
+
+    def __init__(self, server, door: Door, wake: threading.Event):
+        self.server, self.door, self.wake = server, door, wake
+        self.can_sleep = True
+        self.asleep = threading.Event()
+        self.seen: list[tuple[str, int]] = []  # (what, calls at the backend then)
+
+    def sleep(self) -> None:
+        self.seen.append(("sleep", self.door.inside))
+        self.asleep.set()
+
+    def wake_up(self) -> None:
+        assert self.wake.wait(60), "the test did not let the server wake"
+        self.seen.append(("wake", self.door.inside))
+
+    def __getattr__(self, name):
+        return getattr(self.server, name)
+
+
+def test_an_update_puts_the_server_to_sleep_with_no_call_in_flight_and_holds_calls_until_it_wakes(tmp_path):
+    cfg = project(tmp_path)
+    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
+                           scorer=every_one_better)
+    wake = threading.Event()
+    sleeper = Sleeper(dep.server, dep.gateway.door, wake)
+    dep.schedule.learner.turn = gpu_turn(dep.gateway, sleeper)
+    try:
+        calls = traffic(dep, 4)
+        dep.gateway.capture.flush()
+        reward_all(dep, calls)
+        update = threading.Thread(target=dep.schedule.run_once)
+        update.start()
+        assert sleeper.asleep.wait(120), "the update did not put the server to sleep"
+        client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key=dep.api_key, max_retries=0, timeout=120)
+        trace, answered = uuid.uuid4().hex, []
+
+        def call():
+            answered.append(client.chat.completions.create(
+                model="gpt-4o-mini", max_tokens=2, messages=[{"role": "user", "content": "What is 1 + 1?"}],
+                extra_headers={"traceparent": f"00-{trace}-{'cd' * 8}-01"}))
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        time.sleep(1.5)
+        assert not answered  # held at the gateway while the server sleeps
+        wake.set()
+        caller.join(60)
+        update.join(120)
+        assert answered and answered[0].choices  # answered once the server woke, not refused
+        assert sleeper.seen == [("sleep", 0), ("wake", 0)]  # nothing at the backend when it slept or woke
+        learner = dep.schedule.learner
+        (u,) = learner.updates()
+        assert learner.trainer().global_step == 1  # it left the GPU after the update; reloaded from its checkpoint
+        m = json.loads(u["evidence"])["metrics"]
+        assert m["calls_held"] == 1 and m["held_s"] >= 1.5 and m["held_s"] >= m["drain_s"] + m["sleep_s"]
+        dep.gateway.capture.flush()
+        (held,) = [s for s in dep.store.spans(episode_id(trace)) if s.source == GATEWAY]
+        assert held.attributes  # the held call is recorded like any other
+    finally:
+        wake.set()
+        dep.close()
+
+
+def test_an_update_that_fails_wakes_the_server_and_the_held_calls_are_answered(tmp_path, monkeypatch):
+    from lightning_sdk.train.trainer import GRPOTrainer
+
+    def out_of_memory(self, *a, **kw):
+        raise RuntimeError("CUDA out of memory (raised by the test)")
+
+    monkeypatch.setattr(GRPOTrainer, "step", out_of_memory)
+    cfg = project(tmp_path)
+    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
+                           scorer=every_one_better)
+    wake = threading.Event()
+    wake.set()
+    sleeper = Sleeper(dep.server, dep.gateway.door, wake)
+    dep.schedule.learner.turn = gpu_turn(dep.gateway, sleeper)
+    try:
+        calls = traffic(dep, 4)
+        dep.gateway.capture.flush()
+        reward_all(dep, calls)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            dep.schedule.run_once()
+        assert sleeper.seen == [("sleep", 0), ("wake", 0)]  # woken though the update failed
+        assert traffic(dep, 1)  # the door is open: a call is answered
+        assert dep.schedule.learner.updates() == [] and len(dep.schedule.learner.pending()) == 4  # kept, unread
+    finally:
+        dep.close()
