@@ -215,7 +215,7 @@ class Grammars:
         if c.kind == "grammar":
             return comp.compile_grammar(c.spec)
         if c.kind == "tool_calls":
-            return comp.compile_structural_tag(json.dumps(_tool_calls_tag(c.spec)))
+            return comp.compile_structural_tag(json.dumps(tool_calls_tag(c.spec)))
         raise ValueError(f"unknown constraint kind {c.kind!r}")
 
     def matcher(self, compiled: Any) -> Any:
@@ -270,7 +270,7 @@ def all_allowed(rows: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(rows, vocab_size)
 
 
-def _tool_calls_tag(spec: dict) -> dict:
+def tool_calls_tag(spec: dict) -> dict:
     """xgrammar's structural tag for a request's tool calls (constraint.py's tool_calls spec), the one vLLM 0.32's
     hermes tool parser builds at `--tool-strict-level parameter` (vllm/tool_parsers/structural_tag_registry.py,
     _hermes_style_structural_tag, and the parser's _apply_structural_tag): each tool's call with and without the
