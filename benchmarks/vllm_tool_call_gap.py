@@ -4,7 +4,8 @@ hermes tool parser) serves the calc cookbook's tiny model requests that offer it
 (constraint.from_request) is replayed over each reply's ids and the trainer's masked log-probs are compared with
 vLLM's. A reply the replayed grammar does not accept is one the trainer leaves out (train.constraint_mismatch).
 
-    PYTHONPATH=$PWD VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python benchmarks/vllm_tool_call_gap.py
+    PYTHONPATH=$PWD VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 \
+        .venv-vllm/bin/python benchmarks/vllm_tool_call_gap.py
 
 vLLM runs in float32 here, so a gap is the grammar's and the kernels', not a precision's.
 """
