@@ -94,17 +94,23 @@ def check_size(c: Constraint) -> None:
     """ConstraintError naming the field and the limit if `c` is over one of this module's MAX_ limits (bytes: about
     the JSON text's length). Its cost is bounded by the limits, not by the input: it stops at the first one crossed."""
     text = c.spec.get("text") if c.kind == "tool_calls" and isinstance(c.spec, dict) else None
+    spent = (0, 0)
     if isinstance(text, dict):  # "auto" with a response format: the format by its own rules, then the tools
-        check_size(Constraint(text.get("kind", ""), text.get("spec"), c.param))
+        spent = _check_part(Constraint(text.get("kind", ""), text.get("spec"), c.param), *spent)
         c = Constraint(c.kind, {k: v for k, v in c.spec.items() if k != "text"}, c.param)
+    _check_part(c, *spent)
+
+
+def _check_part(c: Constraint, size: int, repeats: int) -> tuple[int, int]:
+    """check_size of one part of a constraint, the bytes and repetitions of the parts before it counted in: the
+    totals after it."""
     what = "grammar" if c.kind == "grammar" else "pattern" if c.kind == "regex" else "schema"
     if isinstance(c.spec, str):
-        _check_text(c.spec, c.param, what, rules=c.kind == "grammar")
-        _repetitions(c.spec, c.param, what, 0, quoted=c.kind == "grammar")
-        return
+        _check_text(c.spec, c.param, what, rules=c.kind == "grammar", before=size)
+        return size + len(c.spec), _repetitions(c.spec, c.param, what, repeats, quoted=c.kind == "grammar")
     if c.kind == "choice" and isinstance(c.spec, list) and len(c.spec) > MAX_ENUM_VALUES:
         raise _over(c.param, f"{len(c.spec)} choices, more than", MAX_ENUM_VALUES)
-    size, values, repeats, stack = 0, 0, 0, [(c.spec, 1)]
+    values, stack = 0, [(c.spec, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_NESTING_DEPTH:
@@ -134,11 +140,12 @@ def check_size(c: Constraint) -> None:
             stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
+    return size, repeats
 
 
-def _check_text(text: str, param: str, what: str, *, rules: bool) -> None:
-    if len(text) > MAX_CONSTRAINT_BYTES:
-        raise _over(param, f"the {what} is {len(text)} characters, more than", MAX_CONSTRAINT_BYTES)
+def _check_text(text: str, param: str, what: str, *, rules: bool, before: int = 0) -> None:
+    if before + len(text) > MAX_CONSTRAINT_BYTES:
+        raise _over(param, f"the {what} is {before + len(text)} characters, more than", MAX_CONSTRAINT_BYTES)
     if rules and text.count("::=") > MAX_GRAMMAR_RULES:
         raise _over(param, f"the grammar has {text.count('::=')} rules, more than", MAX_GRAMMAR_RULES)
     depth, escaped = 0, False
