@@ -184,3 +184,16 @@ def test_lora_and_qlora_train_a_step_on_the_family_s_modules(family, path, quant
     metrics = trainer.step(transitions(path))
     assert metrics["grad_norm"] > 0 and torch.isfinite(torch.tensor([metrics["loss"], metrics["grad_norm"]])).all()
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.params))
+
+
+def test_a_4bit_base_keeps_its_gradient_after_a_frozen_pass():
+    """bitsandbytes' CPU inference kernel (taken after a no-grad pass in eval mode, as the trainer's reference pass
+    is) has no backward: the loaded base never switches to it, so gradients still flow through every nf4 layer."""
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes")
+    model = models.load_causal_lm(models.resolve("family:llama3"), dtype="float32", quantization="4bit")
+    layer = model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        model.eval()(input_ids=torch.tensor([[1, 2, 3]]))
+    x = torch.randn(1, 3, model.config.hidden_size, requires_grad=True)
+    layer.train()(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
