@@ -216,10 +216,13 @@ def test_qwen3_s_reasoning_is_split_off_and_dropped_from_the_next_prompt(gw, sto
         r = chat(gw, max_tokens=24, seed=1)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
+    # vLLM's detokenizer holds back the bytes of a character not yet whole: compared without a trailing U+FFFD
     text = tokenizer_of.decode(choice["token_ids"], skip_special_tokens=True)
     thought, closed, answer = text.partition("</think>")
-    assert choice["message"]["reasoning"] == (thought.removeprefix("<think>").strip("\n") or None)
-    assert (choice["message"]["content"] or "") == (answer.lstrip("\n") if closed else "")
+    reasoning, content = (choice["message"]["reasoning"] or ""), (choice["message"]["content"] or "")
+    assert reasoning.rstrip("\ufffd") == thought.removeprefix("<think>").strip("\n").rstrip("\ufffd")
+    assert content.rstrip("\ufffd") == (answer.lstrip("\n") if closed else "").rstrip("\ufffd")
+    assert reasoning  # random weights: the reply never ends its thinking within 24 tokens, or thinks first
     assert_recorded(gw, store, "r-think", choice["token_ids"], tokenizer_of, tools=None)
     thinking = "I add twelve eights."
     history = MESSAGES + [{"role": "assistant", "content": "96", "reasoning_content": thinking},
