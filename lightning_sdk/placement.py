@@ -248,8 +248,29 @@ def lines_for(cfg_path: str, counts: tuple[int, ...] = (1, 2, 4, 8)) -> list[str
     return out
 
 
-if __name__ == "__main__":  # python -m lightning_sdk.placement [CONFIG] [N ...]: the lines on N GPUs (1 2 4 8)
+def main(argv: list[str]) -> int:
+    """python -m lightning_sdk.placement [CONFIG] [N ...]: the lines on N GPUs (1 2 4 8); bad input: one line on
+    stderr, exit 2."""
     import sys
 
-    print("\n".join(lines_for(sys.argv[1] if len(sys.argv) > 1 else "lightning.toml",
-                              tuple(map(int, sys.argv[2:])) or (1, 2, 4, 8))))
+    from lightning_sdk.config import ConfigError
+
+    path, given = (argv[0] if argv else "lightning.toml"), argv[1:]
+    bad = next((n for n in given if not (n.isascii() and n.isdigit())), None)
+    if bad is not None:
+        print(f"python -m lightning_sdk.placement: N = {bad!r}: expected a number of GPUs (0, 1, 2, ...)",
+              file=sys.stderr)
+        return 2
+    try:
+        lines = lines_for(path, tuple(map(int, given)) or (1, 2, 4, 8))
+    except ConfigError as e:
+        print(f"python -m lightning_sdk.placement: CONFIG: {e}".replace("\n", " "), file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

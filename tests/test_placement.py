@@ -267,3 +267,20 @@ def test_python_m_placement_prints_the_lines_a_run_would_print(tmp_path):
     assert out.stdout.splitlines() == ["1 GPU(s): placement: 1 GPU(s) visible; 1 inference server on GPU 0, the "
                                        "trainer on GPU 0, in turns (the server sleeps during each update)",
                                        f"4 GPU(s): {settle(c, place(c, visible=4, backend='vllm'))}"]
+
+
+@pytest.mark.parametrize("args, said", [
+    (["missing.toml"], "python -m lightning_sdk.placement: CONFIG: missing.toml: cannot read (No such file or "
+                       "directory)"),
+    (["lightning.toml", "4", "four"], "python -m lightning_sdk.placement: N = 'four': expected a number of GPUs "
+                                      "(0, 1, 2, ...)"),
+    (["lightning.toml", "-1"], "python -m lightning_sdk.placement: N = '-1': expected a number of GPUs (0, 1, 2, ...)"),
+])
+def test_python_m_placement_refuses_bad_input_in_one_line(args, said):
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lightning_sdk.placement", *args], capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", said + "\n")
