@@ -22,7 +22,7 @@ from lightning_sdk.production.episodes import episode_id
 from lightning_sdk.production.gpu_turn import gpu_turn
 from lightning_sdk.tracing.records import GATEWAY
 
-from .test_serve_learn import every_one_better, project, reward_all, traffic
+from .test_serve_learn import every_one_better, project, reward_all, traffic, wait_for
 
 
 def test_the_door_waits_for_the_calls_inside_and_holds_new_ones_until_it_opens():
@@ -82,10 +82,13 @@ class Sleeper:
         return getattr(self.server, name)
 
 
-def test_an_update_puts_the_server_to_sleep_with_no_call_in_flight_and_holds_calls_until_it_wakes(tmp_path):
-    cfg = project(tmp_path)
-    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
-                           scorer=every_one_better)
+@pytest.fixture
+def served(tmp_path):
+    """A `lightning serve` that learns (real gateway, built-in server, store), its update's turn taken with a
+    `Sleeper` in front of the real server, and four rewarded calls waiting for the update; yields (the deployment,
+    the sleeper, the event that lets it wake)."""
+    dep = deployment.start(project(tmp_path), tmp_path / "serve", host="127.0.0.1", port=0, api_key=None,
+                           retention_s=3600, scorer=every_one_better)
     wake = threading.Event()
     sleeper = Sleeper(dep.server, dep.gateway.door, wake)
     dep.schedule.learner.turn = gpu_turn(dep.gateway, sleeper)
@@ -93,61 +96,58 @@ def test_an_update_puts_the_server_to_sleep_with_no_call_in_flight_and_holds_cal
         calls = traffic(dep, 4)
         dep.gateway.capture.flush()
         reward_all(dep, calls)
-        update = threading.Thread(target=dep.schedule.run_once)
-        update.start()
-        assert sleeper.asleep.wait(120), "the update did not put the server to sleep"
-        client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key=dep.api_key, max_retries=0, timeout=120)
-        trace, answered = uuid.uuid4().hex, []
-
-        def call():
-            answered.append(client.chat.completions.create(
-                model="gpt-4o-mini", max_tokens=2, messages=[{"role": "user", "content": "What is 1 + 1?"}],
-                extra_headers={"traceparent": f"00-{trace}-{'cd' * 8}-01"}))
-
-        caller = threading.Thread(target=call)
-        caller.start()
-        time.sleep(1.5)
-        assert not answered  # held at the gateway while the server sleeps
-        wake.set()
-        caller.join(60)
-        update.join(120)
-        assert answered and answered[0].choices  # answered once the server woke, not refused
-        assert sleeper.seen == [("sleep", 0), ("wake", 0)]  # nothing at the backend when it slept or woke
-        learner = dep.schedule.learner
-        (u,) = learner.updates()
-        assert learner.trainer().global_step == 1  # it left the GPU after the update; reloaded from its checkpoint
-        m = json.loads(u["evidence"])["metrics"]
-        assert m["calls_held"] == 1 and m["held_s"] >= 1.5 and m["held_s"] >= m["drain_s"] + m["sleep_s"]
-        dep.gateway.capture.flush()
-        (held,) = [s for s in dep.store.spans(episode_id(trace)) if s.source == GATEWAY]
-        assert held.attributes  # the held call is recorded like any other
+        yield dep, sleeper, wake
     finally:
         wake.set()
         dep.close()
 
 
-def test_an_update_that_fails_wakes_the_server_and_the_held_calls_are_answered(tmp_path, monkeypatch):
+def test_an_update_puts_the_server_to_sleep_with_no_call_in_flight_and_holds_calls_until_it_wakes(served):
+    dep, sleeper, wake = served
+    update = threading.Thread(target=dep.schedule.run_once)
+    update.start()
+    assert sleeper.asleep.wait(120), "the update did not put the server to sleep"
+    asleep = time.monotonic()
+    client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key=dep.api_key, max_retries=0, timeout=120)
+    trace, answered = uuid.uuid4().hex, []
+
+    def call():
+        answered.append(client.chat.completions.create(
+            model="gpt-4o-mini", max_tokens=2, messages=[{"role": "user", "content": "What is 1 + 1?"}],
+            extra_headers={"traceparent": f"00-{trace}-{'cd' * 8}-01"}))
+
+    waited = dep.gateway.door.waited
+    caller = threading.Thread(target=call)
+    caller.start()
+    wait_for(lambda: dep.gateway.door.waited == waited + 1, 60)  # the call reached the closed door
+    assert not answered  # held at the gateway while the server sleeps
+    woke = time.monotonic()
+    wake.set()
+    caller.join(60)
+    update.join(120)
+    assert answered and answered[0].choices  # answered once the server woke, not refused
+    assert sleeper.seen == [("sleep", 0), ("wake", 0)]  # nothing at the backend when it slept or woke
+    learner = dep.schedule.learner
+    (u,) = learner.updates()
+    assert learner.trainer().global_step == 1  # it left the GPU after the update; reloaded from its checkpoint
+    m = json.loads(u["evidence"])["metrics"]
+    assert m["calls_held"] == 1 and m["held_s"] >= woke - asleep and m["held_s"] >= m["drain_s"] + m["sleep_s"]
+    dep.gateway.capture.flush()
+    (held,) = [s for s in dep.store.spans(episode_id(trace)) if s.source == GATEWAY]
+    assert held.attributes  # the held call is recorded like any other
+
+
+def test_an_update_that_fails_wakes_the_server_and_the_held_calls_are_answered(served, monkeypatch):
     from lightning_sdk.train.trainer import GRPOTrainer
 
     def out_of_memory(self, *a, **kw):
         raise RuntimeError("CUDA out of memory (raised by the test)")
 
     monkeypatch.setattr(GRPOTrainer, "step", out_of_memory)
-    cfg = project(tmp_path)
-    dep = deployment.start(cfg, tmp_path / "serve", host="127.0.0.1", port=0, api_key=None, retention_s=3600,
-                           scorer=every_one_better)
-    wake = threading.Event()
+    dep, sleeper, wake = served
     wake.set()
-    sleeper = Sleeper(dep.server, dep.gateway.door, wake)
-    dep.schedule.learner.turn = gpu_turn(dep.gateway, sleeper)
-    try:
-        calls = traffic(dep, 4)
-        dep.gateway.capture.flush()
-        reward_all(dep, calls)
-        with pytest.raises(RuntimeError, match="out of memory"):
-            dep.schedule.run_once()
-        assert sleeper.seen == [("sleep", 0), ("wake", 0)]  # woken though the update failed
-        assert traffic(dep, 1)  # the door is open: a call is answered
-        assert dep.schedule.learner.updates() == [] and len(dep.schedule.learner.pending()) == 4  # kept, unread
-    finally:
-        dep.close()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        dep.schedule.run_once()
+    assert sleeper.seen == [("sleep", 0), ("wake", 0)]  # woken though the update failed
+    assert traffic(dep, 1)  # the door is open: a call is answered
+    assert dep.schedule.learner.updates() == [] and len(dep.schedule.learner.pending()) == 4  # kept, unread
