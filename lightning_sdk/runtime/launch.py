@@ -24,6 +24,15 @@ def place_run(cfg: Config, *, counted: bool = False) -> tuple[Placement, str | N
     return placement, settle(cfg, placement)
 
 
+def count_can_refuse(cfg: Config) -> bool:
+    """Whether the GPUs' count can refuse `cfg` where visible_gpus skips it (the built-in server on the CPU, no
+    [devices]): train.processes set above 1 for a trainer that may take GPUs, which place() refuses on fewer GPUs
+    than processes. Counting imports torch (seconds), so only such a config counts before the run's first line."""
+    t = cfg.train
+    return ("processes" in t.model_fields_set and t.processes > 1
+            and (t.device in ("auto", "cuda") or t.device.startswith("cuda:")))
+
+
 def share_cores(stack: ExitStack, cfg: Config) -> None:
     """On the CPU, the trainer's share of the cores (the server has the rest) until `stack` closes."""
     split = cpu_threads(cfg)
