@@ -223,6 +223,12 @@ def settle(cfg: Config, placement: Placement) -> str | None:
     return placement.line(turns_note(cfg, placement), implied)
 
 
+def trainer_device(device: str, gpus: tuple[int, ...]) -> str:
+    """The device of a trainer process given `gpus` (the placement's train GPUs): the first of them where
+    train.device (`device`) leaves the choice to the placement ('auto', 'cuda'); else `device` as set."""
+    return f"cuda:{gpus[0]}" if gpus and device in ("auto", "cuda") else device
+
+
 def gpu_environment(gpus: tuple[int, ...], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """CUDA_VISIBLE_DEVICES for a process given `gpus` (indices of the GPUs this process sees: under a
     CUDA_VISIBLE_DEVICES of its own, its entries); {} for a process without GPUs, which inherits the environment."""

@@ -151,3 +151,71 @@ def test_an_update_that_fails_wakes_the_server_and_the_held_calls_are_answered(s
     assert sleeper.seen == [("sleep", 0), ("wake", 0)]  # woken though the update failed
     assert traffic(dep, 1)  # the door is open: a call is answered
     assert dep.schedule.learner.updates() == [] and len(dep.schedule.learner.pending()) == 4  # kept, unread
+
+
+def settled(visible: int, backend: str = "vllm", learn: bool = True, **tables):
+    """A serve config placed on `visible` GPUs with the defaults the placement implies set (as deployment.start
+    does), and its placement."""
+    from lightning_sdk import config
+    from lightning_sdk.placement import defaults_for, place
+
+    tables = {"agent": {"module": "agent"}, "data": {"train": "t.jsonl", "eval": "t.jsonl"},
+              **({"learn": {}} if learn else {}), **tables}
+    tables["serve"] = {"backend": backend, **tables.get("serve", {})}
+    cfg = config.parse(tables)
+    placement = place(cfg, visible=visible, backend=backend)
+    defaults_for(cfg, placement)
+    return cfg, placement
+
+
+@pytest.mark.parametrize("visible, backend, learn, tables, turn", [
+    (1, "vllm", True, {}, True),                                                    # one GPU: shared in time
+    (1, "vllm", True, {"serve": {"sleep_level": 0}}, False),                         # vLLM kept awake (set)
+    (1, "vllm", True, {"train": {"device": "cpu"}}, False),                          # a CPU trainer: never
+    (1, "vllm", False, {}, False),                                                   # no [learn]: no trainer
+    (2, "vllm", True, {}, False),                                                    # 2 GPUs: apart, vLLM awake
+    (2, "vllm", True, {"serve": {"sleep_level": 1}}, False),                          # apart, sleep_level kept: no need
+    (4, "vllm", True, {"serve": {"replicas": 2}}, False),                             # 2 replicas + the trainer apart
+    (4, "vllm", True, {"train": {"device": "cpu"}}, False),                          # every GPU serves, CPU trainer
+    (2, "vllm", True, {"devices": {"serve": [0, 1], "train": [0, 1]}}, True),        # a ReplicaSet sharing its GPUs
+    (2, "vllm", True, {"devices": {"serve": [0], "train": [0]}}, True),              # one GPU shared, by [devices]
+    (2, "vllm", True, {"train": {"device": "cuda:1"}}, False),                        # the trainer pinned apart
+    (0, "cpu", True, {}, False),                                                     # the built-in server
+    (1, "cpu", True, {"serve": {"device": "cuda"}}, False),                           # the built-in server cannot sleep
+])
+def test_serve_takes_the_gpu_turn_only_where_serving_and_training_share_a_gpu_with_a_cuda_trainer(
+        visible, backend, learn, tables, turn):
+    from lightning_sdk.production.gpu_turn import takes_turn
+
+    cfg, placement = settled(visible, backend, learn, **tables)
+    assert takes_turn(cfg, placement, backend) is turn
+
+
+def test_serve_on_2_or_more_gpus_is_placed_as_a_run_is_with_vllm_awake_and_most_of_its_gpus():
+    for visible, serving, train in ((2, (0,), (1,)), (4, (0, 1), (2, 3)), (8, (0, 1, 2, 3), (4, 5, 6, 7))):
+        cfg, placement = settled(visible)
+        assert (placement.serving, placement.train) == (serving, train)
+        assert (cfg.serve.sleep_level, cfg.serve.gpu_memory_utilization) == (0, 0.9)  # docs/gpu.md's 2+ GPU rows
+    cfg, placement = settled(1)
+    assert (cfg.serve.sleep_level, cfg.serve.gpu_memory_utilization) == (1, 0.5)
+
+
+def test_serve_places_the_learner_s_trainer_on_the_placement_s_train_gpu_and_says_so(tmp_path, monkeypatch):
+    # The built-in server on the CPU with two GPUs visible (torch's count, set: no GPU here): the placement gives the
+    # trainer both; the learner takes the first (one process), the server is not asked to sleep.
+    import torch
+
+    from lightning_sdk.placement import trainer_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    dep = deployment.start(project(tmp_path), tmp_path / "serve", host="127.0.0.1", port=0, api_key=None,
+                           retention_s=3600, scorer=every_one_better)
+    try:
+        assert (dep.placement.serving, dep.placement.train) == ((), (0, 1))
+        assert dep.schedule.learner.gpus == (0, 1) and dep.schedule.learner.turn is None and not dep.turns
+        assert trainer_device(dep.schedule.learner.cfg.train.device, dep.schedule.learner.gpus) == "cuda:0"
+        assert dep.placement_line() == ("placement: 2 GPU(s) visible; 1 inference server on the CPU; the learner's "
+                                        "trainer on GPU 0, at once (serving goes on during each update); GPU 1 "
+                                        "idle: the learner trains in one process")
+    finally:
+        dep.close()

@@ -8,7 +8,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 from lightning_sdk.config import Config, Policy
-from lightning_sdk.placement import Placement, gpu_environment, place, settle
+from lightning_sdk.placement import Placement, gpu_environment, place, settle, trainer_device
 from lightning_sdk.servers.select import cpu_threads, resolved_backend, visible_gpus
 
 if TYPE_CHECKING:  # torch comes with the trainer, imported when a run starts
@@ -55,7 +55,7 @@ def start_trainer(cfg: Config, stack: ExitStack, model_path: str, policies: list
     devices = None
     if gpus and train.device in ("auto", "cuda"):  # place() saw to one GPU for each process
         if train.processes == 1:
-            train = train.model_copy(update={"device": f"cuda:{gpus[0]}"})
+            train = train.model_copy(update={"device": trainer_device(train.device, gpus)})
         else:
             devices = [gpu_environment((g,))["CUDA_VISIBLE_DEVICES"] for g in gpus[:train.processes]]
     return one_or_more_processes(model_path, train, stack, devices=devices, quantization=cfg.model.quantization,
