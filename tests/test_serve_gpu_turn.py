@@ -22,7 +22,7 @@ from lightning_sdk.production.episodes import episode_id
 from lightning_sdk.production.gpu_turn import gpu_turn
 from lightning_sdk.tracing.records import GATEWAY
 
-from .test_serve_learn import every_one_better, project, reward_all, traffic, wait_for
+from .test_serve_learn import ROOT, every_one_better, project, reward_all, traffic, wait_for
 
 
 def test_the_door_waits_for_the_calls_inside_and_holds_new_ones_until_it_opens():
@@ -219,3 +219,21 @@ def test_serve_places_the_learner_s_trainer_on_the_placement_s_train_gpu_and_say
                                         "idle: the learner trains in one process")
     finally:
         dep.close()
+
+
+def test_serve_refuses_gpus_that_are_not_there_in_one_line_before_anything_is_written(tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+
+    project(tmp_path)
+    out = subprocess.run([sys.executable, "-c", "from lightning_sdk.cli import main; main()", "serve", "--set",
+                          'serve.device="cuda"', "--set", "devices.serve=[63]", "--dir", str(tmp_path / "serve")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    said = (out.stdout + out.stderr).strip()
+    assert out.returncode == 2 and len(said.splitlines()) == 1, said
+    assert re.fullmatch(r"[Ee]rror: devices\.serve = \[63\]: (no CUDA GPU is visible; leave \[devices\] out on the CPU|"
+                        r"only \d+ GPU\(s\) are visible \(0-\d+\))", said), said
+    assert not (tmp_path / "serve").exists()
