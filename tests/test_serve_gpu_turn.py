@@ -198,6 +198,9 @@ def test_serve_on_2_or_more_gpus_is_placed_as_a_run_is_with_vllm_awake_and_most_
         assert (cfg.serve.sleep_level, cfg.serve.gpu_memory_utilization) == (0, 0.9)  # docs/gpu.md's 2+ GPU rows
     cfg, placement = settled(1)
     assert (cfg.serve.sleep_level, cfg.serve.gpu_memory_utilization) == (1, 0.5)
+    cfg, placement = settled(4, train={"device": "cpu"})  # every GPU serves; the one-GPU defaults stay (docs/gpu.md)
+    assert (placement.serving, placement.train) == ((0, 1, 2, 3), ())
+    assert (cfg.serve.sleep_level, cfg.serve.gpu_memory_utilization) == (1, 0.5)
 
 
 def test_serve_places_the_learner_s_trainer_on_the_placement_s_train_gpu_and_says_so(tmp_path, monkeypatch):
