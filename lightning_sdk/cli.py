@@ -247,7 +247,7 @@ def serve(config_path: Path, directory: Path | None, host: str, port: int, reten
         _fail(console, str(e))
     if store_text is not None:
         cfg.serve.store_text = store_text
-    from lightning_sdk.errors import ServerError
+    from lightning_sdk.errors import ServerError, SetupError
     from lightning_sdk.production import deployment
 
     scorer = None
@@ -267,10 +267,15 @@ def serve(config_path: Path, directory: Path | None, host: str, port: int, reten
         _fail(console, f"--host/--port: cannot listen on {host}:{port} ({e.strerror or e})")
     except ServerError as e:
         _fail(console, f"the inference server did not start: {e}")
+    except SetupError as e:
+        _fail(console, str(e))
     console.print(f"serving {cfg.model.name} at {served.url}/v1 (key: LIGHTNING_SERVE_KEY or "
                   f"{directory / deployment.KEY_FILE}); feedback: POST {served.url}/v1/feedback; "
                   f"calls and rewards: {served.store.path}" + ("" if cfg.serve.store_text else " (no message text)"),
                   highlight=False, soft_wrap=True, markup=False)
+    placed = served.placement_line()
+    if placed:
+        console.print(placed, highlight=False, soft_wrap=True, markup=False)
     if served.schedule is not None:
         console.print(f"learning: an update every {cfg.learn.every_rewarded} rewards, each candidate gated on "
                       f"{cfg.data.eval}; serving now: {served.gateway.policy}", highlight=False, soft_wrap=True,

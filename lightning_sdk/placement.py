@@ -223,6 +223,12 @@ def settle(cfg: Config, placement: Placement) -> str | None:
     return placement.line(turns_note(cfg, placement), implied)
 
 
+def trainer_device(device: str, gpus: tuple[int, ...]) -> str:
+    """The device of a trainer process given `gpus` (the placement's train GPUs): the first of them where
+    train.device (`device`) leaves the choice to the placement ('auto', 'cuda'); else `device` as set."""
+    return f"cuda:{gpus[0]}" if gpus and device in ("auto", "cuda") else device
+
+
 def gpu_environment(gpus: tuple[int, ...], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """CUDA_VISIBLE_DEVICES for a process given `gpus` (indices of the GPUs this process sees: under a
     CUDA_VISIBLE_DEVICES of its own, its entries); {} for a process without GPUs, which inherits the environment."""
@@ -248,8 +254,29 @@ def lines_for(cfg_path: str, counts: tuple[int, ...] = (1, 2, 4, 8)) -> list[str
     return out
 
 
-if __name__ == "__main__":  # python -m lightning_sdk.placement [CONFIG] [N ...]: the lines on N GPUs (1 2 4 8)
+def main(argv: list[str]) -> int:
+    """python -m lightning_sdk.placement [CONFIG] [N ...]: the lines on N GPUs (1 2 4 8); bad input: one line on
+    stderr, exit 2."""
     import sys
 
-    print("\n".join(lines_for(sys.argv[1] if len(sys.argv) > 1 else "lightning.toml",
-                              tuple(map(int, sys.argv[2:])) or (1, 2, 4, 8))))
+    from lightning_sdk.config import ConfigError
+
+    path, given = (argv[0] if argv else "lightning.toml"), argv[1:]
+    bad = next((n for n in given if not (n.isascii() and n.isdigit())), None)
+    if bad is not None:
+        print(f"python -m lightning_sdk.placement: N = {bad!r}: expected a number of GPUs (0, 1, 2, ...)",
+              file=sys.stderr)
+        return 2
+    try:
+        lines = lines_for(path, tuple(map(int, given)) or (1, 2, 4, 8))
+    except ConfigError as e:
+        print(f"python -m lightning_sdk.placement: CONFIG: {e}".replace("\n", " "), file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -267,3 +267,38 @@ def test_python_m_placement_prints_the_lines_a_run_would_print(tmp_path):
     assert out.stdout.splitlines() == ["1 GPU(s): placement: 1 GPU(s) visible; 1 inference server on GPU 0, the "
                                        "trainer on GPU 0, in turns (the server sleeps during each update)",
                                        f"4 GPU(s): {settle(c, place(c, visible=4, backend='vllm'))}"]
+
+
+@pytest.mark.parametrize("args, said", [
+    (["missing.toml"], "python -m lightning_sdk.placement: CONFIG: missing.toml: cannot read (No such file or "
+                       "directory)"),
+    (["lightning.toml", "4", "four"], "python -m lightning_sdk.placement: N = 'four': expected a number of GPUs "
+                                      "(0, 1, 2, ...)"),
+    (["lightning.toml", "-1"], "python -m lightning_sdk.placement: N = '-1': expected a number of GPUs (0, 1, 2, ...)"),
+])
+def test_python_m_placement_refuses_bad_input_in_one_line(args, said):
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lightning_sdk.placement", *args], capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", said + "\n")
+
+
+def test_a_train_processes_the_counted_gpus_cannot_hold_is_refused_before_the_run_dir_is_made(tmp_path, monkeypatch):
+    # The built-in server on the CPU: visible_gpus skips the count (torch) until after the run's first line, except
+    # where the count can refuse the config. One GPU stands in for the machine's (torch's own count, set).
+    import io
+
+    import torch
+    from rich.console import Console
+
+    from lightning_sdk.runtime import Runtime
+    from tests.test_runtime_faults import make_project, task
+
+    c = make_project(tmp_path, [task(1, 2)], serve='backend = "cpu"', train="lora_r = 4\nprocesses = 2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SetupError, match=r"^train.processes = 2 takes one GPU each; the trainer has 1 \(\[0\]\)"):
+        Runtime(c, console=Console(file=io.StringIO())).run()
+    assert not (tmp_path / "run").exists()

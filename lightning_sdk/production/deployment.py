@@ -16,9 +16,10 @@ from pathlib import Path
 
 from lightning_sdk import models
 from lightning_sdk.config import Config
+from lightning_sdk.placement import Placement, defaults_for, place
 from lightning_sdk.gateway.proxy import Gateway
 from lightning_sdk.production.episodes import TraceEpisodes
-from lightning_sdk.production.gpu_turn import gpu_turn, sleeps
+from lightning_sdk.production.gpu_turn import gpu_turn, sleeps, takes_turn
 from lightning_sdk.production.intake import feedback_router
 from lightning_sdk.production.learner import Learner
 from lightning_sdk.production.ledger import FeedbackLedger
@@ -26,7 +27,7 @@ from lightning_sdk.production.promotion import Promoter, Scorer, eval_scorer
 from lightning_sdk.production.retention import PRUNE_EVERY_S, Pruner
 from lightning_sdk.production.schedule import Schedule
 from lightning_sdk.servers import InferenceServer
-from lightning_sdk.servers.select import make_server
+from lightning_sdk.servers.select import make_server, resolved_backend, visible_gpus
 from lightning_sdk.store import Store
 
 STORE_FILE = "serve.sqlite"
@@ -58,6 +59,8 @@ class Deployment:
     server: InferenceServer
     schedule: Schedule | None  # [learn]: the background trainer and its gate; None: serving only
     pruner: Pruner  # deletes calls past the retention window and the size cap
+    placement: Placement  # where the servers and the learner's trainer run (placement.place, as `lightning run`)
+    turns: bool  # each update takes the GPU from the servers (gpu_turn.takes_turn)
 
     @property
     def url(self) -> str:
@@ -70,6 +73,34 @@ class Deployment:
     def close(self) -> None:
         self.stack.close()
 
+    def placement_line(self) -> str | None:
+        """Where the servers and the learner's trainer run, and which GPUs nothing uses, for serve's first lines;
+        None without GPUs."""
+        p = self.placement
+        if not p.visible:
+            return None
+        n = len(p.replicas)
+        said = [f"placement: {p.visible} GPU(s) visible",
+                f"{n} inference server{'s' if n > 1 else ''} on "
+                + "; ".join(f"GPU{'s' if len(r) > 1 else ''} {','.join(map(str, r))}" if r else "the CPU"
+                            for r in p.replicas)]
+        used = set(p.serving)
+        if self.schedule is None:
+            why = "serving only (no [learn])"
+        elif p.train:
+            used.add(p.train[0])
+            said.append(f"the learner's trainer on GPU {p.train[0]}, "
+                        + ("in turns (vLLM sleeps during each update)" if self.turns else
+                           "at once (serving goes on during each update)"))
+            why = "the learner trains in one process"
+        else:
+            said.append("the learner's trainer on the CPU/train.device, at once (serving goes on during each update)")
+            why = f"the learner's trainer is not on a GPU (train.device = {self.schedule.learner.cfg.train.device!r})"
+        idle = [str(g) for g in range(p.visible) if g not in used]
+        if idle:
+            said.append(f"GPU{'s' if len(idle) > 1 else ''} {','.join(idle)} idle: {why}")
+        return "; ".join(said)
+
 
 def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | None,
           retention_s: float, scorer: Scorer | None = None, max_calls: int | None = None,
@@ -80,6 +111,13 @@ def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | 
     gate scores an adapter (default: data.eval's tasks through the agent, production.promotion.eval_scorer).
     Calls past `retention_s` or beyond the newest `max_calls` are deleted every `prune_every_s`
     (production.retention)."""
+    # Placed as `lightning run` places (a SetupError naming the key before anything is bound or written), with the
+    # defaults it implies (on 2+ GPUs: vLLM awake, serve.sleep_level = 0, with 0.9 of its GPUs). The GPUs are
+    # counted (torch) where a trainer may take them.
+    backend = resolved_backend(cfg)
+    placement = place(cfg, visible=visible_gpus(cfg, counted=cfg.learn is not None), backend=backend)
+    defaults_for(cfg, placement)
+    turns = takes_turn(cfg, placement, backend)
     given = api_key or cfg.serve.api_key
     key = given or (kept_key(directory) if directory.is_dir() else None)
     stack = ExitStack()
@@ -98,7 +136,7 @@ def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | 
                         reward_name=cfg.learn.reward_name if cfg.learn is not None else None)
         pruner.start()
         stack.callback(pruner.stop)
-        server = make_server(cfg, models.resolve(cfg.model.name), directory / "server.log")
+        server = make_server(cfg, models.resolve(cfg.model.name), directory / "server.log", placement)
         stack.callback(server.stop)
         server.start()
         gateway.capture.record_to(store)
@@ -108,8 +146,9 @@ def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | 
         gateway.policy = cfg.model.name
         schedule = None
         if cfg.learn is not None:
+            turns = turns and sleeps(server)
             learner = Learner(cfg, directory, store, ledger, base=cfg.model.name,
-                              turn=gpu_turn(gateway, server) if sleeps(server) else None)
+                              turn=gpu_turn(gateway, server) if turns else None, gpus=placement.train)
             stack.callback(learner.close)
             promoter = Promoter(store.path, server, gateway, scorer or eval_scorer(cfg, server),
                                 margin=cfg.learn.gate_margin, z=cfg.learn.gate_z, canary_share=cfg.learn.canary_share,
@@ -121,4 +160,4 @@ def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | 
     except BaseException:
         stack.close()
         raise
-    return Deployment(gateway, store, ledger, stack, server, schedule, pruner)
+    return Deployment(gateway, store, ledger, stack, server, schedule, pruner, placement, turns)

@@ -1,14 +1,20 @@
 """One GPU shared in time by `lightning serve`: the learner's update takes the GPU from vLLM and gives it back.
 
-For the update the gateway's door closes (new calls wait in the gateway, gateway/door.py), the calls at vLLM
-finish, vLLM sleeps (runtime.handover.gpu_handover, the one `lightning run` uses: its weights to CPU memory, its KV
-cache dropped), the trainer is made from its parent's checkpoint and steps in the memory freed, saves, leaves the
-GPU (production.learner's `release`), vLLM wakes and the door opens: the calls that waited are answered then. So
-between updates vLLM has the GPU's whole serve.gpu_memory_utilization share, and no phase holds two copies of the
-model's weights on the GPU. A backend that cannot sleep (the built-in server; vLLM with serve.sleep_level = 0, as
-on its CPU build; several replicas apart from the trainer) gets no turn (production.deployment) and keeps answering
-during the update. The gate needs no turn: it scores on the serving backend itself (production.promotion.eval_scorer),
-with vLLM awake. A failed update still releases the trainer and wakes vLLM before the door opens.
+`lightning serve` places its processes as `lightning run` does (placement.place, its defaults set:
+placement.defaults_for): the servers on the serving GPUs, the learner's trainer (one process) on the first of the
+placement's train GPUs. The turn is taken only where that GPU is also a serving one (`takes_turn`: one GPU, or
+[devices] that overlap), the trainer is on CUDA, and the servers are vLLM with serve.sleep_level >= 1 (and can sleep,
+`sleeps`: every replica). Elsewhere (2+ GPUs by default: vLLM and the trainer on GPUs of their own, vLLM awake at
+serve.sleep_level = 0; a trainer on the CPU; the built-in server; vLLM with serve.sleep_level = 0, as on its CPU
+build) no turn is taken: serving goes on through the update and the trainer stays resident on its own device.
+
+The turn: the gateway's door closes (new calls wait in the gateway, gateway/door.py), the calls at vLLM finish, vLLM
+sleeps (runtime.handover.gpu_handover, the one `lightning run` uses: its weights to CPU memory, its KV cache
+dropped), the trainer is made from its parent's checkpoint and steps in the memory freed, saves, leaves the GPU
+(production.learner's `release`), vLLM wakes and the door opens: the calls that waited are answered then. So between
+updates vLLM has the GPU's whole serve.gpu_memory_utilization share, and no phase holds two copies of the model's
+weights on the GPU. The gate needs no turn: it scores on the serving backend itself (production.promotion.
+eval_scorer), with vLLM awake. A failed update still releases the trainer and wakes vLLM before the door opens.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
+from lightning_sdk.config import Config
 from lightning_sdk.gateway.proxy import Gateway
+from lightning_sdk.placement import Placement
 from lightning_sdk.runtime.handover import gpu_handover
 from lightning_sdk.servers import SleepableServer
 
@@ -32,6 +40,16 @@ Turn = Callable[[dict[str, float]], AbstractContextManager[None]]
 
 def sleeps(server: object) -> bool:
     return isinstance(server, SleepableServer) and server.can_sleep
+
+
+def takes_turn(cfg: Config, placement: Placement, backend: str) -> bool:
+    """Whether `lightning serve`'s updates take the GPU from the servers (`backend`: serve.backend resolved): only
+    where the learner's trainer (on the first of the placement's train GPUs) is on CUDA, on a GPU a server is on,
+    and the servers are vLLM set to sleep (serve.sleep_level >= 1, after placement.defaults_for)."""
+    device = cfg.train.device
+    on_cuda = device in ("auto", "cuda") or device.startswith("cuda:")
+    return (cfg.learn is not None and backend == "vllm" and cfg.serve.sleep_level >= 1 and on_cuda
+            and bool(placement.train) and placement.train[0] in placement.serving)
 
 
 def gpu_turn(gateway: Gateway, server: object, drain_s: float = DRAIN_S) -> Turn:

@@ -49,6 +49,7 @@ from pathlib import Path
 from lightning_sdk import credit, models
 from lightning_sdk.config import AUTO_IS_CAP, Config
 from lightning_sdk.pipeline import split_stale
+from lightning_sdk.placement import trainer_device
 from lightning_sdk.production.gpu_turn import Turn
 from lightning_sdk.production.ledger import FeedbackLedger
 from lightning_sdk.production.reward_log import RewardLog
@@ -116,7 +117,7 @@ class Learner:
     """The update side of [learn] over a serve directory's store; one update at a time (`update`)."""
 
     def __init__(self, cfg: Config, directory: Path, store: Store, ledger: FeedbackLedger, base: str,
-                 turn: Turn | None = None):
+                 turn: Turn | None = None, gpus: tuple[int, ...] = ()):
         if cfg.learn is None:
             raise ValueError("Learner: the config has no [learn] section")
         self.cfg, self.learn, self.store, self.ledger, self.base = cfg, cfg.learn, store, ledger, base
@@ -125,6 +126,7 @@ class Learner:
         # One GPU shared in time (production.gpu_turn): the update runs in the turn (the server asleep), and the
         # trainer leaves the GPU after it (`release`). None: the trainer stays resident, the server awake.
         self.turn = turn
+        self.gpus = gpus  # the placement's train GPUs: the trainer takes the first (one process; () = train.device)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(store.path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
@@ -185,7 +187,9 @@ class Learner:
             if self._trainer is None:
                 from lightning_sdk.train.trainer import GRPOTrainer  # torch: only a serve that learns loads it
 
-                t = GRPOTrainer(models.resolve(self.cfg.model.name), self.cfg.train, seed=self.cfg.run.seed)
+                train = self.cfg.train
+                train = train.model_copy(update={"device": trainer_device(train.device, self.gpus)})
+                t = GRPOTrainer(models.resolve(self.cfg.model.name), train, seed=self.cfg.run.seed)
                 t.importance_sampling_cap = sampling_cap(self.cfg)
                 if self.parent:
                     t.load_state(self.checkpoint(self.parent))

@@ -8,7 +8,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 from lightning_sdk.config import Config, Policy
-from lightning_sdk.placement import Placement, gpu_environment, place, settle
+from lightning_sdk.placement import Placement, gpu_environment, place, settle, trainer_device
 from lightning_sdk.servers.select import cpu_threads, resolved_backend, visible_gpus
 
 if TYPE_CHECKING:  # torch comes with the trainer, imported when a run starts
@@ -22,6 +22,15 @@ def place_run(cfg: Config, *, counted: bool = False) -> tuple[Placement, str | N
     server is on the CPU (visible_gpus otherwise answers 0 there, to say the run's first line before torch loads)."""
     placement = place(cfg, visible=visible_gpus(cfg, counted=counted), backend=resolved_backend(cfg))
     return placement, settle(cfg, placement)
+
+
+def count_can_refuse(cfg: Config) -> bool:
+    """Whether the GPUs' count can refuse `cfg` where visible_gpus skips it (the built-in server on the CPU, no
+    [devices]): train.processes set above 1 for a trainer that may take GPUs, which place() refuses on fewer GPUs
+    than processes. Counting imports torch (seconds), so only such a config counts before the run's first line."""
+    t = cfg.train
+    return ("processes" in t.model_fields_set and t.processes > 1
+            and (t.device in ("auto", "cuda") or t.device.startswith("cuda:")))
 
 
 def share_cores(stack: ExitStack, cfg: Config) -> None:
@@ -46,7 +55,7 @@ def start_trainer(cfg: Config, stack: ExitStack, model_path: str, policies: list
     devices = None
     if gpus and train.device in ("auto", "cuda"):  # place() saw to one GPU for each process
         if train.processes == 1:
-            train = train.model_copy(update={"device": f"cuda:{gpus[0]}"})
+            train = train.model_copy(update={"device": trainer_device(train.device, gpus)})
         else:
             devices = [gpu_environment((g,))["CUDA_VISIBLE_DEVICES"] for g in gpus[:train.processes]]
     return one_or_more_processes(model_path, train, stack, devices=devices, quantization=cfg.model.quantization,

@@ -33,7 +33,7 @@ from lightning_sdk.runtime.evaluation import Evaluated, evaluate, score
 from lightning_sdk.runtime.feed import TaskFeed
 from lightning_sdk.runtime.handover import gpu_handover
 from lightning_sdk.runtime.iteration import Batch, collect_batch
-from lightning_sdk.runtime.launch import place_run, share_cores, start_trainer
+from lightning_sdk.runtime.launch import count_can_refuse, place_run, share_cores, start_trainer
 from lightning_sdk.runtime.preflight import preflight, say_memory
 from lightning_sdk.runtime.resume import refuse_conflict, reopen, take_run_dir
 from lightning_sdk.runtime.session import Session, agent_of, bind_gateway, open_session, store_session
@@ -80,7 +80,10 @@ class Runtime:
         eval_tasks = data.load(cfg.data.eval, cfg.data.required_fields) if cfg.data.eval else []
         model_path = models.resolve(cfg.model.name)  # before the run directory: bad input writes nothing
         check_trackers(cfg.run.report_to)
-        placement, placed = place_run(cfg)  # GPUs that are not there: one line, before anything is written
+        # Every refusal before anything is written: GPUs that are not there, and a train.processes they cannot hold
+        # (counted now where the count can refuse; otherwise after the first line, as torch loads).
+        counted = count_can_refuse(cfg)
+        placement, placed = place_run(cfg, counted=counted)
         preflight(cfg, self.run_dir, placement)
         checkpoint = take_run_dir(stack, self.run_dir, resume=self.resume, overwrite=self.overwrite,
                                   console=self.console)
@@ -90,8 +93,8 @@ class Runtime:
         self.console.print(f"run {cfg.run.name!r}: {cfg.run.iterations} iterations of {cfg.model.name} in "
                            f"{cfg.run.dir}; starting the model server and the agent", highlight=False, soft_wrap=True,
                            markup=False)
-        if not placement.visible:  # the built-in server on the CPU: the trainer's GPUs, counted as torch loads now
-            placement, placed = place_run(cfg, counted=True)
+        if not placement.visible and not counted:  # the built-in server on the CPU: the trainer's GPUs, counted
+            placement, placed = place_run(cfg, counted=True)  # now (torch loads); no count refuses this config
         if placed:
             self.console.print(placed, highlight=False, soft_wrap=True, markup=False)
         say_memory(cfg, self.console, model_path)  # after the first line: it reads the trainer's device (torch)

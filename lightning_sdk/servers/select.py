@@ -22,11 +22,12 @@ log = logging.getLogger("lightning_sdk")  # the runtime's logger: these lines ar
 BACKEND_HOST = "127.0.0.1"  # agents call the gateway (serve.host); the backend behind it stays on this machine
 
 
-def make_server(cfg: Config, model_path: str, log_path: Path):
+def make_server(cfg: Config, model_path: str, log_path: Path, placement: Placement | None = None):
     """The run's inference backend on 127.0.0.1 (free ports), behind a key of its own made for this run: agents
     reach it only through the gateway (gateway/proxy.py), which holds the key. One server per replica of the
-    placement (placement.py), each given its GPUs through CUDA_VISIBLE_DEVICES; several make a ReplicaSet."""
-    replicas = placement_of(cfg).replicas
+    placement (placement.py; `placement`, default this machine's), each given its GPUs through CUDA_VISIBLE_DEVICES;
+    several make a ReplicaSet."""
+    replicas = (placement or placement_of(cfg)).replicas
     api_key = new_api_key()
     servers = []
     for i, gpus in enumerate(replicas):
