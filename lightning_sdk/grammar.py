@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from lightning_sdk.constraint import TOOL_CLOSE, TOOL_OPEN, Constraint, ConstraintError, check_size
+from lightning_sdk.constraint import (DEFAULT_TOOL_FORMAT, TOOL_CLOSE, TOOL_OPEN, Constraint, ConstraintError,
+                                      check_size, format_grammar)
 
 _ENGINE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " before its message
 
@@ -46,12 +47,14 @@ class GrammarBusy(ConstraintError):
 class Grammars:
     """Compiles constraints for one tokenizer on threads of its own, bounded in size (constraint.check_size), time
     (`deadline_s`: a constraint that ran past it is refused at once when asked again), compiles in flight and cached
-    bytes; cached by their canonical text; thread-safe."""
+    bytes; cached by their canonical text; thread-safe. `tool_format` is the model's tool-call format
+    (constraint.TOOL_FORMATS): a forced call, and JSON on gpt-oss, compile to that format's grammar."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], *, lock: Any = None,
                  deadline_s: float = COMPILE_SECONDS, workers: int = COMPILE_WORKERS,
-                 in_flight: int = COMPILES_IN_FLIGHT, cache_bytes: int = CACHE_BYTES):
-        self.vocab_size = vocab_size
+                 in_flight: int = COMPILES_IN_FLIGHT, cache_bytes: int = CACHE_BYTES,
+                 tool_format: str = DEFAULT_TOOL_FORMAT):
+        self.vocab_size, self.tool_format = vocab_size, tool_format
         self.deadline_s, self.max_in_flight, self.cache_limit = deadline_s, in_flight, cache_bytes
         self._tokenizer, self._stop_ids, self._tokenizer_lock = tokenizer, sorted(stop_ids), lock
         self._compiler: Any = None  # made on the first compile, on a compile thread (the vocabulary scan takes a while)
@@ -205,6 +208,7 @@ class Grammars:
 
     def _compile(self, c: Constraint) -> Any:
         comp = self._xgr_compiler()
+        c = format_grammar(c, self.tool_format)
         if c.kind in ("json_schema", "json_object"):  # compact JSON, as vLLM with disable_any_whitespace
             schema = json.dumps(c.spec if c.kind == "json_schema" else {"type": "object"})
             return comp.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
@@ -216,6 +220,8 @@ class Grammars:
             return comp.compile_grammar(c.spec)
         if c.kind == "tool_calls":
             return comp.compile_structural_tag(json.dumps(_tool_calls_tag(c.spec)))
+        if c.kind == "structural_tag":  # compiled as vLLM compiles one: no whitespace setting of its own
+            return comp.compile_structural_tag(json.dumps(c.spec))
         raise ValueError(f"unknown constraint kind {c.kind!r}")
 
     def matcher(self, compiled: Any) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.constraint import Constraint
+from lightning_sdk.constraint import Constraint, grammar_format
 from lightning_sdk.engine.batch import DecodeBatch, Row
 from lightning_sdk.engine.requests import (
     Choice,
@@ -37,6 +37,7 @@ from lightning_sdk.engine.sampling import find_stop, sample_next
 from lightning_sdk.engine.scheduler import Scheduler
 from lightning_sdk.grammar import Grammars
 from lightning_sdk.models.adapter import nonfinite_in_adapter
+from lightning_sdk.servers import vllm_parsers
 
 log = logging.getLogger("lightning_sdk.servers")
 
@@ -65,6 +66,10 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_ids = models.eos_ids(self.model, self.tokenizer)
+        # the model's tool-call format and reasoning, read as vLLM's parsers are chosen (one detection, both backends)
+        template, model_type = vllm_parsers.model_files(model_path)
+        self.tool_parser = vllm_parsers.tool_call_parser_for(template, model_type)
+        self.reasoning_parser = vllm_parsers.reasoning_parser_for(template, model_type)
         self.pad_id = self.tokenizer.pad_token_id
         # transformers 5 renamed `past_key_values` to `cache` (the old name is deprecated): use whichever exists.
         params = inspect.signature(self.model.forward).parameters
@@ -98,7 +103,8 @@ class Engine:
         return {"device": str(self.device), "max_memory_allocated": peak, "max_rss": rss}
 
     def encode_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: dict | None = None) -> list[int]:
         """Prompt token ids, exactly as the model's own chat template makes them (blocking: call it in a thread)."""
         try:
             with self._tok_lock:
@@ -109,6 +115,7 @@ class Engine:
                     continue_final_message=continue_final_message,
                     tokenize=True,
                     return_dict=True,  # transformers 5 returns a BatchEncoding either way; ask for it explicitly
+                    **(template_kwargs or {}),
                 )
         except RequestError:
             raise
@@ -120,6 +127,11 @@ class Engine:
         """A completions prompt's token ids, as the tokenizer makes them (blocking: call it in a thread)."""
         with self._tok_lock:
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode_tail(self, prompt_ids: list[int], tokens: int = 8) -> str:
+        """The text of a prompt's last few tokens, special tokens kept (what the generation prompt ends with)."""
+        with self._tok_lock:
+            return self.tokenizer.decode(prompt_ids[-tokens:], skip_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
         """A token's own text (special tokens included), as OpenAI logprobs report it."""
@@ -135,7 +147,8 @@ class Engine:
         size, time and compiles in flight); ConstraintError names the request's part that is over a limit or that
         the grammar engine cannot compile, GrammarBusy says the compile threads are busy."""
         if self._grammars is None:  # the event loop's thread only: no race
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids, lock=self._tok_lock)
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids, lock=self._tok_lock,
+                                      tool_format=grammar_format(self.tool_parser))
         return await self._grammars.compile_async(constraint)
 
     def check(self, req: GenerationRequest) -> None:
@@ -313,14 +326,14 @@ class Engine:
         streaming = row.job.events is not None
         if streaming or req.stop:  # these need the text after every token; the rest decode once at the end
             checked = len(row.text)
-            row.text = self._decode(row.tokens)
+            row.text = self._decode(row.tokens, req)
             hit = find_stop(row.text, req.stop, checked) if finish is None else None
             if hit is not None:
                 row.text, stop_reason, finish = row.text[:hit[0]], hit[1], "stop"
         if finish is None and len(row.tokens) >= req.max_tokens:
             finish = "length"
         if finish is not None and not (streaming or req.stop):
-            row.text = self._decode(row.tokens)
+            row.text = self._decode(row.tokens, req)
         if streaming:
             self._stream_step(row, finish, stop_reason)
         if finish is None:
@@ -344,9 +357,11 @@ class Engine:
         row.job.emit(ChoiceDelta(row.index, [row.tokens[-1]], text, [row.logprobs[-1]],
                                  [row.top[-1]] if row.req.top_logprobs else None, finish, stop_reason))
 
-    def _decode(self, tokens: list[int]) -> str:
+    def _decode(self, tokens: list[int], req: GenerationRequest) -> str:
+        if not req.skip_special_tokens and tokens and (tokens[-1] in self.eos_ids or tokens[-1] in req.stop_token_ids):
+            tokens = tokens[:-1]  # the stop token is never in the text (vLLM's), its other special tokens are
         with self._tok_lock:
-            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+            return self.tokenizer.decode(tokens, skip_special_tokens=req.skip_special_tokens)
 
 
 def _normalise_message(message: dict) -> dict:

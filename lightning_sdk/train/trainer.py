@@ -29,11 +29,12 @@ import torch
 
 from lightning_sdk import models
 from lightning_sdk.config import Policy, TrainConfig
-from lightning_sdk.constraint import Constraint, ConstraintError
+from lightning_sdk.constraint import Constraint, ConstraintError, grammar_format
 from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
 from lightning_sdk.grammar import Grammars, additive_mask
 from lightning_sdk.models.adapter import first_nonfinite
+from lightning_sdk.servers import vllm_parsers
 from lightning_sdk.train.microbatch import Batch, collate, split
 from lightning_sdk.train.packing import pack, share, single
 from lightning_sdk.train.checkpoint import ADAPTER, ADAPTERS
@@ -350,7 +351,10 @@ class GRPOTrainer:
         if self._grammars is None:
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
             tokenizer = models.load_tokenizer(self._model_path)
-            self._grammars = Grammars(tokenizer, vocab, models.eos_ids(self.model, tokenizer))
+            template, model_type = vllm_parsers.model_files(self._model_path)  # the servers' own detection
+            self._grammars = Grammars(tokenizer, vocab, models.eos_ids(self.model, tokenizer),
+                                      tool_format=grammar_format(vllm_parsers.tool_call_parser_for(template,
+                                                                                                   model_type)))
         masks, bad = {}, set()
         for t in constrained:
             try:
