@@ -10,6 +10,7 @@ from typing import Any
 from lightning_sdk.files import load_py_file
 
 BUILTIN = "builtin:"
+FAMILY = "family:"  # family:<name>: a small random-weight model of a real family with its chat format (models.families)
 SHAPE = "shape:"  # shape:<family>[@layers]: a real family's shape with random weights (models.shapes)
 TINY = "tiny:"  # tiny:<teacher.py>: a tiny model pretrained offline on what that file's `teacher` says
 # builtin:<name> is tiny:<that teacher file of the repository>; a wheel install has no cookbook beside the package.
@@ -28,6 +29,7 @@ def resolve(name: str) -> str:
     """Turn a configured model name into something `from_pretrained` takes.
 
     `shape:<family>[@layers]` is a real family's shape with random weights (`shapes`), built on first use;
+    `family:<name>` a small random-weight model of a real family with that family's chat format (`families`);
     `tiny:<path/teacher.py>` is built locally on first use (a tiny model pretrained on the `teacher` that file
     defines; see `tiny.Teacher`), and so is `builtin:tiny-arith` (the repository's cookbook/arith/teacher.py),
     unless the teacher's `prebuilt/` folder ships the model its current recipe makes; an
@@ -38,6 +40,13 @@ def resolve(name: str) -> str:
         return _build_tiny(name, _builtin_teacher(name))
     if name.startswith(TINY):
         return _build_tiny(name, Path(name[len(TINY):]).expanduser())
+    if name.startswith(FAMILY):
+        from lightning_sdk.models import families
+
+        try:
+            return str(families.ensure_built(name))
+        except families.FamilyError as e:
+            raise ModelLoadError(str(e)) from None
     if name.startswith(SHAPE):
         from lightning_sdk.models import shapes
 

@@ -158,9 +158,28 @@ def _template():
     return env.from_string(CHAT_TEMPLATE)
 
 
+@dataclass(frozen=True)
+class ChatTokens:
+    """A chat format's tokens: the special ones (control tokens, dropped when a reply is decoded with
+    skip_special_tokens), the plain added ones (one token each, but kept in decoded text, as Qwen's <tool_call> and
+    <think> are: a parser reads them there), which of them end, pad and open a text, and the chat template."""
+
+    special: tuple[str, ...]
+    eos: str
+    pad: str
+    template: str
+    bos: str | None = None
+    plain: tuple[str, ...] = ()
+
+
+CHATML = ChatTokens(special=tuple(SPECIAL_TOKENS), eos="<|im_end|>", pad="<|endoftext|>", template=CHAT_TEMPLATE)
+
+
 def build_tokenizer(out: Path, corpus: list[str], *, vocab_size: int, split_digits: bool = False,
-                    space_tokens: bool = False):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+                    space_tokens: bool = False, chat: ChatTokens = CHATML):
+    """A byte-level BPE learnt from `corpus` (vocab_size counts the special tokens), with `chat`'s tokens and
+    template, saved into `out`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     corpus = corpus + ["The quick brown fox jumps over the lazy dog. 0123456789 +-*/=()?!.,:;'\"\n"] * 4
@@ -174,19 +193,21 @@ def build_tokenizer(out: Path, corpus: list[str], *, vocab_size: int, split_digi
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(chat.special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
+    if chat.plain:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in chat.plain])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token=None,
-        additional_special_tokens=["<|im_start|>"],
+        eos_token=chat.eos,
+        pad_token=chat.pad,
+        bos_token=chat.bos,
+        additional_special_tokens=[t for t in chat.special if t not in (chat.eos, chat.pad, chat.bos)],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat.template
     fast.save_pretrained(out)
     return fast
 
