@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -243,20 +244,62 @@ class Grammars:
         xgr.apply_token_bitmask_inplace(sub, bitmask)
         logits[rows] = sub
 
-    def replay(self, c: Constraint, completion_ids: Sequence[int]) -> torch.Tensor | None:
+    def replay(self, c: Constraint, completion_ids: Sequence[int], start: int = 0) -> torch.Tensor | None:
         """[len(completion_ids), words] int32 token bitmask of each position (what the matcher allowed before that
-        token), or None if a sampled token is not one the grammar allows there (not sampled under it)."""
+        token; every token before `start`, where the grammar begins: ThinkTokens), or None if a sampled token is not
+        one the grammar allows there (not sampled under it)."""
         import xgrammar as xgr
 
         matcher = xgr.GrammarMatcher(self.compile(c))
         bitmask = xgr.allocate_token_bitmask(len(completion_ids), self.vocab_size)
         for j, token in enumerate(completion_ids):
+            if j < start:
+                continue
             if matcher.is_terminated():
                 return None
             matcher.fill_next_token_bitmask(bitmask, j)
             if not matcher.accept_token(int(token)):
                 return None
         return bitmask
+
+
+@dataclass(frozen=True)
+class ThinkTokens:
+    """Where a reasoning model's grammar starts, as vLLM's qwen3 reasoning parser decides it (structured output is
+    not enforced while the model thinks): after `</think>`, or at a `<tool_call>` that ends the thinking first; from
+    the first token when the prompt already ended it (an end token met before `<think>` or the turn's start,
+    reading the prompt backwards: Qwen3's enable_thinking false)."""
+
+    start: int
+    ends: frozenset[int]  # </think>, <tool_call>
+    end: int  # </think>: the one that is not itself constrained
+    boundaries: frozenset[int]  # <|im_start|>, <|im_end|>
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> "ThinkTokens | None":
+        vocab = tokenizer.get_vocab()
+        ids = {t: vocab.get(t) for t in ("<think>", "</think>", "<tool_call>", "<|im_start|>", "<|im_end|>")}
+        if ids["<think>"] is None or ids["</think>"] is None:
+            return None
+        return cls(ids["<think>"], frozenset(i for i in (ids["</think>"], ids["<tool_call>"]) if i is not None),
+                   ids["</think>"], frozenset(i for i in (ids["<|im_start|>"], ids["<|im_end|>"]) if i is not None))
+
+    def prompt_ended(self, prompt_ids: Sequence[int]) -> bool:
+        for token in reversed(prompt_ids):
+            if token in self.ends:
+                return True
+            if token == self.start or token in self.boundaries:
+                return False
+        return False
+
+    def grammar_start(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> int:
+        """The first completion position the grammar constrains (len(completion_ids): none)."""
+        if self.prompt_ended(prompt_ids):
+            return 0
+        for j, token in enumerate(completion_ids):
+            if token in self.ends:
+                return j + (token == self.end)
+        return len(completion_ids)
 
 
 def additive_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

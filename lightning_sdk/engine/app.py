@@ -258,7 +258,7 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
                                           "parallel_tool_calls": body.parallel_tool_calls})
         req = await _to_generation_request(engine, body, served_model_name, max_prompt_chars)
         req.grammar = grammar
-        reader = _reader(engine, body, parse_calls, req.prompt_ids)
+        reader = _reader(engine, body, parse_calls)
         fmt = toolcalls.tool_format(engine.tool_parser)
         req.skip_special_tokens = body.skip_special_tokens if body.skip_special_tokens is not None else \
             fmt.skip_special_tokens or not parse_calls and fmt.name != "openai"
@@ -424,16 +424,13 @@ def _usage(result: GenerationResult) -> dict:
             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
-def _reader(engine: Engine, body: ChatCompletionRequest, parse_calls: bool, prompt_ids: list[int]
-            ) -> toolcalls.Reader:
+def _reader(engine: Engine, body: ChatCompletionRequest, parse_calls: bool) -> toolcalls.Reader:
     """How this request's replies are read: the model's tool format (when calls are parsed; gpt-oss's always, its
     channels hold the reasoning), its reasoning split, the forced choice."""
     fmt = toolcalls.tool_format(engine.tool_parser)
     thinking = None
-    if engine.reasoning_parser in ("qwen3", "deepseek_r1"):
-        # thinking is off when the prompt already closed it (Qwen3's enable_thinking false: an empty think block)
-        tail = engine.decode_tail(prompt_ids)
-        thinking = toolcalls.Thinking(closed=tail.rstrip().endswith(toolcalls.Thinking.CLOSE))
+    if engine.reasoning_parser == "qwen3":  # vLLM's split, off with Qwen3's enable_thinking false
+        thinking = toolcalls.Thinking(closed=(body.chat_template_kwargs or {}).get("enable_thinking") is False)
     return toolcalls.Reader(fmt if parse_calls or fmt.name == "openai" else None, thinking,
                             toolcalls.forced_choice(body.tool_choice) if parse_calls else None)
 

@@ -35,7 +35,7 @@ from lightning_sdk.engine.requests import (
 )
 from lightning_sdk.engine.sampling import find_stop, sample_next
 from lightning_sdk.engine.scheduler import Scheduler
-from lightning_sdk.grammar import Grammars
+from lightning_sdk.grammar import Grammars, ThinkTokens
 from lightning_sdk.models.adapter import nonfinite_in_adapter
 from lightning_sdk.servers import vllm_parsers
 
@@ -70,6 +70,7 @@ class Engine:
         template, model_type = vllm_parsers.model_files(model_path)
         self.tool_parser = vllm_parsers.tool_call_parser_for(template, model_type)
         self.reasoning_parser = vllm_parsers.reasoning_parser_for(template, model_type)
+        self.think = ThinkTokens.of(self.tokenizer) if self.reasoning_parser == "qwen3" else None
         self.pad_id = self.tokenizer.pad_token_id
         # transformers 5 renamed `past_key_values` to `cache` (the old name is deprecated): use whichever exists.
         params = inspect.signature(self.model.forward).parameters
@@ -127,11 +128,6 @@ class Engine:
         """A completions prompt's token ids, as the tokenizer makes them (blocking: call it in a thread)."""
         with self._tok_lock:
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-    def decode_tail(self, prompt_ids: list[int], tokens: int = 8) -> str:
-        """The text of a prompt's last few tokens, special tokens kept (what the generation prompt ends with)."""
-        with self._tok_lock:
-            return self.tokenizer.decode(prompt_ids[-tokens:], skip_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
         """A token's own text (special tokens included), as OpenAI logprobs report it."""
@@ -206,7 +202,9 @@ class Engine:
 
     def _prefill(self, jobs: list[Job]) -> DecodeBatch | None:
         """Prompt pass for new jobs, left-padded together; their first token is sampled. None if all finished."""
-        rows = [Row(job, i, matcher=None if job.req.grammar is None else self._grammars.matcher(job.req.grammar))
+        rows = [Row(job, i, matcher=None if job.req.grammar is None else self._grammars.matcher(job.req.grammar),
+                    thinking=job.req.grammar is not None and self.think is not None
+                    and not self.think.prompt_ended(job.req.prompt_ids))
                 for job in jobs for i in range(job.req.n)]
         self.stats["requests"] += len(jobs)
         self.stats["prefills"] += 1
@@ -240,7 +238,7 @@ class Engine:
         # outside what its grammar allows next, before temperature and top-p: it samples from the policy
         # renormalised over those tokens and reports those log-probs (what the trainer's replay computes).
         logits = out.logits[:, -1, :].float().cpu()
-        matchers = [r.matcher for r in batch.rows]
+        matchers = [None if r.thinking else r.matcher for r in batch.rows]
         if any(m is not None for m in matchers):
             self._grammars.mask_logits(logits, matchers)
         tokens, logps, top = sample_next(logits, batch.temps, batch.top_ps, batch.rows, self._gen)
@@ -313,7 +311,10 @@ class Engine:
         self.stats["generated_tokens"] += 1
         row.tokens.append(token)
         row.logprobs.append(logprob)
-        if row.matcher is not None and not row.matcher.accept_token(token):
+        constrained = not row.thinking
+        if row.thinking and token in self.think.ends:  # the grammar starts: after </think>, at <tool_call>
+            row.thinking, constrained = False, token != self.think.end
+        if constrained and row.matcher is not None and not row.matcher.accept_token(token):
             log.error("token %d was sampled outside its request's grammar", token)  # the mask makes it impossible
         if req.top_logprobs:
             row.top.append(top or [])
