@@ -33,7 +33,7 @@ from lightning_sdk.servers.cpu import CPUServer
 from lightning_sdk.train.trainer import GRPOTrainer
 from lightning_sdk.transitions import to_transitions
 
-from .conftest import gateway_in_front_of, in_rollout
+from .conftest import SERVED, gateway_in_front_of, in_rollout
 
 torch.set_num_threads(1)
 
@@ -169,12 +169,12 @@ def test_each_format_s_forced_call_grammar_is_the_one_vllm_applies(fmt):
 
 def _ask(client, family: str, *, seed: int, stream: bool = False, **kw):
     """One chat call; Qwen3 without thinking where a grammar applies from the first token."""
-    extra = {"chat_template_kwargs": {"enable_thinking": False}} if family == "qwen3" and "thinking" not in kw \
-        else {}
-    kw.pop("thinking", None)
-    r = client.chat.completions.create(model="m", seed=seed, stream=stream, temperature=1.0,
+    extra = {"return_token_ids": True}  # the gateway hands the ids back only when asked, as vLLM does
+    if family == "qwen3" and not kw.pop("thinking", False):
+        extra["chat_template_kwargs"] = {"enable_thinking": False}
+    r = client.chat.completions.create(model=SERVED, seed=seed, stream=stream, temperature=1.0,
                                        messages=[{"role": "user", "content": f"What is {seed} + 4?"}],
-                                       extra_body=extra or None, **kw)
+                                       extra_body=extra, **kw)
     if not stream:
         c = r.choices[0]
         return c.message.content, functions([t.model_dump() for t in c.message.tool_calls or []]), \
@@ -195,13 +195,13 @@ def _ask(client, family: str, *, seed: int, stream: bool = False, **kw):
 def family_server(request, tmp_path_factory):
     family = request.param
     path = models.resolve(f"family:{family}")
-    with CPUServer(path, served_model_name="m", threads=1, max_model_len=2048,
+    with CPUServer(path, served_model_name=SERVED, threads=1, max_model_len=2048,
                    log_path=tmp_path_factory.mktemp("srv") / "server.log") as server:
         with gateway_in_front_of(server) as gw:
             yield family, path, gw
 
 
-def test_forced_calls_and_structured_output_on_the_built_in_server(family_server, store):
+def test_forced_calls_structured_output_and_reasoning_on_the_built_in_server(family_server, store):
     family, path, gw = family_server
     tracing.install(store, gateway_url=gw.base_url)
     gw.capture.record_to(store)
@@ -233,9 +233,9 @@ def test_forced_calls_and_structured_output_on_the_built_in_server(family_server
     # the records hold exactly the sampled ids, and the trainer replays the format's grammar over them
     ts = [t for rid in replies for t in to_transitions(store.rollout(rid), store.spans(rid))
           if t.constraint is not None]
-    assert [list(t.completion_ids) for t in ts] == [r[2] for r in replies.values()]
+    assert [list(t.completion_ids) for t in ts] == [r[2] for r in replies.values() for _ in range(2)]  # plain, streamed
     m = GRPOTrainer(path, TrainConfig(device="cpu", lora_r=4)).step(ts)
-    assert m["num_constrained"] == 4 and m["constraint_mismatch"] == 0, (family, m)
+    assert m["num_constrained"] == 8 and m["constraint_mismatch"] == 0, (family, m)
     assert m["logprob_gap"] <= 1e-5, (family, m["logprob_gap"])
     # structured output: the reply is the schema's JSON
     client = openai.OpenAI(base_url=gw.base_url, api_key=gw.api_key, max_retries=0)
@@ -243,21 +243,25 @@ def test_forced_calls_and_structured_output_on_the_built_in_server(family_server
         "type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
     if finish != "length":
         assert set(json.loads(content)) == {"answer"} and not calls, (family, content)
+    if family == "qwen3":
+        qwen3_s_thinking_is_reasoning_content(client)
 
 
-def test_qwen3_s_thinking_is_reasoning_content(family_server):
-    family, _, gw = family_server
-    if family != "qwen3":
-        pytest.skip("Qwen3 only")
-    client = openai.OpenAI(base_url=gw.base_url, api_key=gw.api_key, max_retries=0)
+def qwen3_s_thinking_is_reasoning_content(client):
+    """Qwen3 thinks by default: its reply reads as vLLM's qwen3 reasoning parser reads it."""
+    family = "qwen3"
     content, _, ids, finish, reasoning = _ask(client, family, seed=3, thinking=True, max_tokens=24)
     streamed = _ask(client, family, seed=3, thinking=True, max_tokens=24, stream=True)
     assert (content, ids, reasoning) == (streamed[0], streamed[2], streamed[4])
     tok = models.load_tokenizer(models.resolve("family:qwen3"))
     text = tok.decode(ids, skip_special_tokens=True)
-    # vLLM's qwen3 split: before </think> (all of it, while it never came) is reasoning
-    want_reasoning, rest = Thinking(closed=False).split(text, final=True)
-    assert reasoning == (want_reasoning or None) and (content or "") == (rest or "").strip() or content == rest
+    # vLLM's qwen3 split: before </think> is reasoning, after it content; all of it while </think> never came
+    body = text.removeprefix("<think>")
+    if "</think>" in body:
+        thought, after = body.split("</think>", 1)
+        assert (reasoning or "", (content or "").strip()) == (thought, after.strip())
+    else:
+        assert (reasoning, content) == (body, None)
     assert reasoning  # a thinking model's reply starts in its reasoning
     # thinking off (enable_thinking false): all content
     content, _, _, _, reasoning = _ask(client, family, seed=3, max_tokens=24)

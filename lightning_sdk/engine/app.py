@@ -107,7 +107,7 @@ class ChatCompletionRequest(Sampled):
     @classmethod
     def _no_caller_template(cls, v: Any, info: ValidationInfo) -> Any:
         # Only Qwen3's switch between thinking and not is taken (a boolean the template reads)
-        if v is not None and not (info.field_name == "chat_template_kwargs" and isinstance(v, dict)
+        if v is not None and not (info.field_name == "chat_template_kwargs" and isinstance(v, dict) and v
                                   and set(v) <= {"enable_thinking"} and all(isinstance(x, bool) for x in v.values())):
             raise ValueError(f"{info.field_name} is not accepted: this server renders the model's own chat template "
                              f"only (chat_template_kwargs: only {{'enable_thinking': true or false}})")
@@ -366,7 +366,8 @@ async def _to_generation_request(engine: Engine, body: ChatCompletionRequest, se
         # Template rendering and tokenising take a thread, so /health and other requests are answered meanwhile.
         prompt_ids = await asyncio.to_thread(engine.encode_chat, body.messages, tools=body.tools,
                                              add_generation_prompt=body.add_generation_prompt,
-                                             continue_final_message=body.continue_final_message)
+                                             continue_final_message=body.continue_final_message,
+                                             template_kwargs=body.chat_template_kwargs)
     except RequestError as e:
         raise APIError(400, str(e), e.param) from e
     requested = body.max_completion_tokens or body.max_tokens
