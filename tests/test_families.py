@@ -243,6 +243,20 @@ def test_forced_calls_structured_output_and_reasoning_on_the_built_in_server(fam
         "type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
     if finish != "length":
         assert set(json.loads(content)) == {"answer"} and not calls, (family, content)
+    # a call comes back in the next prompt with its result, as the family's template renders them
+    off = {"chat_template_kwargs": {"enable_thinking": False}} if family == "qwen3" else {}
+    for seed in range(4):  # the first call that finishes within max_tokens
+        r = client.chat.completions.create(model=SERVED, seed=seed, max_tokens=96, tools=TOOLS, tool_choice=NAMED,
+                                           messages=[{"role": "user", "content": "What is 0 + 4?"}], extra_body=off)
+        if r.choices[0].message.tool_calls:
+            break
+    call = r.choices[0].message.tool_calls[0]
+    again = client.chat.completions.create(model=SERVED, seed=0, max_tokens=4, tools=TOOLS, extra_body={
+        "return_token_ids": True, **off}, messages=[{"role": "user", "content": "What is 0 + 4?"},
+                                             r.choices[0].message.model_dump(exclude_none=True),
+                                             {"role": "tool", "tool_call_id": call.id, "content": "4"}])
+    prompt = models.load_tokenizer(path).decode(again.model_extra["prompt_token_ids"])
+    assert all(f'{json.dumps(k)}' in prompt for k in json.loads(call.function.arguments)), prompt
     if family == "qwen3":
         qwen3_s_thinking_is_reasoning_content(client)
 
