@@ -207,6 +207,13 @@ def load_causal_lm(name_or_path: str, *, dtype: str = "auto", quantization: str 
         for param in model.parameters():
             if param.dtype in (torch.float16, torch.bfloat16) and type(param).__name__ != "Params4bit":
                 param.data = param.data.to(torch.float32)
+        # On a CPU with AVX512-BF16, bitsandbytes repacks an nf4 weight for its inference kernel at the first
+        # no-grad forward in eval mode, for good; that kernel has no backward, so after the trainer's frozen pass
+        # no gradient would flow through the base (and a biased layer, Qwen2's q/k/v, fails outright). Both copies
+        # keep the one kernel that trains, so the server also samples with the kernel the trainer scores with.
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
     return model
 
 

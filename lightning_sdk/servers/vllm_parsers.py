@@ -21,11 +21,15 @@ TEMPLATE_TOOL_FORMATS = (
     ("[TOOL_CALLS]", "mistral"),  # Mistral / Mixtral / Ministral
     ("<tool_call>", "hermes"),  # Hermes, Qwen2.5, Qwen3, this project's builtin: and tiny: models
     ("<|python_tag|>", "llama3_json"),  # Llama 3.1 / 3.2 / 3.3
+    ("<start_function_call>", "functiongemma"),  # FunctionGemma (a Gemma 3): call:NAME{...} between its tokens
 )
 # model_type -> parser, for models whose template shows no marker above.
 MODEL_TYPE_TOOL_FORMATS = {
     "mistral": "mistral", "mixtral": "mistral", "ministral": "mistral", "llama4": "llama4_pythonic",
     "granite": "granite", "gpt_oss": "openai", "internlm2": "internlm", "jamba": "jamba",
+    # Gemma 3 has no tool tokens: Google's function-calling guide and vLLM's Gemma 3 tool template have it answer a
+    # Python list of calls, [name(arg=value)], which the pythonic parser reads.
+    "gemma3": "pythonic", "gemma3_text": "pythonic",
 }
 # model_type -> reasoning parser, when the template thinks (<think>) or the family always reasons.
 MODEL_TYPE_REASONING = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "gpt_oss": "openai_gptoss",
