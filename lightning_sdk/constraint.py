@@ -283,10 +283,8 @@ def _forced_tools(tools: Any, choice: Any, parallel: Any) -> Constraint | None:
                         else {"type": "object"}})
     if not out:  # engine/toolcalls.py names what is wrong with tools and tool_choice
         return None
-    spec = {"tools": out, "one": named is not None or parallel is False}
-    if named is not None or parallel is False:  # which of the two: the formats' grammars differ (see below)
-        spec["named"] = named is not None
-    return Constraint("tool_calls", spec, param="tool_choice")
+    return Constraint("tool_calls", {"tools": out, "choice": "named" if named is not None else choice,
+                                     "one": named is not None or parallel is False}, param="tool_choice")
 
 
 # ---- the forced-call grammar of each tool-call format, as vLLM 0.32 applies it for the same request ----
@@ -305,43 +303,75 @@ def grammar_format(parser: str | None) -> str:
     return parser if parser in TOOL_FORMATS else DEFAULT_TOOL_FORMAT
 
 
-def format_grammar(c: Constraint, fmt: str) -> Constraint:
-    """The constraint the model `fmt` (TOOL_FORMATS) is sampled under for `c`: a forced tool call becomes its
-    format's grammar (kind "structural_tag" holds xgrammar's structural-tag JSON), a JSON constraint on gpt-oss is
-    wrapped in its final channel; anything else is `c` itself. hermes keeps kind "tool_calls" (grammar.py)."""
+def format_grammar(c: Constraint, fmt: str) -> Constraint | None:
+    """The constraint the model `fmt` (TOOL_FORMATS) is sampled under for `c` (None: none, vLLM leaves an "auto"
+    call of mistral and pythonic free): tool calls become the format's grammar (kind "structural_tag" holds
+    xgrammar's structural-tag JSON), a JSON constraint on gpt-oss goes in its final channel; anything else is `c`
+    itself. hermes keeps kind "tool_calls" (grammar.py builds its tag)."""
     if fmt == "openai" and c.kind in ("json_schema", "json_object"):
         schema = c.spec if c.kind == "json_schema" else {"type": "object"}
         return Constraint("structural_tag", _harmony_final(schema), c.param)
     if c.kind != "tool_calls" or fmt == DEFAULT_TOOL_FORMAT or fmt not in TOOL_FORMATS:
         return c
-    tools, named = c.spec["tools"], c.spec.get("named", False)
-    single = bool(c.spec["one"])
+    tools, single, text = c.spec["tools"], bool(c.spec["one"]), c.spec.get("text")
+    # "choice": "auto", "required" or "named"; a spec without it is a forced call ("named" kept as a flag)
+    choice = c.spec.get("choice") or ("named" if c.spec.get("named") else "required")
+    if fmt in ("mistral", "pythonic") and choice == "auto":  # no grammar of calls: the response format, if any
+        return None if text is None else Constraint(text["kind"], text.get("spec"), c.param)
     if fmt == "mistral":  # [{"name": ..., "arguments": ...}], a named call at most once
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
-                                                   "arguments": t["parameters"] or {"type": "object"}},
+                                                   "arguments": _params(t, {"type": "object"})},
                   "required": ["name", "arguments"]} for t in tools]
-        return Constraint("json_schema", {"type": "array", "minItems": 1, **({"maxItems": 1} if named else {}),
+        return Constraint("json_schema", {"type": "array", "minItems": 1,
+                                          **({"maxItems": 1} if choice == "named" else {}),
                                           "items": {"type": "object", "anyOf": items}}, c.param)
     if fmt == "pythonic":  # a named call: its arguments alone; "required": [{"name": ..., "parameters": ...}]
-        if named:
-            return Constraint("json_schema", tools[0]["parameters"] or {"type": "object", "properties": {}}, c.param)
+        if choice == "named":
+            return Constraint("json_schema", _params(tools[0], {"type": "object", "properties": {}}), c.param)
         items = [{"properties": {"name": {"type": "string", "enum": [t["name"]]},
-                                 "parameters": t["parameters"] or {"type": "object", "properties": {}}},
+                                 "parameters": _params(t, {"type": "object", "properties": {}})},
                   "required": ["name", "parameters"]} for t in tools]
         return Constraint("json_schema", {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items},
                                           **({"maxItems": 1} if single else {})}, c.param)
-    if fmt == "llama3_json":
+    if text is not None:  # "auto" with a response format: calls as "required" asks for them, or the format
+        tools_tag = format_grammar(Constraint("tool_calls", {"tools": tools, "one": single, "choice": "required"},
+                                              c.param), fmt)
+        return Constraint("structural_tag", {"type": "structural_tag", "format": {"type": "or", "elements": [
+            tools_tag.spec["format"], text_format(text["kind"], text.get("spec"))]}}, c.param)
+    if fmt == "llama3_json":  # xgrammar's builtin "llama" tag
         tags = [_tag('{"name": "' + t["name"] + '", "parameters": ', _args(t), "}") for t in tools]
-        if named:
+        if choice == "named":
             return Constraint("structural_tag", {"type": "structural_tag", "format": tags[0]}, c.param)
         return Constraint("structural_tag", {"type": "structural_tag", "format": {
             "type": "triggered_tags", "triggers": ['{"name": '], "tags": tags, "excludes": ["<think>", "</think>"],
-            "at_least_one": True, "stop_after_first": single}}, c.param)
-    # openai: gpt-oss's harmony messages, optional analysis and commentary before one call
+            "at_least_one": choice == "required", "stop_after_first": single}}, c.param)
+    # openai: gpt-oss's harmony messages, optional analysis and commentary, then a call (or, "auto", a final one)
     tags = [_tag(begin.format(name=t["name"], channel=channel, constrain=constrain), _args(t), ["<|end|>", ""])
             for t in tools for begin in HARMONY_CALL_BEGINS for constrain in HARMONY_JSON_CONSTRAINS
             for channel in HARMONY_CALL_CHANNELS]
+    if choice == "auto":
+        tags += [_tag(f"<|channel|>final{constrain}<|message|>", {"type": "any_text"}, ["<|end|>", ""])
+                 for constrain in HARMONY_JSON_CONSTRAINS + ("",)]
     return Constraint("structural_tag", _harmony(True, {"type": "or", "elements": tags}), c.param)
+
+
+def text_format(kind: str, spec: Any) -> dict:
+    """A response format as a structural tag's element (vLLM's structured_outputs_to_format)."""
+    if kind in ("json_schema", "json_object"):
+        return {"type": "json_schema", "json_schema": spec if kind == "json_schema" else {"type": "object"}}
+    if kind == "regex":
+        return {"type": "regex", "pattern": spec}
+    if kind == "choice":
+        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in spec]}
+    if kind == "grammar":
+        return {"type": "grammar", "grammar": spec}
+    raise ConstraintError(f"unknown constraint kind {kind!r}", "response_format")
+
+
+def _params(tool: dict, default: dict) -> dict:
+    """A tool's parameters as vLLM's bare-JSON schemas take them: `default` when it has none."""
+    params = tool.get("parameters")
+    return params if isinstance(params, dict) and params else default
 
 
 HARMONY_JSON_CONSTRAINS = (" json", " <|constrain|>json")
@@ -351,7 +381,9 @@ HARMONY_CALL_BEGINS = (" to=functions.{name}{channel}{constrain}<|message|>",
 
 
 def _args(tool: dict) -> dict:
-    return {"type": "json_schema", "json_schema": tool["parameters"] or True}
+    """A structural tag's arguments: the tool's parameters (any JSON when it has none), as vLLM pins them."""
+    params = tool.get("parameters")
+    return {"type": "json_schema", "json_schema": params if isinstance(params, dict) and params else True}
 
 
 def _tag(begin: str, content: dict, end: str | list[str]) -> dict:

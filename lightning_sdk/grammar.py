@@ -72,7 +72,10 @@ class Grammars:
     def compile(self, c: Constraint) -> Any:
         """The compiled grammar (xgrammar.CompiledGrammar), blocking at most `deadline_s` for a compile thread and
         `deadline_s` more for the compile. ConstraintError naming the request's part if it is over a limit, compiles
-        longer or cannot be compiled; GrammarBusy if no slot is free or no thread in time."""
+        longer or cannot be compiled; GrammarBusy if no slot is free or no thread in time. None where the model's tool
+        format samples `c` under no grammar."""
+        if self._free(c):
+            return None
         asked = time.monotonic()
         key, hit, job = self._start(c)
         while job is not None:
@@ -84,6 +87,8 @@ class Grammars:
 
     async def compile_async(self, c: Constraint) -> Any:
         """`compile` for the event loop: the loop only waits, the compile runs on this object's threads."""
+        if self._free(c):
+            return None
         asked = time.monotonic()
         key, hit, job = self._start(c)
         if job is None:
@@ -94,6 +99,10 @@ class Grammars:
                 return await asyncio.wait_for(asyncio.shield(waited), self._left(c, key, job, asked))
             except TimeoutError:
                 continue
+
+    def _free(self, c: Constraint) -> bool:
+        """True when this model's tool format samples `c` under no grammar (vLLM's "auto" for mistral, pythonic)."""
+        return format_grammar(c, self.tool_format) is None
 
     def _start(self, c: Constraint) -> tuple[str, Any, Future | None]:
         """(key, cached grammar, None) or (key, None, the compile to wait for: one running for the same key, or a
@@ -210,6 +219,7 @@ class Grammars:
     def _compile(self, c: Constraint) -> Any:
         comp = self._xgr_compiler()
         c = format_grammar(c, self.tool_format)
+        assert c is not None  # compile() answers None before it comes here (_free)
         if c.kind in ("json_schema", "json_object"):  # compact JSON, as vLLM with disable_any_whitespace
             schema = json.dumps(c.spec if c.kind == "json_schema" else {"type": "object"})
             return comp.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
@@ -250,8 +260,11 @@ class Grammars:
         one the grammar allows there (not sampled under it)."""
         import xgrammar as xgr
 
-        matcher = xgr.GrammarMatcher(self.compile(c))
-        bitmask = xgr.allocate_token_bitmask(len(completion_ids), self.vocab_size)
+        compiled = self.compile(c)
+        bitmask = xgr.allocate_token_bitmask(len(completion_ids), self.vocab_size)  # every token allowed
+        if compiled is None:
+            return bitmask
+        matcher = xgr.GrammarMatcher(compiled)
         for j, token in enumerate(completion_ids):
             if j < start:
                 continue

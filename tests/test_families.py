@@ -24,7 +24,7 @@ from rich.console import Console
 
 from lightning_sdk import config, models, tracing
 from lightning_sdk.config import TrainConfig
-from lightning_sdk.constraint import from_request, format_grammar
+from lightning_sdk.constraint import Constraint, format_grammar, from_request
 from lightning_sdk.engine import toolcalls
 from lightning_sdk.engine.toolcalls import Forced, Reader, Thinking, tool_format
 from lightning_sdk.runtime import Runtime
@@ -163,6 +163,28 @@ def test_each_format_s_forced_call_grammar_is_the_one_vllm_applies(fmt):
         else:
             theirs = get_json_schema_from_tools(req.tool_choice, req.tools, req.parallel_tool_calls)
             assert ours.kind == "json_schema" and ours.spec == theirs
+    # tool_choice "auto" (recorded as i51-tools' constraint.py records it, "choice": "auto"): vLLM's tag for the
+    # formats that have one, no grammar for the others; with a response format (llama3_json), calls or the format
+    auto = Constraint("tool_calls", {"tools": [{"name": t["function"]["name"], "parameters": t["function"][
+        "parameters"]} for t in TOOLS], "choice": "auto", "one": False}, "tool_choice")
+    ours = format_grammar(auto, fmt)
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    if fmt in ("mistral", "pythonic"):
+        assert ours is None
+        return
+    tag = get_model_structural_tag("llama" if fmt == "llama3_json" else "harmony", req.tools, "auto", False,
+                                   strict_level=ToolStrictLevel.PARAMETER)
+    assert grammar(tag.model_dump()) == grammar(ours.spec)
+    if fmt == "llama3_json":
+        from vllm.parser.abstract_parser import structured_outputs_to_format
+        from vllm.sampling_params import StructuredOutputsParams
+        with_text = Constraint("tool_calls", {**auto.spec, "text": {"kind": "json_schema", "spec": SCHEMA}}, "x")
+        tools_tag = get_model_structural_tag("llama", req.tools, "required", False,
+                                             strict_level=ToolStrictLevel.PARAMETER)
+        theirs = {"type": "structural_tag", "format": {"type": "or", "elements": [
+            tools_tag.format.model_dump(), structured_outputs_to_format(StructuredOutputsParams(
+                json=SCHEMA)).model_dump()]}}
+        assert grammar(theirs) == grammar(format_grammar(with_text, fmt).spec)
 
 
 # ---- each family on the built-in server, through the gateway ----
