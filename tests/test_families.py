@@ -234,10 +234,10 @@ def test_forced_calls_structured_output_and_reasoning_on_the_built_in_server(fam
             rid = f"r{i}"
             store.start_rollout(rid, task_id="t", group_id="g", iteration=0, phase="train")
             with in_rollout(gw, rid):
-                replies[rid] = _ask(client, family, seed=i, tools=TOOLS, tool_choice=choice, max_tokens=96)
+                replies[rid] = _ask(client, family, seed=i, tools=TOOLS, tool_choice=choice, max_tokens=160)
                 # the same call streamed: the same tokens, read the same way
                 assert _ask(client, family, seed=i, stream=True, tools=TOOLS, tool_choice=choice,
-                            max_tokens=96) == replies[rid]
+                            max_tokens=160) == replies[rid]
             store.finish_rollout(rid, status="succeeded", output="", reward=float(i % 2))
         assert gw.capture.flush()
         tracing.flush()

@@ -259,9 +259,9 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
         req = await _to_generation_request(engine, body, served_model_name, max_prompt_chars)
         req.grammar = grammar
         reader = _reader(engine, body, parse_calls)
-        fmt = toolcalls.tool_format(engine.tool_parser)
+        # special tokens stay in the text where the format's markers are special tokens and the reply is read
         req.skip_special_tokens = body.skip_special_tokens if body.skip_special_tokens is not None else \
-            fmt.skip_special_tokens or not parse_calls and fmt.name != "openai"
+            reader.fmt is None or reader.fmt.skip_special_tokens
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
