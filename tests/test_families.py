@@ -187,6 +187,46 @@ def test_each_format_s_forced_call_grammar_is_the_one_vllm_applies(fmt):
         assert grammar(theirs) == grammar(format_grammar(with_text, fmt).spec)
 
 
+VLLM_READS = [  # (family, parser, tool_choice, text)
+    ("qwen2.5", "hermes", "auto", 'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'),
+    ("llama3", "llama3_json", "auto", '{"name": "add", "parameters": {"a": 3, "b": 4}}'),
+    ("llama3", "llama3_json", "auto", "The answer is 7."),
+    ("mistral", "mistral", "auto", 'Calling. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 1}}]'),
+    ("mistral", "mistral", "required", '[{"name":"add","arguments":{"a":5,"b":6}}]'),
+    ("gemma3", "pythonic", "auto", "[add(a=1, b=2), echo(word='no')]"),
+    ("gemma3", "pythonic", "auto", "I do not know."),
+]
+
+
+@pytest.mark.vllm
+def test_each_format_reads_a_reply_as_vllm_s_parser_does():
+    """vLLM's own tool parsers (and its qwen3 reasoning parser) on the family's tokenizer, no server: the same
+    calls and content (hermes' content without its trailing space: the built-in server trims it)."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tokenizers import get_tokenizer
+    from vllm.tool_parsers import ToolParserManager
+
+    for family, parser, choice, text in VLLM_READS:
+        tok = get_tokenizer(models.resolve(f"family:{family}"))
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=TOOLS,
+                                    tool_choice=choice)
+        info = ToolParserManager.get_tool_parser(parser)(tok, req.tools).extract_tool_calls(text, req)
+        theirs = [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls]
+        ours, _ = toolcalls.message(text, "stop", Reader(tool_format(parser), None,
+                                                         Forced() if choice == "required" else None))
+        assert functions(ours["tool_calls"]) == theirs, (parser, text)
+        content = info.content.strip() if parser == "hermes" and info.content else info.content
+        assert ours["content"] == content, (parser, text)
+    tok = get_tokenizer(models.resolve("family:qwen3"))
+    thinker = ReasoningParserManager.get_reasoning_parser("qwen3")
+    for text in ["<think>\nadd them</think>\n\nIt is 7.", "still thinking", "add them</think>It is 7."]:
+        reasoning, rest = Thinking(closed=False).split(text, final=True)
+        assert (reasoning or None, rest) == thinker(tok).extract_reasoning(text, ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "x"}]))
+
+
 # ---- each family on the built-in server, through the gateway ----
 
 def _ask(client, family: str, *, seed: int, stream: bool = False, **kw):
