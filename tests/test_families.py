@@ -285,13 +285,17 @@ def test_forced_calls_structured_output_and_reasoning_on_the_built_in_server(fam
         gw.capture.record_to(None)
     done = 0
     for i, (content, calls, ids, finish, _) in enumerate(replies.values()):
-        if finish == "length":  # cut by max_tokens (free whitespace in a call's JSON): no call to read
+        # A call cut by max_tokens (gpt-oss's random weights fill the free whitespace its tag allows), or followed
+        # by text that is not a call (llama3_json's "required" lets text follow a call), reads as no call: as vLLM's
+        # parsers read it
+        if not calls:
             continue
         done += 1
-        assert finish == "tool_calls" and calls and content is None, (family, content, calls)
+        assert finish in ("tool_calls", "length"), (family, finish)  # "required": text may follow the call
+        assert content is None or family == "gpt-oss", (family, content)  # gpt-oss may write a commentary first
         assert calls[0][0] == "add" if i % 2 else calls[0][0] in ("add", "echo")
         assert all(set(args) == ({"a", "b"} if name == "add" else {"word"}) for name, args in calls)
-    assert done >= 2, f"{family}: {done} of 4 forced calls finished within max_tokens"
+    assert done >= (1 if family == "gpt-oss" else 2), f"{family}: {done} of 4 forced calls read"
     # the records hold exactly the sampled ids, and the trainer replays the format's grammar over them
     ts = [t for rid in replies for t in to_transitions(store.rollout(rid), store.spans(rid))
           if t.constraint is not None]
