@@ -142,7 +142,8 @@ def test_each_format_s_forced_call_grammar_is_the_one_vllm_applies(fmt):
     for extra in ({"tool_choice": "required"}, {"tool_choice": "required", "parallel_tool_calls": False},
                   {"tool_choice": NAMED}, {"response_format": {"type": "json_schema",
                                                                  "json_schema": {"name": "a", "schema": SCHEMA}}}):
-        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, **extra}
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra,
+                **({} if "response_format" in extra else {"tools": TOOLS})}
         req = ChatCompletionRequest(**body)
         ours = format_grammar(from_request(body), fmt)
         if "response_format" in extra:
@@ -292,7 +293,8 @@ def test_forced_calls_structured_output_and_reasoning_on_the_built_in_server(fam
             continue
         done += 1
         assert finish in ("tool_calls", "length"), (family, finish)  # "required": text may follow the call
-        assert content is None or family == "gpt-oss", (family, content)  # gpt-oss may write a commentary first
+        # gpt-oss may write a commentary first; a second call cut by max_tokens stays text
+        assert content is None or family == "gpt-oss" or finish == "length", (family, content)
         assert calls[0][0] == "add" if i % 2 else calls[0][0] in ("add", "echo")
         assert all(set(args) == ({"a", "b"} if name == "add" else {"word"}) for name, args in calls)
     # the gateway varies a training call's seed per rollout (a random trace id): how many run to max_tokens varies
