@@ -43,11 +43,13 @@ FORMAT = {
     "llama3": ["<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n",
                "<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions",
                "<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"calculator\", \"parameters\": "
-               "{\"expression\": \"12*8\"}}<|eot_id|>", "<|start_header_id|>ipython<|end_header_id|>\n\n\"96\"<|eot_id|>",
+               "{\"expression\": \"12*8\"}}<|eot_id|>",
+               "<|start_header_id|>ipython<|end_header_id|>\n\n\"96\"<|eot_id|>",
                "<|start_header_id|>assistant<|end_header_id|>\n\n"],
     "mistral": ["<s>[INST] How many", "[TOOL_CALLS] [{\"name\": \"calculator\", \"arguments\": {\"expression\": "
                 "\"12*8\"}, \"id\": \"call00001\"}]</s>", "[TOOL_RESULTS] {\"content\": 96, \"call_id\": \"call00001\"}"
-                "[/TOOL_RESULTS]", "[AVAILABLE_TOOLS] [{\"type\": \"function\", \"function\": {\"name\": \"calculator\"",
+                "[/TOOL_RESULTS]",
+                "[AVAILABLE_TOOLS] [{\"type\": \"function\", \"function\": {\"name\": \"calculator\"",
                 "[/AVAILABLE_TOOLS][INST] Solve the problem.\n\nAnd in 3 boxes?[/INST]"],
     "gpt-oss": ["<|start|>system<|message|>You are ChatGPT", "Calls to these tools must go to the commentary channel",
                 "<|start|>developer<|message|># Instructions\n\nSolve the problem.\n\n# Tools\n\n## functions\n\n"

@@ -243,6 +243,9 @@ TEMPLATES = {  # the markers each family's chat template carries (abridged from 
     "mistral": ("mistral", "{{- '[TOOL_CALLS] [' }}"),
     "deepseek-r1-distill-qwen": ("qwen2", "{{'<｜Assistant｜><think>\\n'}}"),
     "gpt-oss": ("gpt_oss", "<|channel|>analysis<|message|>"),
+    "gemma3": ("gemma3_text", "{{ '<start_of_turn>' + role + '\\n' }}"),
+    "gemma3-multimodal": ("gemma3", "{{ '<start_of_turn>' + role + '\\n' }}"),
+    "functiongemma": ("gemma3_text", "<start_function_declaration>declaration:{{ name }}<start_function_call>"),
     "gpt2": ("gpt2", "{% for m in messages %}{{ m.content }}{% endfor %}"),
 }
 
@@ -251,6 +254,7 @@ TEMPLATES = {  # the markers each family's chat template carries (abridged from 
     ("qwen2.5", "hermes", None), ("qwen3", "hermes", "qwen3"), ("qwen3-coder", "qwen3_coder", None),
     ("llama3.1", "llama3_json", None), ("llama3.2", "llama3_json", None), ("mistral", "mistral", None),
     ("deepseek-r1-distill-qwen", None, "deepseek_r1"), ("gpt-oss", "openai", "openai_gptoss"), ("gpt2", None, None),
+    ("gemma3", "pythonic", None), ("gemma3-multimodal", "pythonic", None), ("functiongemma", "functiongemma", None),
 ])
 def test_parsers_follow_the_model(family, tools, reasoning):
     from lightning_sdk.servers.vllm_parsers import reasoning_parser_for, tool_call_parser_for

@@ -44,6 +44,15 @@ SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "strict": Tru
     "required": ["answer"], "additionalProperties": False}}}
 
 
+# What a request adds for a family: Qwen3 thinks first unless told not to, and vLLM constrains a forced call or a
+# response_format only after the reasoning ends, which random weights rarely write; thinking is checked on its own.
+NO_THINKING = {"qwen3": {"chat_template_kwargs": {"enable_thinking": False}}}
+# vLLM renders gpt-oss's chat with openai_harmony (the o200k_harmony vocabulary, bundled in its oss-harmony wheel),
+# never with the model's chat template or tokenizer: a model whose vocabulary is not those 201,088 ids gets ids it
+# does not have.
+HARMONY = "gpt-oss"
+
+
 @pytest.fixture(scope="module", params=sorted(PARSERS))
 def family(request) -> str:
     return request.param
@@ -116,12 +125,19 @@ def replies(r: httpx.Response, stream: bool) -> dict[int, dict]:
     return out
 
 
-def assert_recorded(gw, store, rid: str, ids: list[int], tokenizer, tools=TOOLS) -> None:
+def assert_recorded(gw, store, rid: str, ids: list[int], tokenizer, tools=TOOLS, messages=MESSAGES,
+                    template_kwargs: dict | None = None) -> None:
     """The gateway's record of the rollout's one call holds the sampled ids and the prompt the template renders."""
     (call,) = recorded_calls(gw, store, rid)
     assert call.attributes[COMPLETION_IDS] == ids and ids
     assert call.attributes[PROMPT_IDS] == list(tokenizer.apply_chat_template(
-        MESSAGES, tools=tools, add_generation_prompt=True)["input_ids"])
+        messages, tools=tools, add_generation_prompt=True, **(template_kwargs or {}))["input_ids"])
+
+
+def chat_family(family: str) -> None:
+    if family == HARMONY:
+        pytest.skip("vLLM renders gpt-oss's chat in the o200k_harmony vocabulary, not the model's "
+                    "(test_gpt_oss_chat_is_rendered_in_harmony_s_vocabulary)")
 
 
 @pytest.mark.parametrize("body", [
@@ -133,28 +149,41 @@ def assert_recorded(gw, store, rid: str, ids: list[int], tokenizer, tools=TOOLS)
 def test_a_forced_call_is_parsed_and_recorded_with_exact_ids(gw, store, tokenizer_of, family, body, request):
     """vLLM constrains a forced call to the tool's schema ("strict"): every sample is one call of the calculator
     whose arguments are the schema's, and the record keeps every sampled token the parser turned into it."""
+    chat_family(family)
+    if family == "llama3" and body["tool_choice"] == "required":
+        request.applymarker(pytest.mark.xfail(strict=False, reason=(
+            "vLLM's 'required' grammar for llama3_json lets the model write on after its call, and the parser drops "
+            "every call when any later {...} it finds has no \"name\" (KeyError): random text sometimes holds one")))
+    extra = NO_THINKING.get(family, {})
     rid = f"r-{family}-{request.node.callspec.id}"
     with in_rollout(gw, rid):
-        r = chat(gw, tools=TOOLS, n=2, seed=3, max_tokens=FORCED_TOKENS, **body)
+        r = chat(gw, tools=TOOLS, n=2, seed=3, max_tokens=FORCED_TOKENS, **extra, **body)
     assert r.status_code == 200, r.text
     got = replies(r, bool(body.get("stream")))
     assert sorted(got) == [0, 1]
     for reply in got.values():
-        assert reply["finish"] in ("stop", "tool_calls"), reply
+        said = (reply, tokenizer_of.decode(reply["ids"], skip_special_tokens=False))
         names = [name for name, _ in reply["calls"]]
         # "required" asks for one call or more, a named tool for exactly one
-        assert names and set(names) == {"calculator"} and (len(names) == 1 or body["tool_choice"] == "required")
-        for _, arguments in reply["calls"]:
+        assert names and set(names) == {"calculator"} and (len(names) == 1 or body["tool_choice"] == "required"), \
+            said
+        whole = reply["calls"]
+        if body["tool_choice"] == "required" and reply["finish"] == "length":  # calls, until max_tokens cut one
+            whole = whole[:-1]
+        else:
+            assert reply["finish"] in ("stop", "tool_calls"), said
+        for _, arguments in whole:
             args = json.loads(arguments)
             assert set(args) == {"op", "a", "b"} and args["op"] in ("add", "mul"), args
             assert all(isinstance(args[k], int) and 0 <= args[k] <= 99 for k in ("a", "b")), args
-    assert_recorded(gw, store, rid, got[0]["ids"], tokenizer_of)
+    assert_recorded(gw, store, rid, got[0]["ids"], tokenizer_of, template_kwargs=extra.get("chat_template_kwargs"))
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["auto", "auto-streamed"])
 def test_tool_choice_auto_is_recorded_with_exact_ids(gw, store, tokenizer_of, family, stream):
     """The model's own text, sampled from random weights: whatever the parser made of it, the record is every
     sampled token."""
+    chat_family(family)
     rid = f"r-{family}-auto-{stream}"
     with in_rollout(gw, rid):
         r = chat(gw, tools=TOOLS, seed=5, stream=stream)
@@ -165,17 +194,54 @@ def test_tool_choice_auto_is_recorded_with_exact_ids(gw, store, tokenizer_of, fa
 
 
 def test_structured_output_is_served_and_recorded(gw, store, tokenizer_of, family):
+    chat_family(family)
+    extra = NO_THINKING.get(family, {})
     rid = f"r-{family}-json"
     with in_rollout(gw, rid):
-        r = chat(gw, response_format=SCHEMA, max_tokens=24, seed=7)
+        r = chat(gw, response_format=SCHEMA, max_tokens=24, seed=7, **extra)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
-    content = choice["message"]["content"]
-    if PARSERS[family][1]:  # a reasoning model: the answer follows the reasoning, which the parser splits off
-        content = content or ""
-    assert 0 <= json.loads(content)["answer"] <= 999
-    assert_recorded(gw, store, rid, choice["token_ids"], tokenizer_of, tools=None)
+    assert 0 <= json.loads(choice["message"]["content"])["answer"] <= 999
+    assert_recorded(gw, store, rid, choice["token_ids"], tokenizer_of, tools=None,
+                    template_kwargs=extra.get("chat_template_kwargs"))
+
+
+def test_qwen3_s_reasoning_is_split_off_and_dropped_from_the_next_prompt(gw, store, tokenizer_of, family):
+    """vLLM's qwen3 reasoning parser moves what comes before </think> into `reasoning`; the record keeps every
+    sampled id; sent back in the history before a new question, the template rebuilds the turn without it."""
+    if family != "qwen3":
+        pytest.skip("Qwen3 alone thinks among the families served here")
+    with in_rollout(gw, "r-think"):
+        r = chat(gw, max_tokens=24, seed=1)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    # vLLM's detokenizer holds back the bytes of a character not yet whole: compared without a trailing U+FFFD
+    text = tokenizer_of.decode(choice["token_ids"], skip_special_tokens=True)
+    thought, closed, answer = text.partition("</think>")
+    reasoning, content = (choice["message"]["reasoning"] or ""), (choice["message"]["content"] or "")
+    assert reasoning.rstrip("\ufffd") == thought.removeprefix("<think>").strip("\n").rstrip("\ufffd")
+    assert content.rstrip("\ufffd") == (answer.lstrip("\n") if closed else "").rstrip("\ufffd")
+    assert reasoning  # random weights: the reply never ends its thinking within 24 tokens, or thinks first
+    assert_recorded(gw, store, "r-think", choice["token_ids"], tokenizer_of, tools=None)
+    thinking = "I add twelve eights."
+    history = MESSAGES + [{"role": "assistant", "content": "96", "reasoning_content": thinking},
+                          {"role": "user", "content": "And 3 boxes?"}]
+    with in_rollout(gw, "r-think-next"):
+        r = chat(gw, messages=history, max_tokens=4, seed=1)
+    assert r.status_code == 200, r.text
+    (call,) = recorded_calls(gw, store, "r-think-next")
+    prompt = tokenizer_of.decode(call.attributes[PROMPT_IDS])
+    assert "<|im_start|>assistant\n96<|im_end|>" in prompt and thinking not in prompt
+
+
+def test_gpt_oss_chat_is_rendered_in_harmony_s_vocabulary(gw, family):
+    """Why the chat checks do not run for gpt-oss: vLLM turns its messages into o200k_harmony ids (200008 is
+    <|message|> there), whatever the model's own tokenizer says."""
+    if family != HARMONY:
+        pytest.skip("gpt-oss alone is rendered by openai_harmony")
+    r = chat(gw, max_tokens=4)
+    assert r.status_code == 400 and "Token id 200008 is out of vocabulary" in r.text, r.text
 
 
 def test_the_trainer_s_log_probs_are_the_server_s(gw, model_path, family):
@@ -183,6 +249,10 @@ def test_the_trainer_s_log_probs_are_the_server_s(gw, model_path, family):
     reported: the family's architecture (sliding windows, sinks, experts, norms) computes the same on both."""
     import torch
 
+    if family == HARMONY:
+        pytest.skip("vLLM serves an MoE model with LoRA enabled (as a run starts it) through its Triton MoE-LoRA "
+                    "kernel, which its CPU build lacks: the engine dies at the first forward (module "
+                    "'triton.language' has no attribute 'float32')")
     model = models.load_causal_lm(model_path, dtype="float32")
     gaps = []
     for seed in range(4):

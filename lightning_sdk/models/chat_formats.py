@@ -44,7 +44,8 @@ QWEN25_TEMPLATE = """{%- if tools %}
     {%- endif %}
 {%- endif %}
 {%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
+            or (message.role == "assistant" and not message.tool_calls) %}
         {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
     {%- elif message.role == "assistant" %}
         {{- '<|im_start|>' + message.role }}
@@ -102,7 +103,8 @@ QWEN3_TEMPLATE = """{%- if tools %}
 {%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
 {%- for message in messages[::-1] %}
     {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string
+            and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
         {%- set ns.multi_step_tool = false %}
         {%- set ns.last_query_index = index %}
     {%- endif %}
@@ -123,13 +125,15 @@ QWEN3_TEMPLATE = """{%- if tools %}
             {%- set reasoning_content = message.reasoning %}
         {%- else %}
             {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n')
+                        .split('<think>')[-1].lstrip('\\n') %}
                 {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
             {%- endif %}
         {%- endif %}
         {%- if loop.index0 > ns.last_query_index %}
             {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n')
+                        + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
             {%- else %}
                 {{- '<|im_start|>' + message.role + '\\n' + content }}
             {%- endif %}
@@ -229,7 +233,8 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 {%- endif %}
 {%- for message in messages %}
     {%- if not (message.role == 'ipython' or message.role == 'tool' or message.tool_calls) %}
-        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim
+                + '<|eot_id|>' }}
     {%- elif message.tool_calls %}
         {%- if not message.tool_calls|length == 1 %}
             {{- raise_exception("This model only supports single tool-calls at once!") }}
@@ -330,7 +335,8 @@ MISTRAL_TEMPLATE = """{%- if messages[0]["role"] == "system" %}
         {%- endif %}
         {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
     {%- else %}
-        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+        {{- raise_exception("Only user and assistant roles are supported, "
+                ~ "with the exception of an initial optional system message!") }}
     {%- endif %}
 {%- endfor %}
 """
@@ -360,8 +366,10 @@ GPT_OSS_TEMPLATE = """{%- macro ts_type(p) -%}
     {%- set instructions = none %}
     {%- set loop_messages = messages %}
 {%- endif %}
-{{- "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\nKnowledge cutoff: 2024-06\\n" }}
-{{- "Current date: " + (current_date if current_date is defined else "2025-06-28") + "\\n\\nReasoning: " + reasoning_effort + "\\n\\n" }}
+{{- "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n" }}
+{{- "Knowledge cutoff: 2024-06\\n" }}
+{{- "Current date: " + (current_date if current_date is defined else "2025-06-28") + "\\n\\nReasoning: "
+        + reasoning_effort + "\\n\\n" }}
 {{- "# Valid channels: analysis, commentary, final. Channel must be included for every message." }}
 {%- if tools %}
     {{- "\\nCalls to these tools must go to the commentary channel: 'functions'." }}
@@ -383,7 +391,8 @@ GPT_OSS_TEMPLATE = """{%- macro ts_type(p) -%}
                 {{- "(_: {\\n" }}
                 {%- for name, p in props.items() %}
                     {%- if p.description %}{{- "// " + p.description + "\\n" }}{%- endif %}
-                    {{- name + ("" if name in ((f.parameters or {}).required or []) else "?") + ": " + ts_type(p) + ",\\n" }}
+                    {{- name + ("" if name in ((f.parameters or {}).required or []) else "?") + ": " + ts_type(p)
+                            + ",\\n" }}
                 {%- endfor %}
                 {{- "}) => any;\\n\\n" }}
             {%- else %}
@@ -404,12 +413,15 @@ GPT_OSS_TEMPLATE = """{%- macro ts_type(p) -%}
     {%- if message.role == "user" %}
         {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
     {%- elif message.role == "assistant" %}
-        {%- set thinking = message.reasoning_content if message.reasoning_content is string else (message.reasoning if message.reasoning is string else (message.thinking if message.thinking is string else "")) %}
+        {%- set thinking = message.reasoning_content if message.reasoning_content is string
+                else (message.reasoning if message.reasoning is string
+                else (message.thinking if message.thinking is string else "")) %}
         {%- if thinking and loop.index0 > ns.last_final %}
             {{- "<|start|>assistant<|channel|>analysis<|message|>" + thinking + "<|end|>" }}
         {%- endif %}
         {%- if message.tool_calls %}
-            {%- set call = message.tool_calls[0].function if message.tool_calls[0].function is defined else message.tool_calls[0] %}
+            {%- set call = message.tool_calls[0].function if message.tool_calls[0].function is defined
+                    else message.tool_calls[0] %}
             {%- set ns.tool_name = call.name %}
             {{- "<|start|>assistant to=functions." + call.name + "<|channel|>commentary json<|message|>" }}
             {{- call.arguments if call.arguments is string else call.arguments | tojson }}
@@ -428,6 +440,15 @@ GPT_OSS_TEMPLATE = """{%- macro ts_type(p) -%}
 {%- endif %}
 """
 
+GEMMA3_TOOLS_INTRO = (
+    "Tools (functions) are available. If you decide to invoke one or more of the tools, you must respond with a "
+    "python list of the function calls.\\nExample Format: [func_name1(params_name1=params_value1, "
+    "params_name2=params_value2...), func_name2(params)] \\nDo not use variables. DO NOT USE MARKDOWN SYNTAX. You "
+    "SHOULD NOT include any other text in the response if you call a function. If none of the function can be used, "
+    "point it out. If the given question lacks the parameters required by the function, also point it out.\\nHere "
+    "is a list of functions in JSON format that you can invoke.\\n"
+)
+
 # Gemma 3 (instruction-tuned): <start_of_turn>user / model, <end_of_turn> after each turn, the system prompt
 # joined to the first user turn. Gemma 3 has no tool tokens; Google's function-calling guide and vLLM's
 # tool_chat_template_gemma3_pythonic.jinja offer the tools as JSON in the first user turn and have the model answer a
@@ -442,7 +463,7 @@ GEMMA3_TEMPLATE = """{{- bos_token }}
     {%- set loop_messages = messages %}
 {%- endif %}
 {%- if tools %}
-    {%- set ns = namespace(tools_text="Tools (functions) are available. If you decide to invoke one or more of the tools, you must respond with a python list of the function calls.\\nExample Format: [func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)] \\nDo not use variables. DO NOT USE MARKDOWN SYNTAX. You SHOULD NOT include any other text in the response if you call a function. If none of the function can be used, point it out. If the given question lacks the parameters required by the function, also point it out.\\nHere is a list of functions in JSON format that you can invoke.\\n") %}
+    {%- set ns = namespace(tools_text=\"""" + GEMMA3_TOOLS_INTRO + """\") %}
     {%- for tool in tools %}
         {%- set ns.tools_text = ns.tools_text + (tool | tojson(indent=4)) + '\\n\\n' %}
     {%- endfor %}
@@ -453,7 +474,8 @@ GEMMA3_TEMPLATE = """{{- bos_token }}
         {%- if loop.first or loop_messages[loop.index0 - 1].role != 'tool' %}
             {{- '<start_of_turn>user\\n' }}
         {%- endif %}
-        {{- '```tool_output\\n' + (message.content if message.content is string else message.content | tojson) + '\\n```' }}
+        {{- '```tool_output\\n' + (message.content if message.content is string else message.content | tojson)
+                + '\\n```' }}
         {%- if loop.last or loop_messages[loop.index0 + 1].role != 'tool' %}
             {{- '<end_of_turn>\\n' }}
         {%- else %}
