@@ -398,8 +398,10 @@ class Harmony(ToolFormat):
             recipient = next((w[len("to="):] for w in head.replace("<|", " <|").split() if w.startswith("to=")), None)
             channel = head.split("<|channel|>")[-1].split()[0].split("<|")[0] if "<|channel|>" in head else ""
             if recipient is not None and recipient.startswith("functions."):
-                if complete:
+                if complete and _is_json(body):
                     out.calls.append(self.call(recipient[len("functions."):], body.strip()))
+                elif complete:  # cut short (max_tokens): its text, not a call
+                    out.content += body
                 continue
             if not complete:
                 body = body[:len(body) - max(_partial(body, e) for e in self.ENDS + (self.START,))]
@@ -442,6 +444,14 @@ class Thinking:
         if self.OPEN.startswith(text):  # may still become <think>, which is not reasoning
             return "", None
         return body[:len(body) - max(_partial(body, self.CLOSE), _partial(body, OPEN))], None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _partial(text: str, marker: str) -> int:
