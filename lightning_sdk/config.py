@@ -16,12 +16,13 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# The `vllm serve` flags that serve.*, model.* and train.lora_r set (servers/vllm.py builds them); extra_args must
-# not repeat them.
+# The `vllm serve` flags that serve.*, model.* and train.lora_r set, and those the backend always sets
+# (servers/vllm.py builds them); extra_args must not repeat them.
 VLLM_MANAGED_FLAGS = ("--host", "--port", "--served-model-name", "--api-key", "--enable-lora", "--max-lora-rank",
                       "--max-loras", "--dtype", "--max-model-len", "--gpu-memory-utilization", "--enable-sleep-mode",
                       "--logprobs-mode", "--generation-config", "--enable-auto-tool-choice", "--tool-call-parser",
-                      "--reasoning-parser", "--structured-outputs-config", "--tensor-parallel-size")
+                      "--reasoning-parser", "--structured-outputs-config", "--tensor-parallel-size",
+                      "--tool-strict-level")
 
 
 # serve.tool_call_parser / serve.reasoning_parser: vLLM 0.32.0's registries (the `gpu` extra's pin), as

@@ -1,18 +1,24 @@
 """A call's output constraint (structured outputs), read once from the request in one canonical form.
 
 The same request means the same thing on the built-in server and on vLLM: OpenAI's `response_format` (json_schema,
-json_object), vLLM's `structured_outputs` (json, regex, choice, grammar, json_object: vLLM 0.32's names) and a
-forced `tool_choice` ("required" or a named function). The built-in server samples under it; the gateway records
-it by value (`to_json`) in the call's record, so that the trainer replays the same grammar over the sampled ids
-and scores each token under the same allowed set (lightning_sdk/grammar.py compiles it; nothing here needs the
-grammar engine). JSON is compact (no free whitespace between tokens): a free whitespace run lets a small model fill
-its whole reply with newlines; vLLM is started with the same setting (its disable_any_whitespace, a server-wide
-option it does not take per request).
+json_object), vLLM's `structured_outputs` (json, regex, choice, grammar, json_object: vLLM 0.32's names) and the
+tool calls of a request that offers tools. The built-in server samples under it; the gateway records it by value
+(`to_json`) in the call's record, so that the trainer replays the same grammar over the sampled ids and scores each
+token under the same allowed set (lightning_sdk/grammar.py compiles it; nothing here needs the grammar engine).
+JSON is compact (no free whitespace between tokens): a free whitespace run lets a small model fill its whole reply
+with newlines; vLLM is started with the same setting (its disable_any_whitespace, a server-wide option it does not
+take per request).
 
-A forced tool call is a grammar over the `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks
-that Hermes / Qwen2.5 chat templates (and the builtin models') teach; vLLM instead constrains such a call to bare
-JSON (its tool parsers are bypassed), so the token ids differ and the trainer's replay leaves vLLM's forced tool
-calls out, counted (`constraint_mismatch`).
+Tool calls follow vLLM 0.32 started with `--tool-strict-level parameter` (lightning_sdk/servers/vllm.py), which
+builds a structural tag for every request that offers tools (tool_choice unset or "auto", "required", a named
+function; not "none") with each tool's arguments pinned to its parameter schema, as if every tool were
+`"strict": true` (without that level a tool lacking `strict` gets free JSON arguments, and an "auto" request no
+grammar at all). The tag (grammar.py builds it as vLLM's hermes tool parser does) writes a call as
+`<tool_call>\n{"name": "x", "arguments": {...}}\n</tool_call>` or the same without the two newlines, the arguments
+with free whitespace (vLLM's disable_any_whitespace does not reach a structural tag); "auto" leaves the text free
+until `<tool_call>` begins a call, "required" asks for one call or more (none between them), a named function for
+one call, `parallel_tool_calls: false` for at most one; "auto" with a `response_format` or `structured_outputs`
+is one call or more, or a reply in that format (its JSON with free whitespace too).
 
 `check_size` bounds a constraint before it is compiled: compiling cannot be interrupted, and its cost grows far
 faster than its size (deep nesting, long enums, many optional properties, repetition counts: `a{0,4000}` in a
@@ -30,6 +36,8 @@ from typing import Any, Mapping
 # vLLM's names before 0.12; vLLM 0.32 ignores them (with a warning) and samples unconstrained.
 OLD_VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls", "structural_tag")
+# The call's wrapper in Hermes / Qwen2.5 chat templates (and the builtin models'); vLLM's hermes tag takes it with
+# the newlines and without them
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 # The tool-call formats (vLLM's --tool-call-parser names: servers/vllm_parsers.py picks one per model), each with
 # its own forced-call grammar (`format_grammar`) and reply parser (engine/toolcalls.py).
@@ -89,14 +97,24 @@ class Constraint:
 def check_size(c: Constraint) -> None:
     """ConstraintError naming the field and the limit if `c` is over one of this module's MAX_ limits (bytes: about
     the JSON text's length). Its cost is bounded by the limits, not by the input: it stops at the first one crossed."""
+    text = c.spec.get("text") if c.kind == "tool_calls" and isinstance(c.spec, dict) else None
+    spent = (0, 0)
+    if isinstance(text, dict):  # "auto" with a response format: the format by its own rules, then the tools
+        spent = _check_part(Constraint(text.get("kind", ""), text.get("spec"), c.param), *spent)
+        c = Constraint(c.kind, {k: v for k, v in c.spec.items() if k != "text"}, c.param)
+    _check_part(c, *spent)
+
+
+def _check_part(c: Constraint, size: int, repeats: int) -> tuple[int, int]:
+    """check_size of one part of a constraint, the bytes and repetitions of the parts before it counted in: the
+    totals after it."""
     what = "grammar" if c.kind == "grammar" else "pattern" if c.kind == "regex" else "schema"
     if isinstance(c.spec, str):
-        _check_text(c.spec, c.param, what, rules=c.kind == "grammar")
-        _repetitions(c.spec, c.param, what, 0, quoted=c.kind == "grammar")
-        return
+        _check_text(c.spec, c.param, what, rules=c.kind == "grammar", before=size)
+        return size + len(c.spec), _repetitions(c.spec, c.param, what, repeats, quoted=c.kind == "grammar")
     if c.kind == "choice" and isinstance(c.spec, list) and len(c.spec) > MAX_ENUM_VALUES:
         raise _over(c.param, f"{len(c.spec)} choices, more than", MAX_ENUM_VALUES)
-    size, values, repeats, stack = 0, 0, 0, [(c.spec, 1)]
+    values, stack = 0, [(c.spec, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_NESTING_DEPTH:
@@ -126,11 +144,12 @@ def check_size(c: Constraint) -> None:
             stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
+    return size, repeats
 
 
-def _check_text(text: str, param: str, what: str, *, rules: bool) -> None:
-    if len(text) > MAX_CONSTRAINT_BYTES:
-        raise _over(param, f"the {what} is {len(text)} characters, more than", MAX_CONSTRAINT_BYTES)
+def _check_text(text: str, param: str, what: str, *, rules: bool, before: int = 0) -> None:
+    if before + len(text) > MAX_CONSTRAINT_BYTES:
+        raise _over(param, f"the {what} is {before + len(text)} characters, more than", MAX_CONSTRAINT_BYTES)
     if rules and text.count("::=") > MAX_GRAMMAR_RULES:
         raise _over(param, f"the grammar has {text.count('::=')} rules, more than", MAX_GRAMMAR_RULES)
     depth, escaped = 0, False
@@ -196,15 +215,17 @@ def from_request(body: Mapping[str, Any]) -> Constraint | None:
     """The constraint a chat/completions request body asks for, or None. ConstraintError names a malformed part.
 
     As vLLM: `response_format` overrides `structured_outputs`. A forced tool_choice with either is refused: two
-    grammars for one reply."""
+    grammars for one reply (vLLM ignores the format); "auto" with either is a call or a reply in that format."""
     fmt = _response_format(body.get("response_format"))
     so = _structured_outputs(body.get("structured_outputs"))
-    tools = _forced_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    tools = _tool_calls(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
     text = fmt or so
-    if tools is not None and text is not None:
+    if tools is None or text is None:
+        return text or tools
+    if tools.spec["choice"] != "auto":
         raise ConstraintError(f"{text.param} and a forced tool_choice both constrain the reply; send one",
                               "tool_choice")
-    return text or tools
+    return Constraint("tool_calls", {**tools.spec, "text": {"kind": text.kind, "spec": text.spec}}, text.param)
 
 
 def _response_format(fmt: Any) -> Constraint | None:
@@ -269,18 +290,23 @@ def _structured_outputs(so: Any) -> Constraint | None:
     return Constraint(key, value, param)
 
 
-def _forced_tools(tools: Any, choice: Any, parallel: Any) -> Constraint | None:
-    """tool_choice "required" (one call or more of any tool) or a named function (exactly one call of it)."""
-    if choice != "required" and not isinstance(choice, dict):
-        return None
+def _tool_calls(tools: Any, choice: Any, parallel: Any) -> Constraint | None:
+    """The tool calls a request that offers tools may make: `choice` "auto" (tool_choice unset or "auto": text, or
+    calls), "required" (one call or more of any tool) or "named" (one call of that function); `one` when at most
+    one call may be made. Each tool's `parameters` as sent (true, any JSON, when it has none), as vLLM pins them."""
+    if choice is None:
+        choice = "auto"
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        return None  # "none", or a value engine/toolcalls.py refuses
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if isinstance(choice, dict) and not isinstance(named, str):
+        return None
     out = []
     for tool in tools if isinstance(tools, list) else ():
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("name"), str) and (named is None or fn["name"] == named):
             params = fn.get("parameters")
-            out.append({"name": fn["name"], "parameters": params if isinstance(params, dict) and params
-                        else {"type": "object"}})
+            out.append({"name": fn["name"], "parameters": params if isinstance(params, dict) else True})
     if not out:  # engine/toolcalls.py names what is wrong with tools and tool_choice
         return None
     return Constraint("tool_calls", {"tools": out, "choice": "named" if named is not None else choice,

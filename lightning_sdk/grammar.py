@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from lightning_sdk.constraint import (DEFAULT_TOOL_FORMAT, TOOL_CLOSE, TOOL_OPEN, Constraint, ConstraintError,
-                                      check_size, format_grammar)
+                                      check_size, format_grammar, text_format)
 
 _ENGINE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " before its message
 
@@ -230,7 +230,7 @@ class Grammars:
         if c.kind == "grammar":
             return comp.compile_grammar(c.spec)
         if c.kind == "tool_calls":
-            return comp.compile_structural_tag(json.dumps(_tool_calls_tag(c.spec)))
+            return comp.compile_structural_tag(json.dumps(tool_calls_tag(c.spec)))
         if c.kind == "structural_tag":  # compiled as vLLM compiles one: no whitespace setting of its own
             return comp.compile_structural_tag(json.dumps(c.spec))
         raise ValueError(f"unknown constraint kind {c.kind!r}")
@@ -332,10 +332,31 @@ def all_allowed(rows: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(rows, vocab_size)
 
 
-def _tool_calls_tag(spec: dict) -> dict:
-    """xgrammar's structural tag for `<tool_call>` blocks (one, or one or more separated by newlines), each a call
-    of one of the tools, written as the chat template writes it: `{"name": "x", "arguments": {"a": 1}}`, the
-    arguments compact JSON of the tool's schema with json.dumps' separators (what `tojson` renders)."""
+def tool_calls_tag(spec: dict) -> dict:
+    """xgrammar's structural tag for a request's tool calls (constraint.py's tool_calls spec), the one vLLM 0.32's
+    hermes tool parser builds at `--tool-strict-level parameter` (vllm/tool_parsers/structural_tag_registry.py,
+    _hermes_style_structural_tag, and the parser's _apply_structural_tag): each tool's call with and without the
+    newlines inside `<tool_call>`, its arguments JSON of its parameter schema with free whitespace."""
+    if "choice" not in spec:
+        return _compact_tool_calls_tag(spec)
+    begin, end = TOOL_OPEN.strip(), TOOL_CLOSE.strip()
+    tags = [{"type": "tag", "begin": f'{opening}{{"name": "{t["name"]}", "arguments": ',
+             "content": {"type": "json_schema", "json_schema": t["parameters"]}, "end": "}" + closing}
+            for t in spec["tools"] for opening, closing in ((TOOL_OPEN, TOOL_CLOSE), (begin, end))]
+    if spec["choice"] == "auto" and "text" not in spec:
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [begin], "tags": tags,
+                                                     "at_least_one": False, "stop_after_first": spec["one"]}}
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
+             "stop_after_first": spec["one"]}
+    if "text" in spec:  # "auto" with a response format: calls, or a reply in the format
+        calls = {"type": "or", "elements": [calls, text_format(spec["text"]["kind"], spec["text"]["spec"])]}
+    return {"type": "structural_tag", "format": calls}
+
+
+def _compact_tool_calls_tag(spec: dict) -> dict:
+    """A forced call's spec without `choice`, as stores written before it held them: the grammar the built-in
+    server sampled those calls under, so they replay as sampled. `<tool_call>` blocks (one, or one or more separated
+    by newlines), the arguments compact JSON of the tool's schema with json.dumps' separators."""
     import xgrammar as xgr
 
     calls = [{"type": "tag", "begin": f'{TOOL_OPEN}{{"name": {json.dumps(t["name"])}, "arguments": ',

@@ -36,6 +36,10 @@ CONSTRAINTS = {
     "structured_outputs.regex": dict(extra_body={"structured_outputs": {"regex": "[0-9]{1,2}"}}),
     "tool_choice.named": dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}),
     "tool_choice.required": dict(tools=TOOLS, tool_choice="required"),
+    # tools offered, tool_choice unset: text, or a call held to its schema once `<tool_call>` begins it (as vLLM)
+    "tools.auto": dict(tools=TOOLS),
+    "tools.auto+response_format": dict(tools=TOOLS, response_format={"type": "json_schema", "json_schema": {
+        "name": "Answer", "schema": SCHEMA}}),
 }
 
 
@@ -66,7 +70,7 @@ def test_trainer_masked_log_probs_equal_the_server_s_under_a_grammar(gw, store, 
             continue
         if name == "json_schema":
             assert set(json.loads(c.message.content)) == {"answer", "sure"}
-        elif name.startswith("tool_choice"):
+        elif name.startswith("tool_choice") or c.finish_reason == "tool_calls":
             assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "add"
             assert set(json.loads(c.message.tool_calls[0].function.arguments)) == {"a", "b"}
         elif name == "structured_outputs.choice":
@@ -80,7 +84,35 @@ def test_trainer_masked_log_probs_equal_the_server_s_under_a_grammar(gw, store, 
     plain = [t.__class__(**{**t.__dict__, "constraint": None}) for t in ts]
     unmasked = GRPOTrainer(tiny_model_path, TrainConfig(device="cpu")).step(plain)
     print(f"{name}: unmasked logprob_gap {unmasked['logprob_gap']:.2e}")
-    assert unmasked["logprob_gap"] > 1e-2
+    if name != "tools.auto":  # text that never begins a call is the model's own, masked or not
+        assert unmasked["logprob_gap"] > 1e-2
+
+
+def test_a_stored_forced_call_replays_under_the_grammar_it_was_sampled_under(tiny_model_path):
+    """A tool_calls spec without `choice` (stores written before every request with tools was constrained as vLLM
+    constrains it): the compact grammar the built-in server sampled such calls under, still replayed; the spec of
+    today takes the call with the template's newlines or without them, its arguments with free whitespace."""
+    from lightning_sdk import models
+    from lightning_sdk.constraint import from_request
+    from lightning_sdk.grammar import Grammars
+
+    tok = models.load_tokenizer(tiny_model_path)
+    model = models.load_causal_lm(tiny_model_path)
+    grammars = Grammars(tok, int(model.get_output_embeddings().weight.shape[0]), models.eos_ids(model, tok))
+    stored = Constraint.from_json('{"kind":"tool_calls","spec":{"tools":[{"name":"add","parameters":'
+                                  + json.dumps(TOOLS[0]["function"]["parameters"]) + '}],"one":true},'
+                                  '"param":"tool_choice"}')
+    today = from_request({"tools": TOOLS, "tool_choice": "required"})
+    eos = sorted(models.eos_ids(model, tok))[:1]
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False) + eos
+
+    compact = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    loose = '<tool_call>{"name": "add", "arguments": {\n  "a":1,\n  "b": 2\n}}</tool_call>'
+    assert grammars.replay(stored, ids(compact)) is not None and grammars.replay(stored, ids(loose)) is None
+    assert grammars.replay(today, ids(compact)) is not None and grammars.replay(today, ids(loose)) is not None
+    grammars.close()
 
 
 def test_ids_the_grammar_does_not_accept_are_left_out_and_counted(gw, store, tiny_model_path):

@@ -110,6 +110,10 @@ def test_a_plain_chat_is_answered_promptly_while_8_schemas_compile(server):
     ("a forced tool's pattern", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "pattern": "x{5000}"}}}}}],
         "tool_choice": "required"}, "tool_choice", "MAX_REPETITION"),
+    # tools offered beside a response format: one reply, one budget for both (each alone is under it)
+    ("a tool's pattern and the format's", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "x{600}"}}}}}],
+        "response_format": schema_format({"type": "string", "pattern": "y{600}"})}, PARAM, "MAX_REPETITION"),
 ])
 def test_a_constraint_over_a_limit_gets_a_400_naming_it_at_once(server, what, fields, param, limit):
     with httpx.Client(base_url=server.url, timeout=10) as c:  # these compiled for seconds to minutes before

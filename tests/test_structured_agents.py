@@ -20,7 +20,7 @@ from lightning_sdk.errors import RunError
 from lightning_sdk.store import Store
 
 from .remote_harness import start_remote_run
-from .test_zero_change import openai_elsewhere, project  # noqa: F401  (a fixture)
+from .test_zero_change import VLLM, openai_elsewhere, project  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,26 +164,32 @@ def test_dspy_react_is_served_and_recorded_under_its_constraint(tmp_path, openai
 
 
 
-def test_instructor_trains_from_a_worker_in_its_own_environment(tmp_path):
-    """instructor's default mode (a forced tool call) as a `lightning worker` in an environment of its own: this
-    project without extras plus instructor, which brings its own openai (CI: .venv-instructor, named by
-    LIGHTNING_TEST_INSTRUCTOR). The trainer runs here and never imports instructor."""
+@pytest.mark.parametrize("backend", ["builtin", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_instructor_trains_from_a_worker_in_its_own_environment(tmp_path, backend):
+    """instructor's default mode (a forced tool call of a tool without `strict`) as a `lightning worker` in an
+    environment of its own: this project without extras plus instructor, which brings its own openai (CI:
+    .venv-instructor, named by LIGHTNING_TEST_INSTRUCTOR). The trainer runs here and never imports instructor. On
+    vLLM too: its arguments are pinned to the tool's schema there as on the built-in server (an integer from 0 to
+    99, never "Infinity"), and replayed as sampled."""
     python = os.environ.get("LIGHTNING_TEST_INSTRUCTOR")
     if not python:
         pytest.skip("LIGHTNING_TEST_INSTRUCTOR names no Python with instructor")
     d = tmp_path
-    toml = project(d, INSTRUCTOR)
+    # calc's model writes `<tool_call>` blocks, as a real model does: tool arguments allow free whitespace (vLLM's
+    # structural tag, the grammar both backends sample under), which a model never taught a call fills with newlines
+    calc = f'[model]\nname = "tiny:{ROOT / "cookbook/calc/teacher.py"}"\ndtype = "float32"\n'
+    toml = project(d, INSTRUCTOR, serve=(VLLM if backend == "vllm" else "") + calc)
     toml.write_text(toml.read_text().replace('dir = "run"', 'dir = "run"\nruntime = "remote"')
                     + "[remote]\nworker_timeout = 120\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     env.pop("LIGHTNING_TOKEN", None)
-    trainer, url = start_remote_run(d, env)
+    trainer, url = start_remote_run(d, env, timeout=900.0 if backend == "vllm" else 180.0)
     light = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     worker = subprocess.Popen([python, "-m", "lightning_sdk.cli", "worker", "agent.py", "--server", url,
                                "--token-file", str(d / "run/worker.token"), "--concurrency", "4"], cwd=d, env=light,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        out, _ = trainer.communicate(timeout=400)
+        out, _ = trainer.communicate(timeout=900 if backend == "vllm" else 400)
         said, _ = worker.communicate(timeout=60)
     finally:
         trainer.kill()
@@ -193,6 +199,8 @@ def test_instructor_trains_from_a_worker_in_its_own_environment(tmp_path):
     metrics = [json.loads(line) for line in (d / "run/metrics.jsonl").read_text().splitlines()]
     train = [m for m in metrics if m.get("phase") != "eval" and "rollout/transitions" in m]
     assert [m["iteration"] for m in train] == [1, 2] and all(m["rollout/transitions"] > 0 for m in train)
+    print(backend, "failed rollouts, logprob gap:", [(m["rollout/failed"], m.get("train/logprob_gap")) for m in train])
+    assert all(m["train/logprob_gap"] <= 1e-4 for m in train)  # scored as sampled: the same grammar replayed
     assert sum(m.get("train/num_constrained", 0) for m in metrics) > 0
     assert all(m.get("train/constraint_mismatch", 0) == 0 for m in metrics)
     store = Store(d / "run/store.sqlite")

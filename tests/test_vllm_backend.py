@@ -56,9 +56,10 @@ def test_lora_rank_rounds_up_to_a_rank_vllm_accepts():
 
 
 def test_environment_carries_the_key_and_the_runtime_routes():
+    strict = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "1"}  # the structural tags the trainer replays, always
     assert vllm_environment(KEY) == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1",
-                                     "VLLM_API_KEY": KEY}
-    assert vllm_environment(None, sleep=False) == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+                                     "VLLM_API_KEY": KEY, **strict}
+    assert vllm_environment(None, sleep=False) == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", **strict}
 
 
 def test_config_maps_onto_the_server(tmp_path):
@@ -267,8 +268,9 @@ def test_parsers_follow_the_model(family, tools, reasoning):
 def test_builtin_models_get_the_hermes_parser(tmp_path, tiny_model_path):
     cfg = make_cfg(tmp_path, backend="vllm", sleep_level=0)
     cmd = vllm_server(cfg, tiny_model_path, tmp_path / "server.log").command()
-    assert cmd[cmd.index("--enable-auto-tool-choice"):][:3] == ["--enable-auto-tool-choice", "--tool-call-parser",
-                                                              "hermes"]
+    # every tool's arguments pinned to its schema, strict or not: the grammar the trainer replays (constraint.py)
+    assert cmd[cmd.index("--enable-auto-tool-choice"):][:5] == ["--enable-auto-tool-choice", "--tool-call-parser",
+                                                              "hermes", "--tool-strict-level", "parameter"]
     assert "--reasoning-parser" not in cmd
 
 
@@ -284,6 +286,8 @@ def test_parser_settings_override_and_are_validated(tmp_path, tiny_model_path, c
         make_cfg(tmp_path, reasoning_parser="r1")
     with pytest.raises(config.ConfigError, match=r"serve\.extra_args"):
         make_cfg(tmp_path, extra_args=["--tool-call-parser", "hermes"])
+    with pytest.raises(config.ConfigError, match=r"serve\.extra_args.*--tool-strict-level"):
+        make_cfg(tmp_path, extra_args=["--tool-strict-level=auto"])
     # A model whose format nothing here knows: one line at start, naming the key to set.
     plain = tmp_path / "plain"
     plain.mkdir()

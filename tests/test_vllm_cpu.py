@@ -123,10 +123,11 @@ def finish_reasons(r: httpx.Response, stream: bool) -> dict[int, str]:
     {"tools": TOOLS, "tool_choice": NAMED, "stream": True},
 ], ids=["auto", "auto-streamed", "required", "named", "named-streamed"])
 def test_every_tool_call_form_is_parsed_and_recorded_with_exact_ids(gw, store, tokenizer_of, body, request):
-    """Four samples each; with tool_choice unset (auto) the calls are the model's own text, which vLLM's hermes
-    parser reads (the calc model calls its calculator in about half of its answers). vLLM's CPU sampling is not
-    the same on every machine, so in that case which samples call, and whether a call is whole, is the sample's;
-    what must hold is that the record keeps every sampled token, whatever the parser made of them."""
+    """Four samples each; with tool_choice unset (auto) whether to call is the model's choice, a call held to the
+    tool's schema once `<tool_call>` begins it (the calc model calls its calculator in about half of its answers),
+    and vLLM's hermes parser reads it. vLLM's CPU sampling is not the same on every machine, so in that case which
+    samples call, and whether a call is whole, is the sample's; what must hold is that the record keeps every
+    sampled token, whatever the parser made of them."""
     rid = f"r-{request.node.callspec.id}"
     with in_rollout(gw, rid):
         r = chat(gw, return_token_ids=True, n=4, temperature=1.0, seed=3, **body)

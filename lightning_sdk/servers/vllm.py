@@ -15,6 +15,9 @@ softmax(logits / temperature):
 - `--structured-outputs-config {"backend": "xgrammar", "disable_any_whitespace": true}`: compact JSON under a
   grammar (vLLM allows that option with xgrammar only, its default backend), as the built-in
   server and the trainer's replay compile it (lightning_sdk/constraint.py).
+- `--tool-strict-level parameter` (with a tool parser, and VLLM_ENFORCE_STRICT_TOOL_CALLING on): every request that
+  offers tools gets the structural tag with each tool's arguments pinned to its schema, whether the tool says
+  `"strict": true` or not, the grammar the built-in server samples under and the trainer replays.
 
 This module never imports vllm: it only runs it, in its own process (and maybe its own virtual environment).
 """
@@ -83,14 +86,15 @@ def vllm_command(model: str, *, served_model_name: str, host: str, port: int, lo
     if sleep:
         cmd.append("--enable-sleep-mode")
     if tool_call_parser:  # without it vLLM refuses every request that offers tools (400)
-        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser, "--tool-strict-level", "parameter"]
     if reasoning_parser:
         cmd += ["--reasoning-parser", reasoning_parser]
     return cmd + list(extra_args)
 
 
 def vllm_environment(api_key: str | None, *, sleep: bool = True) -> dict[str, str]:
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    # strict tool calling on whatever the user's environment says: the trainer replays its structural tags
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_ENFORCE_STRICT_TOOL_CALLING": "1"}
     if sleep:
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep and /wake_up are development endpoints
     if api_key:

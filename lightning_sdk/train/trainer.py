@@ -345,7 +345,7 @@ class GRPOTrainer:
     def _replay(self, transitions: Sequence[Transition]) -> tuple[list[Transition], dict[str, torch.Tensor], int]:
         """Each constrained call's grammar replayed over its completion ids: span id -> [C, words] bitmask of the
         tokens allowed at each position. A call whose ids the grammar does not accept was not sampled under it
-        (vLLM writes a forced tool call as bare JSON): it is left out, and counted (constraint_mismatch)."""
+        (a server that applied another grammar, or none): it is left out, and counted (constraint_mismatch)."""
         constrained = [t for t in transitions if t.constraint]
         if not constrained:
             return list(transitions), {}, 0
