@@ -35,10 +35,14 @@ from typing import Any, Mapping
 
 # vLLM's names before 0.12; vLLM 0.32 ignores them (with a warning) and samples unconstrained.
 OLD_VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls", "structural_tag")
 # The call's wrapper in Hermes / Qwen2.5 chat templates (and the builtin models'); vLLM's hermes tag takes it with
 # the newlines and without them
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+# The tool-call formats (vLLM's --tool-call-parser names: servers/vllm_parsers.py picks one per model), each with
+# its own forced-call grammar (`format_grammar`) and reply parser (engine/toolcalls.py).
+TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "openai", "pythonic")
+DEFAULT_TOOL_FORMAT = "hermes"  # the builtin tiny models' format, and a model whose format nothing names
 
 MAX_CONSTRAINT_BYTES = 256 * 1024  # the constraint's JSON text: a schema, all forced tools' parameters, a grammar
 MAX_NESTING_DEPTH = 64  # JSON levels of a schema (an object property is two); brackets in a regex or grammar
@@ -307,3 +311,125 @@ def _tool_calls(tools: Any, choice: Any, parallel: Any) -> Constraint | None:
         return None
     return Constraint("tool_calls", {"tools": out, "choice": "named" if named is not None else choice,
                                      "one": named is not None or parallel is False}, param="tool_choice")
+
+
+# ---- the forced-call grammar of each tool-call format, as vLLM 0.32 applies it for the same request ----
+#
+# vLLM's tool parsers differ in how they force a call. hermes, llama3_json and openai (gpt-oss) carry a structural
+# tag (vllm/tool_parsers/structural_tag_registry.py, xgrammar's builtin "llama", vllm/parser/harmony.py): a
+# grammar over the model's own call markers, compiled as sent (free whitespace inside the JSON). mistral (with a
+# Hugging Face tokenizer) and pythonic force a bare JSON value instead (vllm/parser/mistral.py's pre-v11 schema,
+# vllm/tool_parsers/utils.py's get_json_schema_from_tools), compiled like any JSON schema (compact, as vLLM is
+# started). The arguments follow the tool's parameters (vLLM's --tool-strict-level parameter); a tool without
+# parameters takes any JSON value in a structural tag, as vLLM's.
+
+
+def grammar_format(parser: str | None) -> str:
+    """The tool format (TOOL_FORMATS) of vLLM's tool-call parser `parser`; DEFAULT_TOOL_FORMAT for one not here."""
+    return parser if parser in TOOL_FORMATS else DEFAULT_TOOL_FORMAT
+
+
+def format_grammar(c: Constraint, fmt: str) -> Constraint | None:
+    """The constraint the model `fmt` (TOOL_FORMATS) is sampled under for `c` (None: none, vLLM leaves an "auto"
+    call of mistral and pythonic free): tool calls become the format's grammar (kind "structural_tag" holds
+    xgrammar's structural-tag JSON), a JSON constraint on gpt-oss goes in its final channel; anything else is `c`
+    itself. hermes keeps kind "tool_calls" (grammar.py builds its tag)."""
+    if fmt == "openai" and c.kind in ("json_schema", "json_object"):
+        schema = c.spec if c.kind == "json_schema" else {"type": "object"}
+        return Constraint("structural_tag", _harmony_final(schema), c.param)
+    if c.kind != "tool_calls" or fmt == DEFAULT_TOOL_FORMAT or fmt not in TOOL_FORMATS:
+        return c
+    tools, single, text = c.spec["tools"], bool(c.spec["one"]), c.spec.get("text")
+    # "choice": "auto", "required" or "named"; a spec without it is a forced call ("named" kept as a flag)
+    choice = c.spec.get("choice") or ("named" if c.spec.get("named") else "required")
+    if fmt in ("mistral", "pythonic") and choice == "auto":  # no grammar of calls: the response format, if any
+        return None if text is None else Constraint(text["kind"], text.get("spec"), c.param)
+    if fmt == "mistral":  # [{"name": ..., "arguments": ...}], a named call at most once
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
+                                                   "arguments": _params(t, {"type": "object"})},
+                  "required": ["name", "arguments"]} for t in tools]
+        return Constraint("json_schema", {"type": "array", "minItems": 1,
+                                          **({"maxItems": 1} if choice == "named" else {}),
+                                          "items": {"type": "object", "anyOf": items}}, c.param)
+    if fmt == "pythonic":  # a named call: its arguments alone; "required": [{"name": ..., "parameters": ...}]
+        if choice == "named":
+            return Constraint("json_schema", _params(tools[0], {"type": "object", "properties": {}}), c.param)
+        items = [{"properties": {"name": {"type": "string", "enum": [t["name"]]},
+                                 "parameters": _params(t, {"type": "object", "properties": {}})},
+                  "required": ["name", "parameters"]} for t in tools]
+        return Constraint("json_schema", {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items},
+                                          **({"maxItems": 1} if single else {})}, c.param)
+    if text is not None:  # "auto" with a response format: calls as "required" asks for them, or the format
+        tools_tag = format_grammar(Constraint("tool_calls", {"tools": tools, "one": single, "choice": "required"},
+                                              c.param), fmt)
+        return Constraint("structural_tag", {"type": "structural_tag", "format": {"type": "or", "elements": [
+            tools_tag.spec["format"], text_format(text["kind"], text.get("spec"))]}}, c.param)
+    if fmt == "llama3_json":  # xgrammar's builtin "llama" tag
+        tags = [_tag('{"name": "' + t["name"] + '", "parameters": ', _args(t), "}") for t in tools]
+        if choice == "named":
+            return Constraint("structural_tag", {"type": "structural_tag", "format": tags[0]}, c.param)
+        return Constraint("structural_tag", {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": ['{"name": '], "tags": tags, "excludes": ["<think>", "</think>"],
+            "at_least_one": choice == "required", "stop_after_first": single}}, c.param)
+    # openai: gpt-oss's harmony messages, optional analysis and commentary, then a call (or, "auto", a final one)
+    tags = [_tag(begin.format(name=t["name"], channel=channel, constrain=constrain), _args(t), ["<|end|>", ""])
+            for t in tools for begin in HARMONY_CALL_BEGINS for constrain in HARMONY_JSON_CONSTRAINS
+            for channel in HARMONY_CALL_CHANNELS]
+    if choice == "auto":
+        tags += [_tag(f"<|channel|>final{constrain}<|message|>", {"type": "any_text"}, ["<|end|>", ""])
+                 for constrain in HARMONY_JSON_CONSTRAINS + ("",)]
+    return Constraint("structural_tag", _harmony(True, {"type": "or", "elements": tags}), c.param)
+
+
+def text_format(kind: str, spec: Any) -> dict:
+    """A response format as a structural tag's element (vLLM's structured_outputs_to_format)."""
+    if kind in ("json_schema", "json_object"):
+        return {"type": "json_schema", "json_schema": spec if kind == "json_schema" else {"type": "object"}}
+    if kind == "regex":
+        return {"type": "regex", "pattern": spec}
+    if kind == "choice":
+        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in spec]}
+    if kind == "grammar":
+        return {"type": "grammar", "grammar": spec}
+    raise ConstraintError(f"unknown constraint kind {kind!r}", "response_format")
+
+
+def _params(tool: dict, default: dict) -> dict:
+    """A tool's parameters as vLLM's bare-JSON schemas take them: `default` when it has none."""
+    params = tool.get("parameters")
+    return params if isinstance(params, dict) and params else default
+
+
+HARMONY_JSON_CONSTRAINS = (" json", " <|constrain|>json")
+HARMONY_CALL_CHANNELS = ("<|channel|>commentary", "<|channel|>analysis", "<|channel|>final")
+HARMONY_CALL_BEGINS = (" to=functions.{name}{channel}{constrain}<|message|>",
+                       "{channel} to=functions.{name}{constrain}<|message|>")
+
+
+def _args(tool: dict) -> dict:
+    """A structural tag's arguments: the tool's parameters (any JSON when it has none), as vLLM pins them."""
+    params = tool.get("parameters")
+    return {"type": "json_schema", "json_schema": params if isinstance(params, dict) and params else True}
+
+
+def _tag(begin: str, content: dict, end: str | list[str]) -> dict:
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+def _harmony(commentary: bool, content: dict) -> dict:
+    """gpt-oss's reply under a grammar: an analysis message (reasoning) may come first, then (`commentary`) a
+    commentary one, each followed by the next message's start, then `content`. Its stop tokens end a message as ""
+    (xgrammar refuses stop tokens inside a grammar)."""
+    def optional(channel: str) -> dict:
+        return {"type": "optional", "content": {"type": "sequence", "elements": [
+            _tag(f"<|channel|>{channel}<|message|>", {"type": "any_text"}, "<|end|>"),
+            {"type": "const_string", "value": "<|start|>assistant"}]}}
+
+    elements = [optional("analysis")] + ([optional("commentary")] if commentary else []) + [content]
+    return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
+
+
+def _harmony_final(schema: dict) -> dict:
+    finals = [_tag(f"<|channel|>final{constrain}<|message|>", {"type": "json_schema", "json_schema": schema},
+                   ["<|end|>", ""]) for constrain in HARMONY_JSON_CONSTRAINS]
+    return _harmony(False, {"type": "or", "elements": finals})

@@ -17,11 +17,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lightning_sdk.constraint import TOOL_CLOSE, TOOL_OPEN, Constraint, ConstraintError, check_size
+from lightning_sdk.constraint import (DEFAULT_TOOL_FORMAT, TOOL_CLOSE, TOOL_OPEN, Constraint, ConstraintError,
+                                      check_size, format_grammar, text_format)
 
 _ENGINE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " before its message
 
@@ -46,12 +48,14 @@ class GrammarBusy(ConstraintError):
 class Grammars:
     """Compiles constraints for one tokenizer on threads of its own, bounded in size (constraint.check_size), time
     (`deadline_s`: a constraint that ran past it is refused at once when asked again), compiles in flight and cached
-    bytes; cached by their canonical text; thread-safe."""
+    bytes; cached by their canonical text; thread-safe. `tool_format` is the model's tool-call format
+    (constraint.TOOL_FORMATS): a forced call, and JSON on gpt-oss, compile to that format's grammar."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], *, lock: Any = None,
                  deadline_s: float = COMPILE_SECONDS, workers: int = COMPILE_WORKERS,
-                 in_flight: int = COMPILES_IN_FLIGHT, cache_bytes: int = CACHE_BYTES):
-        self.vocab_size = vocab_size
+                 in_flight: int = COMPILES_IN_FLIGHT, cache_bytes: int = CACHE_BYTES,
+                 tool_format: str = DEFAULT_TOOL_FORMAT):
+        self.vocab_size, self.tool_format = vocab_size, tool_format
         self.deadline_s, self.max_in_flight, self.cache_limit = deadline_s, in_flight, cache_bytes
         self._tokenizer, self._stop_ids, self._tokenizer_lock = tokenizer, sorted(stop_ids), lock
         self._compiler: Any = None  # made on the first compile, on a compile thread (the vocabulary scan takes a while)
@@ -68,7 +72,10 @@ class Grammars:
     def compile(self, c: Constraint) -> Any:
         """The compiled grammar (xgrammar.CompiledGrammar), blocking at most `deadline_s` for a compile thread and
         `deadline_s` more for the compile. ConstraintError naming the request's part if it is over a limit, compiles
-        longer or cannot be compiled; GrammarBusy if no slot is free or no thread in time."""
+        longer or cannot be compiled; GrammarBusy if no slot is free or no thread in time. None where the model's tool
+        format samples `c` under no grammar."""
+        if self._free(c):
+            return None
         asked = time.monotonic()
         key, hit, job = self._start(c)
         while job is not None:
@@ -80,6 +87,8 @@ class Grammars:
 
     async def compile_async(self, c: Constraint) -> Any:
         """`compile` for the event loop: the loop only waits, the compile runs on this object's threads."""
+        if self._free(c):
+            return None
         asked = time.monotonic()
         key, hit, job = self._start(c)
         if job is None:
@@ -90,6 +99,10 @@ class Grammars:
                 return await asyncio.wait_for(asyncio.shield(waited), self._left(c, key, job, asked))
             except TimeoutError:
                 continue
+
+    def _free(self, c: Constraint) -> bool:
+        """True when this model's tool format samples `c` under no grammar (vLLM's "auto" for mistral, pythonic)."""
+        return format_grammar(c, self.tool_format) is None
 
     def _start(self, c: Constraint) -> tuple[str, Any, Future | None]:
         """(key, cached grammar, None) or (key, None, the compile to wait for: one running for the same key, or a
@@ -205,6 +218,8 @@ class Grammars:
 
     def _compile(self, c: Constraint) -> Any:
         comp = self._xgr_compiler()
+        c = format_grammar(c, self.tool_format)
+        assert c is not None  # compile() answers None before it comes here (_free)
         if c.kind in ("json_schema", "json_object"):  # compact JSON, as vLLM with disable_any_whitespace
             schema = json.dumps(c.spec if c.kind == "json_schema" else {"type": "object"})
             return comp.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
@@ -216,6 +231,8 @@ class Grammars:
             return comp.compile_grammar(c.spec)
         if c.kind == "tool_calls":
             return comp.compile_structural_tag(json.dumps(tool_calls_tag(c.spec)))
+        if c.kind == "structural_tag":  # compiled as vLLM compiles one: no whitespace setting of its own
+            return comp.compile_structural_tag(json.dumps(c.spec))
         raise ValueError(f"unknown constraint kind {c.kind!r}")
 
     def matcher(self, compiled: Any) -> Any:
@@ -237,20 +254,65 @@ class Grammars:
         xgr.apply_token_bitmask_inplace(sub, bitmask)
         logits[rows] = sub
 
-    def replay(self, c: Constraint, completion_ids: Sequence[int]) -> torch.Tensor | None:
+    def replay(self, c: Constraint, completion_ids: Sequence[int], start: int = 0) -> torch.Tensor | None:
         """[len(completion_ids), words] int32 token bitmask of each position (what the matcher allowed before that
-        token), or None if a sampled token is not one the grammar allows there (not sampled under it)."""
+        token; every token before `start`, where the grammar begins: ThinkTokens), or None if a sampled token is not
+        one the grammar allows there (not sampled under it)."""
         import xgrammar as xgr
 
-        matcher = xgr.GrammarMatcher(self.compile(c))
-        bitmask = xgr.allocate_token_bitmask(len(completion_ids), self.vocab_size)
+        compiled = self.compile(c)
+        bitmask = xgr.allocate_token_bitmask(len(completion_ids), self.vocab_size)  # every token allowed
+        if compiled is None:
+            return bitmask
+        matcher = xgr.GrammarMatcher(compiled)
         for j, token in enumerate(completion_ids):
+            if j < start:
+                continue
             if matcher.is_terminated():
                 return None
             matcher.fill_next_token_bitmask(bitmask, j)
             if not matcher.accept_token(int(token)):
                 return None
         return bitmask
+
+
+@dataclass(frozen=True)
+class ThinkTokens:
+    """Where a reasoning model's grammar starts, as vLLM's qwen3 reasoning parser decides it (structured output is
+    not enforced while the model thinks): after `</think>`, or at a `<tool_call>` that ends the thinking first; from
+    the first token when the prompt already ended it (an end token met before `<think>` or the turn's start,
+    reading the prompt backwards: Qwen3's enable_thinking false)."""
+
+    start: int
+    ends: frozenset[int]  # </think>, <tool_call>
+    end: int  # </think>: the one that is not itself constrained
+    boundaries: frozenset[int]  # <|im_start|>, <|im_end|>
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> "ThinkTokens | None":
+        vocab = tokenizer.get_vocab()
+        ids = {t: vocab.get(t) for t in ("<think>", "</think>", "<tool_call>", "<|im_start|>", "<|im_end|>")}
+        if ids["<think>"] is None or ids["</think>"] is None:
+            return None
+        return cls(ids["<think>"], frozenset(i for i in (ids["</think>"], ids["<tool_call>"]) if i is not None),
+                   ids["</think>"], frozenset(i for i in (ids["<|im_start|>"], ids["<|im_end|>"]) if i is not None))
+
+    def prompt_ended(self, prompt_ids: Sequence[int]) -> bool:
+        for token in reversed(prompt_ids):
+            if token in self.ends:
+                return True
+            if token == self.start or token in self.boundaries:
+                return False
+        return False
+
+    def grammar_start(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> int:
+        """The first completion position the grammar constrains (len(completion_ids): none)."""
+        if self.prompt_ended(prompt_ids):
+            return 0
+        for j, token in enumerate(completion_ids):
+            if token in self.ends:
+                return j + (token == self.end)
+        return len(completion_ids)
 
 
 def additive_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -287,21 +349,8 @@ def tool_calls_tag(spec: dict) -> dict:
     calls = {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
              "stop_after_first": spec["one"]}
     if "text" in spec:  # "auto" with a response format: calls, or a reply in the format
-        calls = {"type": "or", "elements": [calls, _text_format(spec["text"]["kind"], spec["text"]["spec"])]}
+        calls = {"type": "or", "elements": [calls, text_format(spec["text"]["kind"], spec["text"]["spec"])]}
     return {"type": "structural_tag", "format": calls}
-
-
-def _text_format(kind: str, spec: Any) -> dict:
-    """A response format as a structural tag's element (vLLM's structured_outputs_to_format)."""
-    if kind in ("json_schema", "json_object"):
-        return {"type": "json_schema", "json_schema": spec if kind == "json_schema" else {"type": "object"}}
-    if kind == "regex":
-        return {"type": "regex", "pattern": spec}
-    if kind == "choice":
-        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in spec]}
-    if kind == "grammar":
-        return {"type": "grammar", "grammar": spec}
-    raise ValueError(f"unknown constraint kind {kind!r}")
 
 
 def _compact_tool_calls_tag(spec: dict) -> dict:

@@ -101,13 +101,16 @@ class ChatCompletionRequest(Sampled):
     # (400), since rendering one is arbitrary work. The model's own template is what the trainer tokenises with.
     chat_template: Any = None
     chat_template_kwargs: Any = None
+    skip_special_tokens: bool | None = None  # vLLM extra; unset: the model's tool format decides
 
     @field_validator("chat_template", "chat_template_kwargs")
     @classmethod
     def _no_caller_template(cls, v: Any, info: ValidationInfo) -> Any:
-        if v is not None:
+        # Only Qwen3's switch between thinking and not is taken (a boolean the template reads)
+        if v is not None and not (info.field_name == "chat_template_kwargs" and isinstance(v, dict) and v
+                                  and set(v) <= {"enable_thinking"} and all(isinstance(x, bool) for x in v.values())):
             raise ValueError(f"{info.field_name} is not accepted: this server renders the model's own chat template "
-                             f"only")
+                             f"only (chat_template_kwargs: only {{'enable_thinking': true or false}})")
         return v
 
 
@@ -255,6 +258,10 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
                                           "parallel_tool_calls": body.parallel_tool_calls})
         req = await _to_generation_request(engine, body, served_model_name, max_prompt_chars)
         req.grammar = grammar
+        reader = _reader(engine, body, parse_calls)
+        # special tokens stay in the text where the format's markers are special tokens and the reply is read
+        req.skip_special_tokens = body.skip_special_tokens if body.skip_special_tokens is not None else \
+            reader.fmt is None or reader.fmt.skip_special_tokens
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -263,14 +270,14 @@ def create_app(engine: Engine, *, served_model_name: str, api_key: str | None = 
                 first = await anext(events)  # let errors found before the first token still be a plain HTTP error
             except (RequestError, ModelNotFound) as e:
                 raise _as_api_error(e) from e
-            shaper = toolcalls.StreamShaper(req.n, parse_calls)
+            shaper = toolcalls.StreamShaper(req.n, reader)
             return StreamingResponse(_sse(engine, body, req, meta, first, events, include_usage, shaper),
                                      media_type="text/event-stream")
         try:
             result = await engine.generate(req)
         except (RequestError, ModelNotFound) as e:
             raise _as_api_error(e) from e
-        return _completion(engine, body, meta, result, parse_calls)
+        return _completion(engine, body, meta, result, reader)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest):
@@ -359,7 +366,8 @@ async def _to_generation_request(engine: Engine, body: ChatCompletionRequest, se
         # Template rendering and tokenising take a thread, so /health and other requests are answered meanwhile.
         prompt_ids = await asyncio.to_thread(engine.encode_chat, body.messages, tools=body.tools,
                                              add_generation_prompt=body.add_generation_prompt,
-                                             continue_final_message=body.continue_final_message)
+                                             continue_final_message=body.continue_final_message,
+                                             template_kwargs=body.chat_template_kwargs)
     except RequestError as e:
         raise APIError(400, str(e), e.param) from e
     requested = body.max_completion_tokens or body.max_tokens
@@ -417,9 +425,20 @@ def _usage(result: GenerationResult) -> dict:
             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
+def _reader(engine: Engine, body: ChatCompletionRequest, parse_calls: bool) -> toolcalls.Reader:
+    """How this request's replies are read: the model's tool format (when calls are parsed; gpt-oss's always, its
+    channels hold the reasoning), its reasoning split, the forced choice."""
+    fmt = toolcalls.tool_format(engine.tool_parser)
+    thinking = None
+    if engine.reasoning_parser == "qwen3":  # vLLM's split, off with Qwen3's enable_thinking false
+        thinking = toolcalls.Thinking(closed=(body.chat_template_kwargs or {}).get("enable_thinking") is False)
+    return toolcalls.Reader(fmt if parse_calls or fmt.name == "openai" else None, thinking,
+                            toolcalls.forced_choice(body.tool_choice) if parse_calls else None)
+
+
 def _completion(engine: Engine, body: ChatCompletionRequest, meta: dict, result: GenerationResult,
-                parse_calls: bool = False) -> dict:
-    shaped = [toolcalls.message(c.text, c.finish_reason, parse_calls) for c in result.choices]
+                reader: toolcalls.Reader) -> dict:
+    shaped = [toolcalls.message(c.text, c.finish_reason, reader) for c in result.choices]
     return {
         **meta,
         "object": "chat.completion",

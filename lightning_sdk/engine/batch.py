@@ -24,6 +24,7 @@ class Row:
     text: str = ""  # decoded so far (kept current only where stop strings or streaming need it)
     sent: int = 0  # characters of `text` already streamed
     matcher: Any = None  # the request's grammar matcher (xgrammar.GrammarMatcher), fed every token sampled
+    thinking: bool = False  # the grammar waits for the reasoning to end (grammar.ThinkTokens): no mask till then
 
     @property
     def req(self) -> GenerationRequest:

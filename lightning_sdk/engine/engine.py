@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.constraint import Constraint
+from lightning_sdk.constraint import Constraint, grammar_format
 from lightning_sdk.engine.batch import DecodeBatch, Row
 from lightning_sdk.engine.requests import (
     Choice,
@@ -35,8 +35,9 @@ from lightning_sdk.engine.requests import (
 )
 from lightning_sdk.engine.sampling import find_stop, sample_next
 from lightning_sdk.engine.scheduler import Scheduler
-from lightning_sdk.grammar import Grammars
+from lightning_sdk.grammar import Grammars, ThinkTokens
 from lightning_sdk.models.adapter import nonfinite_in_adapter
+from lightning_sdk.servers import vllm_parsers
 
 log = logging.getLogger("lightning_sdk.servers")
 
@@ -65,6 +66,11 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_ids = models.eos_ids(self.model, self.tokenizer)
+        # the model's tool-call format and reasoning, read as vLLM's parsers are chosen (one detection, both backends)
+        template, model_type = vllm_parsers.model_files(model_path)
+        self.tool_parser = vllm_parsers.tool_call_parser_for(template, model_type)
+        self.reasoning_parser = vllm_parsers.reasoning_parser_for(template, model_type)
+        self.think = ThinkTokens.of(self.tokenizer) if self.reasoning_parser == "qwen3" else None
         self.pad_id = self.tokenizer.pad_token_id
         # transformers 5 renamed `past_key_values` to `cache` (the old name is deprecated): use whichever exists.
         params = inspect.signature(self.model.forward).parameters
@@ -98,7 +104,8 @@ class Engine:
         return {"device": str(self.device), "max_memory_allocated": peak, "max_rss": rss}
 
     def encode_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: dict | None = None) -> list[int]:
         """Prompt token ids, exactly as the model's own chat template makes them (blocking: call it in a thread)."""
         try:
             with self._tok_lock:
@@ -109,6 +116,7 @@ class Engine:
                     continue_final_message=continue_final_message,
                     tokenize=True,
                     return_dict=True,  # transformers 5 returns a BatchEncoding either way; ask for it explicitly
+                    **(template_kwargs or {}),
                 )
         except RequestError:
             raise
@@ -135,7 +143,8 @@ class Engine:
         size, time and compiles in flight); ConstraintError names the request's part that is over a limit or that
         the grammar engine cannot compile, GrammarBusy says the compile threads are busy."""
         if self._grammars is None:  # the event loop's thread only: no race
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids, lock=self._tok_lock)
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids, lock=self._tok_lock,
+                                      tool_format=grammar_format(self.tool_parser))
         return await self._grammars.compile_async(constraint)
 
     def check(self, req: GenerationRequest) -> None:
@@ -193,7 +202,9 @@ class Engine:
 
     def _prefill(self, jobs: list[Job]) -> DecodeBatch | None:
         """Prompt pass for new jobs, left-padded together; their first token is sampled. None if all finished."""
-        rows = [Row(job, i, matcher=None if job.req.grammar is None else self._grammars.matcher(job.req.grammar))
+        rows = [Row(job, i, matcher=None if job.req.grammar is None else self._grammars.matcher(job.req.grammar),
+                    thinking=job.req.grammar is not None and self.think is not None
+                    and not self.think.prompt_ended(job.req.prompt_ids))
                 for job in jobs for i in range(job.req.n)]
         self.stats["requests"] += len(jobs)
         self.stats["prefills"] += 1
@@ -227,7 +238,7 @@ class Engine:
         # outside what its grammar allows next, before temperature and top-p: it samples from the policy
         # renormalised over those tokens and reports those log-probs (what the trainer's replay computes).
         logits = out.logits[:, -1, :].float().cpu()
-        matchers = [r.matcher for r in batch.rows]
+        matchers = [None if r.thinking else r.matcher for r in batch.rows]
         if any(m is not None for m in matchers):
             self._grammars.mask_logits(logits, matchers)
         tokens, logps, top = sample_next(logits, batch.temps, batch.top_ps, batch.rows, self._gen)
@@ -300,7 +311,10 @@ class Engine:
         self.stats["generated_tokens"] += 1
         row.tokens.append(token)
         row.logprobs.append(logprob)
-        if row.matcher is not None and not row.matcher.accept_token(token):
+        constrained = not row.thinking
+        if row.thinking and token in self.think.ends:  # the grammar starts: after </think>, at <tool_call>
+            row.thinking, constrained = False, token != self.think.end
+        if constrained and row.matcher is not None and not row.matcher.accept_token(token):
             log.error("token %d was sampled outside its request's grammar", token)  # the mask makes it impossible
         if req.top_logprobs:
             row.top.append(top or [])
@@ -313,14 +327,14 @@ class Engine:
         streaming = row.job.events is not None
         if streaming or req.stop:  # these need the text after every token; the rest decode once at the end
             checked = len(row.text)
-            row.text = self._decode(row.tokens)
+            row.text = self._decode(row.tokens, req)
             hit = find_stop(row.text, req.stop, checked) if finish is None else None
             if hit is not None:
                 row.text, stop_reason, finish = row.text[:hit[0]], hit[1], "stop"
         if finish is None and len(row.tokens) >= req.max_tokens:
             finish = "length"
         if finish is not None and not (streaming or req.stop):
-            row.text = self._decode(row.tokens)
+            row.text = self._decode(row.tokens, req)
         if streaming:
             self._stream_step(row, finish, stop_reason)
         if finish is None:
@@ -344,9 +358,11 @@ class Engine:
         row.job.emit(ChoiceDelta(row.index, [row.tokens[-1]], text, [row.logprobs[-1]],
                                  [row.top[-1]] if row.req.top_logprobs else None, finish, stop_reason))
 
-    def _decode(self, tokens: list[int]) -> str:
+    def _decode(self, tokens: list[int], req: GenerationRequest) -> str:
+        if not req.skip_special_tokens and tokens and (tokens[-1] in self.eos_ids or tokens[-1] in req.stop_token_ids):
+            tokens = tokens[:-1]  # the stop token is never in the text (vLLM's), its other special tokens are
         with self._tok_lock:
-            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+            return self.tokenizer.decode(tokens, skip_special_tokens=req.skip_special_tokens)
 
 
 def _normalise_message(message: dict) -> dict:

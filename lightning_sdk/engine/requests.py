@@ -40,13 +40,14 @@ class GenerationRequest:
     adapter: str | None = None  # None: the base model, adapters disabled
     ignore_eos: bool = False  # vLLM's sampling flag: go on past end-of-sequence until max_tokens
     grammar: Any = None  # a compiled constraint (Engine.compile): every choice is sampled under it
+    skip_special_tokens: bool = True  # vLLM's flag: False keeps them in the text (a tool format's markers)
 
 
 @dataclass
 class Choice:
     index: int
     token_ids: list[int]  # every sampled id, the stop/eos token included
-    text: str  # decoded without special tokens, cut before a stop string
+    text: str  # decoded (without special tokens unless the request keeps them), cut before a stop string
     logprobs: list[float]  # one per token id
     top_logprobs: list[list[tuple[int, float]]] | None
     finish_reason: str  # "stop" | "length"

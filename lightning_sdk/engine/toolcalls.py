@@ -1,18 +1,29 @@
-"""Tool calls in chat completions: the model's `<tool_call>` text -> OpenAI `tool_calls`, and back for the prompt.
+"""Tool calls in chat completions: the model's own call text -> OpenAI `tool_calls` (and its reasoning ->
+`reasoning_content`), and prior calls back for the prompt.
 
-Qwen2.5 (and Hermes) chat templates render the offered tools into the system prompt and teach the model to call
-one as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; the builtin tiny models use the same
-format, so a real model behaves the same way. Parsing only shapes the message the client sees: the token ids
-returned beside it are still exactly what was sampled.
+Each family writes calls its own way; `ToolFormat` reads one (`FORMATS`, by vLLM's --tool-call-parser name, chosen
+per model by lightning_sdk/servers/vllm_parsers.py for both backends):
+- hermes (Qwen2.5, Qwen3, the builtin tiny models): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
+- llama3_json (Llama 3.x): `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`
+- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`, call ids of 9 letters and digits (its template's rule)
+- openai (gpt-oss): harmony messages; `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}` is a
+  call, the analysis channel is reasoning, the final channel the content
+- pythonic (Gemma 3, which has no call tokens of its own): `[name(a=1, b="x"), ...]`
+Qwen3's `<think>...</think>` is split off into `reasoning_content` as vLLM's qwen3 reasoning parser does (`Thinking`).
+Parsing only shapes the message the client sees: the token ids returned beside it are still exactly what was sampled.
 
-`tool_choice` "required" or a named function is enforced: the reply is sampled under a grammar of these blocks
-(lightning_sdk/constraint.py). Under "auto" a reply without a call comes back as plain content, never as an
-invented call; "none" turns parsing off.
+`tool_choice` "required" or a named function is enforced: the reply is sampled under the format's grammar of a call
+(lightning_sdk/constraint.py's format_grammar: what vLLM applies for the same request; mistral and pythonic then
+write bare JSON, read as vLLM reads it). Under "auto" a reply without a call comes back as plain content, never as
+an invented call; "none" turns parsing off.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,31 +205,315 @@ def _finish_reason(reason: str | None, calls: list[dict]) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def message(text: str, finish_reason: str, parse_calls: bool) -> tuple[dict, str]:
+@dataclass
+class Reply:
+    """A reply (or the part of it streamed so far) read: its content, its complete tool calls, its reasoning."""
+
+    content: str = ""
+    calls: list[dict] = field(default_factory=list)
+    reasoning: str = ""
+
+
+@dataclass(frozen=True)
+class Forced:
+    """A forced tool_choice, which decides how mistral's and pythonic's bare-JSON calls read: `name` for a named
+    function (None: "required")."""
+
+    name: str | None = None
+
+
+def forced_choice(tool_choice: Any) -> Forced | None:
+    if tool_choice == "required":
+        return Forced()
+    if isinstance(tool_choice, dict):
+        return Forced(tool_choice.get("function", {}).get("name"))
+    return None
+
+
+class ToolFormat:
+    """How one family writes tool calls. `scan` reads the text so far: with `final` False it holds back whatever
+    may still become a call (content it returns is never taken back by a longer text); calls are complete ones.
+    `skip_special_tokens`: False where the format's markers are special tokens (the text keeps them)."""
+
+    name = ""
+    skip_special_tokens = True
+
+    def scan(self, text: str, final: bool, forced: Forced | None) -> Reply:
+        raise NotImplementedError
+
+    def call(self, name: str, arguments: str) -> dict:
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+
+
+class Hermes(ToolFormat):
+    name = "hermes"
+
+    def scan(self, text: str, final: bool, forced: Forced | None) -> Reply:
+        p = ToolCallParser()
+        content, _ = p.feed(text)
+        if final:
+            content += p.finish()[0]
+        return Reply(content, p.calls)
+
+
+class Llama3Json(ToolFormat):
+    """vLLM's llama3_json parser: JSON objects (`;` or nothing between them) with a name and parameters (or
+    arguments); a reply that is not all calls is all content."""
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def scan(self, text: str, final: bool, forced: Forced | None) -> Reply:
+        if not final:  # a reply that starts as a call is held whole; other text streams up to a `{`
+            head = text.lstrip()
+            if not head or head.startswith(("{", self.TAG)) or self.TAG.startswith(head):
+                return Reply()
+            return Reply(text[:text.find("{")] if "{" in text else text)
+        if self.TAG not in text and "{" not in text:
+            return Reply(text)
+        body, calls, decoder, end = text.replace(self.TAG, ""), [], json.JSONDecoder(), -1
+        for start in (i for i, ch in enumerate(body) if ch == "{"):
+            if start <= end:
+                continue
+            try:
+                obj, n = decoder.raw_decode(body[start:])
+                args = obj["arguments"] if "arguments" in obj else obj["parameters"]
+                calls.append(self.call(str(obj["name"]), json.dumps(args, ensure_ascii=False)))
+            except (ValueError, KeyError, TypeError, RecursionError):
+                return Reply(text)
+            end = start + n
+        return Reply("", calls) if calls else Reply(text)
+
+
+class Mistral(ToolFormat):
+    """vLLM's mistral parser with a Hugging Face tokenizer (its pre-v11 branch): content, then `[TOOL_CALLS]` and a
+    JSON array of calls; a forced call is the bare array."""
+
+    name = "mistral"
+    TAG = "[TOOL_CALLS]"
+    skip_special_tokens = False  # [TOOL_CALLS] is a control token: vLLM keeps special tokens with tools too
+    ID_CHARS = string.ascii_letters + string.digits
+
+    def call(self, name: str, arguments: str) -> dict:
+        return {"id": "".join(secrets.choice(self.ID_CHARS) for _ in range(9)), "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+
+    def scan(self, text: str, final: bool, forced: Forced | None) -> Reply:
+        if not final:
+            if forced is not None:
+                return Reply()
+            cut = text.find(self.TAG)
+            head = text if cut < 0 else text[:cut]
+            return Reply(head[:len(head) - _partial(head, self.TAG)])
+        if self.TAG in text:
+            content, *segments = text.split(self.TAG)
+            body = next((seg.strip() for seg in segments if seg.strip()), "")
+        elif forced is not None:
+            content, body = "", text.strip()
+        else:
+            return Reply(text)
+        try:
+            parsed, _ = json.JSONDecoder().raw_decode(body)
+        except (ValueError, RecursionError):
+            parsed = None
+        parsed = [parsed] if isinstance(parsed, dict) else parsed if isinstance(parsed, list) else []
+        calls = []
+        for item in parsed:
+            if isinstance(item, dict) and ("name" in item or "arguments" in item):
+                args = item.get("arguments")
+                args = "{}" if args is None else args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+                calls.append(self.call(item["name"] if isinstance(item.get("name"), str) else "", args))
+        if not calls:
+            return Reply(body)
+        return Reply(content if content.strip() else "", calls)
+
+
+class Pythonic(ToolFormat):
+    """vLLM's pythonic parser (`[f(a=1), g()]`, literal arguments); a forced call is vLLM's generic bare JSON: a
+    named call's arguments alone, or `[{"name": ..., "parameters": ...}]`."""
+
+    name = "pythonic"
+
+    def scan(self, text: str, final: bool, forced: Forced | None) -> Reply:
+        if not final:
+            head = text.lstrip()
+            return Reply() if forced is not None or not head or head.startswith("[") else Reply(text)
+        if forced is not None:
+            return _forced_json(self, text, forced)
+        stripped = text.strip()
+        if not (stripped.startswith("[") and stripped.endswith("]")):
+            return Reply(text)
+        try:
+            tree = ast.parse(stripped, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return Reply(text)
+            calls = []
+            for node in tree.elts:
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                    return Reply(text)
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+                calls.append(self.call(node.func.id, json.dumps(args, ensure_ascii=False)))
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return Reply(text)
+        return Reply("", calls)
+
+
+def _forced_json(fmt: ToolFormat, text: str, forced: Forced) -> Reply:
+    """vLLM's own reading of a forced call sampled as bare JSON: a named function's arguments, or a list of
+    `{"name", "parameters"}`."""
+    if forced.name is not None:
+        return Reply("", [fmt.call(forced.name, text.strip())]) if text.strip() else Reply(text)
+    try:
+        items = json.loads(text)
+    except (ValueError, RecursionError):
+        return Reply(text)
+    calls = [fmt.call(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False))
+             for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)] if isinstance(items, list) else []
+    return Reply("", calls) if calls else Reply(text)
+
+
+class Harmony(ToolFormat):
+    """gpt-oss's harmony messages (vLLM's openai parser and openai_gptoss reasoning): each `[<|start|>assistant]
+    <|channel|>C[ to=functions.NAME][ <|constrain|>json]<|message|>BODY<|end|>`; the last ends with a stop token
+    (not in the text). Analysis is reasoning, a message to functions.NAME a call, the rest content."""
+
+    name = "openai"
+    skip_special_tokens = False  # the channels are special tokens
+    START, MESSAGE, ENDS = "<|start|>", "<|message|>", ("<|end|>", "<|call|>", "<|return|>")
+
+    def scan(self, text: str, final: bool, forced: Forced | None) -> Reply:
+        if self.MESSAGE not in text:  # not (yet) a harmony message: what the model wrote, at the end
+            return Reply(text if final else "")
+        out = Reply()
+        for k, part in enumerate(text.split(self.START)):
+            if k:  # the role after <|start|>
+                part = part[len("assistant"):] if part.startswith("assistant") else part
+            head, sep, body = part.partition(self.MESSAGE)
+            if not sep:
+                continue
+            complete = any(body.endswith(e) for e in self.ENDS) or final or k < text.count(self.START)
+            for e in self.ENDS:
+                body = body.split(e)[0]
+            recipient = next((w[len("to="):] for w in head.replace("<|", " <|").split() if w.startswith("to=")), None)
+            channel = head.split("<|channel|>")[-1].split()[0].split("<|")[0] if "<|channel|>" in head else ""
+            if recipient is not None and recipient.startswith("functions."):
+                if complete and _is_json(body):
+                    out.calls.append(self.call(recipient[len("functions."):], body.strip()))
+                elif complete:  # cut short (max_tokens): its text, not a call
+                    out.content += body
+                continue
+            if not complete:
+                body = body[:len(body) - max(_partial(body, e) for e in self.ENDS + (self.START,))]
+            if channel == "analysis":
+                out.reasoning += body
+            else:
+                out.content += body
+        return out
+
+
+FORMATS: dict[str, type[ToolFormat]] = {f.name: f for f in (Hermes, Llama3Json, Mistral, Harmony, Pythonic)}
+
+
+def tool_format(parser: str | None) -> ToolFormat:
+    """The reader of vLLM's tool-call parser `parser` (hermes where the model names none this server reads)."""
+    return FORMATS.get(parser or "", Hermes)()
+
+
+class Thinking:
+    """vLLM's qwen3 (and deepseek_r1) reasoning parser: what comes before `</think>` is reasoning (a leading `<think>`
+    dropped), or before a `<tool_call>` that starts first; with no end, all of it is, unless the prompt already
+    closed the thinking (`closed`: the template's empty `<think></think>`, thinking off)."""
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self, closed: bool):
+        self.closed = closed
+
+    def split(self, text: str, final: bool) -> tuple[str, str | None]:
+        """(reasoning, the rest: None while still in the reasoning)."""
+        if self.closed:
+            return "", text
+        body = text[len(self.OPEN):] if text.startswith(self.OPEN) else text
+        ends = [(i, len(m)) for m in (self.CLOSE, OPEN) if (i := body.find(m)) >= 0]
+        if ends:
+            i, n = min(ends)
+            return body[:i], body[i + n:] if body[i:i + n] == self.CLOSE else body[i:]
+        if final:
+            return body, None
+        if self.OPEN.startswith(text):  # may still become <think>, which is not reasoning
+            return "", None
+        return body[:len(body) - max(_partial(body, self.CLOSE), _partial(body, OPEN))], None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def _partial(text: str, marker: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class Reader:
+    """A model's replies read: its tool-call format (None: calls not parsed, `tool_choice` "none" or no tools),
+    its reasoning split (None: the model does not reason, or the format splits it itself) and the forced choice."""
+
+    fmt: ToolFormat | None
+    thinking: Thinking | None = None
+    forced: Forced | None = None
+
+    def read(self, text: str, final: bool) -> Reply:
+        reasoning, rest = self.thinking.split(text, final) if self.thinking is not None else ("", text)
+        if rest is None:
+            return Reply(reasoning=reasoning)
+        if self.fmt is None:
+            reply = Reply(rest)
+        else:
+            reply = self.fmt.scan(rest, final, self.forced)
+        if self.thinking is not None:
+            reply.reasoning = reasoning
+        return reply
+
+
+def message(text: str, finish_reason: str, reader: Reader) -> tuple[dict, str]:
     """The assistant message of a whole reply, and its finish_reason."""
-    if not parse_calls:
-        return {"role": "assistant", "content": text, "tool_calls": []}, finish_reason
-    content, calls = parse(text)
-    return {"role": "assistant", "content": content, "tool_calls": calls}, _finish_reason(finish_reason, calls)
+    reply = reader.read(text, final=True)
+    plain = reader.fmt is None and reader.thinking is None  # the text as sampled, "" included
+    msg: dict[str, Any] = {"role": "assistant", "content": reply.content if reply.content or plain else None,
+                           "tool_calls": reply.calls}
+    if reply.reasoning:
+        msg["reasoning_content"] = reply.reasoning
+    return msg, _finish_reason(finish_reason, reply.calls)
 
 
 class StreamShaper:
-    """Per-choice parsers for a streamed reply: each sampled delta -> an OpenAI chunk delta and finish_reason."""
+    """Per-choice readers for a streamed reply: each sampled delta -> an OpenAI chunk delta and finish_reason. The
+    text so far is read again at each delta and only what it adds is sent, so a streamed reply and a plain one
+    agree (calls are sent whole, once complete)."""
 
-    def __init__(self, n: int, parse_calls: bool):
-        self.parsers = [ToolCallParser() for _ in range(n)] if parse_calls else None
+    def __init__(self, n: int, reader: Reader):
+        self.reader = reader
+        self.text = [""] * n
+        self.sent = [Reply() for _ in range(n)]  # content and reasoning lengths sent, calls sent
 
     def delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        if self.parsers is None:
-            return {"content": text}, finish_reason
-        p = self.parsers[index]
-        before = len(p.calls)
-        content, _ = p.feed(text)
-        if finish_reason is not None:
-            tail, _ = p.finish()
-            content += tail
-        delta: dict[str, Any] = {"content": content}
-        new = p.calls[before:]
+        self.text[index] += text
+        reply = self.reader.read(self.text[index], final=finish_reason is not None)
+        sent = self.sent[index]
+        delta: dict[str, Any] = {"content": reply.content[len(sent.content):]}
+        if len(reply.reasoning) > len(sent.reasoning):
+            delta["reasoning_content"] = reply.reasoning[len(sent.reasoning):]
+        new = reply.calls[len(sent.calls):]
         if new:
-            delta["tool_calls"] = [{"index": before + k, **call} for k, call in enumerate(new)]
-        return delta, _finish_reason(finish_reason, p.calls) if finish_reason is not None else None
+            delta["tool_calls"] = [{"index": len(sent.calls) + k, **call} for k, call in enumerate(new)]
+        self.sent[index] = Reply(reply.content, sent.calls + new, reply.reasoning)
+        return delta, _finish_reason(finish_reason, self.sent[index].calls) if finish_reason is not None else None

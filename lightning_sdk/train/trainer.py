@@ -29,11 +29,12 @@ import torch
 
 from lightning_sdk import models
 from lightning_sdk.config import Policy, TrainConfig
-from lightning_sdk.constraint import Constraint, ConstraintError
+from lightning_sdk.constraint import Constraint, ConstraintError, grammar_format
 from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
-from lightning_sdk.grammar import Grammars, additive_mask
+from lightning_sdk.grammar import Grammars, ThinkTokens, additive_mask
 from lightning_sdk.models.adapter import first_nonfinite
+from lightning_sdk.servers import vllm_parsers
 from lightning_sdk.train.microbatch import Batch, collate, split
 from lightning_sdk.train.packing import pack, share, single
 from lightning_sdk.train.checkpoint import ADAPTER, ADAPTERS
@@ -111,6 +112,7 @@ class GRPOTrainer:
         self.ranks = ranks or OneProcess()
         self._model_path = model_path
         self._grammars: Grammars | None = None  # made for the first constrained call
+        self._think: ThinkTokens | None = None  # a Qwen3's: its grammars start where its thinking ends
         self.importance_sampling_cap = config.sampling_cap(backend)
         self.device = resolve_device(config.device)
         self.global_step = 0
@@ -350,11 +352,17 @@ class GRPOTrainer:
         if self._grammars is None:
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
             tokenizer = models.load_tokenizer(self._model_path)
-            self._grammars = Grammars(tokenizer, vocab, models.eos_ids(self.model, tokenizer))
+            template, model_type = vllm_parsers.model_files(self._model_path)  # the servers' own detection
+            self._grammars = Grammars(tokenizer, vocab, models.eos_ids(self.model, tokenizer),
+                                      tool_format=grammar_format(vllm_parsers.tool_call_parser_for(template,
+                                                                                                   model_type)))
+            reasoning = vllm_parsers.reasoning_parser_for(template, model_type)
+            self._think = ThinkTokens.of(tokenizer) if reasoning == "qwen3" else None
         masks, bad = {}, set()
         for t in constrained:
             try:
-                m = self._grammars.replay(Constraint.from_json(t.constraint), t.completion_ids)
+                start = self._think.grammar_start(t.prompt_ids, t.completion_ids) if self._think else 0
+                m = self._grammars.replay(Constraint.from_json(t.constraint), t.completion_ids, start)
             except (ConstraintError, ValueError):
                 m = None
             if m is None:
