@@ -129,7 +129,7 @@ def say_ratio(label: str, ours: list[float], theirs: list[float]) -> None:
 with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_path=tmp / "server.log") as server:
     gateways = {"apart": IsolatedGateway(api_key="bench"), "thread": Gateway(api_key="bench")}
     for g in gateways.values():
-        g.start([server.url], backend_key=server.api_key)
+        g.start([server.url], backend_key=server.api_key, grammar=server.grammar)
         g.policy = "policy"
         g.capture.record_to(store)  # every call through a gateway is recorded, as in a run
     via = {name: Way(g) for name, g in gateways.items()}

@@ -131,7 +131,7 @@ for k in agent:
 # ---- 2. the gateway
 with CPUServer("builtin:tiny-arith", served_model_name="policy", threads=1, log_path=tmp / "server.log") as server:
     gateway = IsolatedGateway(api_key="bench") if args.apart else Gateway(api_key="bench")
-    gateway.start([server.url], backend_key=server.api_key)
+    gateway.start([server.url], backend_key=server.api_key, grammar=server.grammar)
     serving = psutil.Process(gateway.pid) if args.apart else None
 
     def cpu_now() -> float:

@@ -52,7 +52,7 @@ def main() -> None:
     with server:
         print(f"vLLM healthy after {time.perf_counter() - t:.0f} s: {' '.join(server.command()[4:])}", flush=True)
         gateway = Gateway(api_key="agents")
-        gateway.start([server.url], backend_key=server.api_key)
+        gateway.start([server.url], backend_key=server.api_key, grammar=server.grammar)
         gateway.policy = "policy"
         rows = []
         try:

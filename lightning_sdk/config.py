@@ -223,6 +223,7 @@ class ServeConfig(_Section):
     max_loras: int = Field(2, ge=1, description="LoRA adapters vLLM holds on the GPU at once; at least 2 per "
                                                  "policy are given (each new adapter loads before the old one goes)")
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` flags, e.g. --enforce-eager")
+    # Both backends take them (the built-in server reads and forces calls in that parser's format)
     tool_call_parser: str = Field("auto", description="vLLM's --tool-call-parser: 'auto' = the one the model's chat "
                                   "template / model_type calls for (hermes for Qwen2.5 and builtin: models), 'none' "
                                   "= no tool calling, or a parser name (e.g. hermes, llama3_json, mistral)")

@@ -15,7 +15,9 @@ function; not "none") with each tool's arguments pinned to its parameter schema,
 `"strict": true` (without that level a tool lacking `strict` gets free JSON arguments, and an "auto" request no
 grammar at all). The tag (grammar.py builds it as vLLM's hermes tool parser does) writes a call as
 `<tool_call>\n{"name": "x", "arguments": {...}}\n</tool_call>` or the same without the two newlines, the arguments
-with free whitespace (vLLM's disable_any_whitespace does not reach a structural tag); "auto" leaves the text free
+with free whitespace on vLLM (its disable_any_whitespace does not reach a structural tag) and compact on the built-in
+server (json.dumps' separators: a model never taught calls fills free whitespace with newlines; `ServerGrammar`
+says which, and the gateway records it with the constraint); "auto" leaves the text free
 until `<tool_call>` begins a call, "required" asks for one call or more (none between them), a named function for
 one call, `parallel_tool_calls: false` for at most one; "auto" with a `response_format` or `structured_outputs`
 is one call or more, or a reply in that format (its JSON with free whitespace too).
@@ -64,25 +66,62 @@ class ConstraintError(ValueError):
 
 
 @dataclass(frozen=True)
+class ServerGrammar:
+    """How a backend turns a request's constraint into the grammar it samples under, beyond the request itself:
+    the tool-call parser it was started with (vLLM's --tool-call-parser name, `vllm_parsers.choose(serve.
+    tool_call_parser, detected)`; None: none), its reasoning parser (Qwen3's: the grammar starts where the thinking
+    ends) and whether JSON inside a structural tag (tool-call arguments) is `compact` (json.dumps' separators: the
+    built-in server) or takes free whitespace (vLLM, whose structural tags ignore disable_any_whitespace). The
+    gateway records it with each constraint, so the trainer replays what that server applied."""
+
+    tool_parser: str | None
+    reasoning_parser: str | None
+    compact: bool
+
+    @property
+    def tool_format(self) -> str:
+        """The forced-call grammar's format (TOOL_FORMATS) of this server's tool-call parser."""
+        return grammar_format(self.tool_parser)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tool_parser": self.tool_parser, "reasoning_parser": self.reasoning_parser, "compact": self.compact}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "ServerGrammar":
+        if not isinstance(d, dict) or not isinstance(d.get("compact"), bool):
+            raise ConstraintError(f"not a recorded server grammar: {str(d)[:200]!r}", "constraint")
+        tools, reasoning = d.get("tool_parser"), d.get("reasoning_parser")
+        return cls(tools if isinstance(tools, str) else None, reasoning if isinstance(reasoning, str) else None,
+                   d["compact"])
+
+
+@dataclass(frozen=True)
 class Constraint:
     """What the sampler must follow: `kind` (KINDS) and its definition `spec` (a JSON value: the schema, the
-    pattern, the choices, the EBNF grammar, or the tools and how many calls); `param` names where it came from."""
+    pattern, the choices, the EBNF grammar, or the tools and how many calls); `param` names where it came from;
+    `server`, in a call's record, how the backend that served it applied it (None: a request's own, or a record
+    made before records said: the trainer then reads the model's format from its files)."""
 
     kind: str
     spec: Any
     param: str = ""
+    server: ServerGrammar | None = None
 
     def to_json(self) -> str:
         """The text stored in the call's record. Never with sorted keys: a JSON schema's property order is the
         order the grammar writes the properties in."""
-        return json.dumps({"kind": self.kind, "spec": self.spec, "param": self.param}, separators=(",", ":"))
+        d = {"kind": self.kind, "spec": self.spec, "param": self.param}
+        if self.server is not None:
+            d["server"] = self.server.to_dict()
+        return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "Constraint":
         d = json.loads(text)
         if not isinstance(d, dict) or d.get("kind") not in KINDS:
             raise ConstraintError(f"not a recorded constraint: {text[:200]!r}", "constraint")
-        return cls(d["kind"], d.get("spec"), str(d.get("param", "")))
+        server = ServerGrammar.from_dict(d["server"]) if d.get("server") is not None else None
+        return cls(d["kind"], d.get("spec"), str(d.get("param", "")), server)
 
     @property
     def label(self) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from lightning_sdk.constraint import (DEFAULT_TOOL_FORMAT, TOOL_CLOSE, TOOL_OPEN, Constraint, ConstraintError,
-                                      check_size, format_grammar, text_format)
+                                      ServerGrammar, check_size, format_grammar, text_format)
 
 _ENGINE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " before its message
 
@@ -48,14 +48,17 @@ class GrammarBusy(ConstraintError):
 class Grammars:
     """Compiles constraints for one tokenizer on threads of its own, bounded in size (constraint.check_size), time
     (`deadline_s`: a constraint that ran past it is refused at once when asked again), compiles in flight and cached
-    bytes; cached by their canonical text; thread-safe. `tool_format` is the model's tool-call format
-    (constraint.TOOL_FORMATS): a forced call, and JSON on gpt-oss, compile to that format's grammar."""
+    bytes; cached by their canonical text; thread-safe. A constraint is compiled as its `server` (a recorded
+    call's) applied it, else as `server` here says (the built-in server's own), else in `tool_format`
+    (constraint.TOOL_FORMATS; a forced call, and JSON on gpt-oss, compile to that format's grammar) with free
+    whitespace in structural tags (a record made before records said how)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], *, lock: Any = None,
                  deadline_s: float = COMPILE_SECONDS, workers: int = COMPILE_WORKERS,
                  in_flight: int = COMPILES_IN_FLIGHT, cache_bytes: int = CACHE_BYTES,
-                 tool_format: str = DEFAULT_TOOL_FORMAT):
-        self.vocab_size, self.tool_format = vocab_size, tool_format
+                 tool_format: str = DEFAULT_TOOL_FORMAT, server: ServerGrammar | None = None):
+        self.vocab_size, self.server = vocab_size, server
+        self.tool_format = server.tool_format if server is not None else tool_format
         self.deadline_s, self.max_in_flight, self.cache_limit = deadline_s, in_flight, cache_bytes
         self._tokenizer, self._stop_ids, self._tokenizer_lock = tokenizer, sorted(stop_ids), lock
         self._compiler: Any = None  # made on the first compile, on a compile thread (the vocabulary scan takes a while)
@@ -102,7 +105,12 @@ class Grammars:
 
     def _free(self, c: Constraint) -> bool:
         """True when this model's tool format samples `c` under no grammar (vLLM's "auto" for mistral, pythonic)."""
-        return format_grammar(c, self.tool_format) is None
+        return format_grammar(c, self._applied(c)[0]) is None
+
+    def _applied(self, c: Constraint) -> tuple[str, bool]:
+        """(tool format, compact structural-tag JSON) that `c` is compiled in (see the class)."""
+        server = c.server or self.server
+        return (server.tool_format, server.compact) if server is not None else (self.tool_format, False)
 
     def _start(self, c: Constraint) -> tuple[str, Any, Future | None]:
         """(key, cached grammar, None) or (key, None, the compile to wait for: one running for the same key, or a
@@ -218,7 +226,8 @@ class Grammars:
 
     def _compile(self, c: Constraint) -> Any:
         comp = self._xgr_compiler()
-        c = format_grammar(c, self.tool_format)
+        fmt, compact = self._applied(c)
+        c = format_grammar(c, fmt)
         assert c is not None  # compile() answers None before it comes here (_free)
         if c.kind in ("json_schema", "json_object"):  # compact JSON, as vLLM with disable_any_whitespace
             schema = json.dumps(c.spec if c.kind == "json_schema" else {"type": "object"})
@@ -229,10 +238,9 @@ class Grammars:
             return comp.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in c.spec))
         if c.kind == "grammar":
             return comp.compile_grammar(c.spec)
-        if c.kind == "tool_calls":
-            return comp.compile_structural_tag(json.dumps(tool_calls_tag(c.spec)))
-        if c.kind == "structural_tag":  # compiled as vLLM compiles one: no whitespace setting of its own
-            return comp.compile_structural_tag(json.dumps(c.spec))
+        if c.kind in ("tool_calls", "structural_tag"):  # vLLM compiles a tag with no whitespace setting of its own
+            tag = tool_calls_tag(c.spec) if c.kind == "tool_calls" else c.spec
+            return comp.compile_structural_tag(json.dumps(compact_tag(tag) if compact else tag))
         raise ValueError(f"unknown constraint kind {c.kind!r}")
 
     def matcher(self, compiled: Any) -> Any:
@@ -357,15 +365,32 @@ def _compact_tool_calls_tag(spec: dict) -> dict:
     """A forced call's spec without `choice`, as stores written before it held them: the grammar the built-in
     server sampled those calls under, so they replay as sampled. `<tool_call>` blocks (one, or one or more separated
     by newlines), the arguments compact JSON of the tool's schema with json.dumps' separators."""
-    import xgrammar as xgr
-
     calls = [{"type": "tag", "begin": f'{TOOL_OPEN}{{"name": {json.dumps(t["name"])}, "arguments": ',
-              "content": {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(
-                  json.dumps(t["parameters"]), any_whitespace=False, separators=(", ", ": ")))},
-              "end": "}" + TOOL_CLOSE} for t in spec["tools"]]
+              "content": _compact_json(t["parameters"]), "end": "}" + TOOL_CLOSE} for t in spec["tools"]]
     call = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
     if spec["one"]:
         return {"type": "structural_tag", "format": call}
     more = {"type": "star", "content": {"type": "sequence", "elements": [{"type": "const_string", "value": "\n"},
                                                                          call]}}
     return {"type": "structural_tag", "format": {"type": "sequence", "elements": [call, more]}}
+
+
+def compact_tag(tag: Any) -> Any:
+    """A structural tag with each JSON schema element in it made compact JSON (json.dumps' separators, as a chat
+    template writes a call's arguments): how the built-in server samples tool calls (constraint.ServerGrammar)."""
+    if isinstance(tag, list):
+        return [compact_tag(x) for x in tag]
+    if not isinstance(tag, dict):
+        return tag
+    if tag.get("type") == "json_schema" and "json_schema" in tag:
+        return _compact_json(tag["json_schema"])
+    return {k: compact_tag(v) for k, v in tag.items()}
+
+
+def _compact_json(schema: Any) -> dict:
+    """A structural tag's element: JSON of `schema` (true: any JSON) with json.dumps' separators, no other
+    whitespace."""
+    import xgrammar as xgr
+
+    return {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(
+        json.dumps(schema), any_whitespace=False, separators=(", ", ": ")))}

@@ -110,7 +110,7 @@ def gateway_in_front_of(server):
     from lightning_sdk.gateway.proxy import Gateway
 
     g = Gateway(api_key="agents")
-    g.start([server.url], backend_key=server.api_key)
+    g.start([server.url], backend_key=server.api_key, grammar=server.grammar)
     g.policy = SERVED
     try:
         yield g

@@ -29,7 +29,7 @@ class Api:
                                  max_body_bytes=self.max_body_bytes), api_key=KEY)
         g.capture.record_to(self.store)  # the calls' records, as a run's gateway writes them
         g.policy = self.server.served_model_name  # before it listens: a worker's first call may come at once
-        g.start([self.server.url], backend_key=self.server.api_key)
+        g.start([self.server.url], backend_key=self.server.api_key, grammar=self.server.grammar)
         return g
 
     def restart(self, down_s: float) -> None:

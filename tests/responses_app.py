@@ -76,7 +76,8 @@ class ResponsesApp:
 
         self.gateway.add_routes(broken)
         self.gateway.add_routes(responses_router(self._send, **self.router_kwargs))
-        self.gateway.start([self.server.url], backend_key=self.server.api_key)
+        self.gateway.start([self.server.url], backend_key=self.server.api_key,
+                           grammar=self.server.grammar)
         self.gateway.policy = self.server.served_model_name
         return self
 

@@ -33,7 +33,7 @@ ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 @pytest.fixture()
 def apart(server):
     g = IsolatedGateway(api_key="agents")
-    g.start([server.url], backend_key=server.api_key)
+    g.start([server.url], backend_key=server.api_key, grammar=server.grammar)
     g.policy = SERVED
     yield g
     g.stop()
@@ -147,7 +147,7 @@ def test_the_key_is_not_on_the_childs_command_line(server):
 
 def test_a_child_killed_is_said_at_once_and_its_callers_are_refused(server):
     g = IsolatedGateway(api_key="agents")
-    g.start([server.url], backend_key=server.api_key)
+    g.start([server.url], backend_key=server.api_key, grammar=server.grammar)
     g.policy = SERVED
     os.kill(g.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10

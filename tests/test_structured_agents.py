@@ -170,15 +170,17 @@ def test_instructor_trains_from_a_worker_in_its_own_environment(tmp_path, backen
     environment of its own: this project without extras plus instructor, which brings its own openai (CI:
     .venv-instructor, named by LIGHTNING_TEST_INSTRUCTOR). The trainer runs here and never imports instructor. On
     vLLM too: its arguments are pinned to the tool's schema there as on the built-in server (an integer from 0 to
-    99, never "Infinity"), and replayed as sampled."""
+    99, never "Infinity"), and replayed as sampled, each as its record says that server applied it. The built-in
+    server runs the default model, never taught a tool call: it samples compact arguments (free whitespace would
+    fill them with newlines until max_tokens, 8 of 8 rollouts failed)."""
     python = os.environ.get("LIGHTNING_TEST_INSTRUCTOR")
     if not python:
         pytest.skip("LIGHTNING_TEST_INSTRUCTOR names no Python with instructor")
     d = tmp_path
-    # calc's model writes `<tool_call>` blocks, as a real model does: tool arguments allow free whitespace (vLLM's
-    # structural tag, the grammar both backends sample under), which a model never taught a call fills with newlines
+    # vLLM's structural tag allows free whitespace in the arguments, which a model never taught a call fills with
+    # newlines: there calc's model, which writes `<tool_call>` blocks as a real model does
     calc = f'[model]\nname = "tiny:{ROOT / "cookbook/calc/teacher.py"}"\ndtype = "float32"\n'
-    toml = project(d, INSTRUCTOR, serve=(VLLM if backend == "vllm" else "") + calc)
+    toml = project(d, INSTRUCTOR, serve=VLLM + calc if backend == "vllm" else "")
     toml.write_text(toml.read_text().replace('dir = "run"', 'dir = "run"\nruntime = "remote"')
                     + "[remote]\nworker_timeout = 120\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
@@ -206,4 +208,8 @@ def test_instructor_trains_from_a_worker_in_its_own_environment(tmp_path, backen
     store = Store(d / "run/store.sqlite")
     calls = [s for r in store.rollouts(phase="train") for s in store.spans(r.rollout_id) if s.source == "gateway"]
     assert calls and all(s.attributes["lightning.llm.completion_token_ids"] for s in calls)
-    assert all(json.loads(s.attributes["lightning.llm.constraint"])["kind"] for s in calls)
+    recorded = [json.loads(s.attributes["lightning.llm.constraint"]) for s in calls]
+    assert {c["kind"] for c in recorded} == {"tool_calls"}
+    # how the server applied it: hermes calls, compact arguments on the built-in server, free ones on vLLM
+    assert all(c["server"] == {"tool_parser": "hermes", "reasoning_parser": None, "compact": backend == "builtin"}
+               for c in recorded)

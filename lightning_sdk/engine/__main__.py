@@ -10,6 +10,8 @@ import signal
 import threading
 import time
 
+from lightning_sdk.config import VLLM_REASONING_PARSERS, VLLM_TOOL_CALL_PARSERS
+
 
 def _exit_with_parent(pid: int) -> None:
     """A runtime killed with SIGKILL cannot stop its server: leave by ourselves, freeing the port and memory."""
@@ -38,6 +40,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *VLLM_TOOL_CALL_PARSERS],
+                   metavar="NAME", help="the tool-call format, by vLLM's parser name (serve.tool_call_parser): "
+                   "'auto' (the model's own), 'none' or a name")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *VLLM_REASONING_PARSERS],
+                   metavar="NAME", help="the reasoning split, by vLLM's parser name (serve.reasoning_parser): "
+                   "'auto' (the model's own), 'none' or a name")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the runtime) is gone")
     p.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 16 MiB)")
     p.add_argument("--header-timeout", type=float, default=None,
@@ -75,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("lightning_sdk.servers").info("loading %s on %s", args.model, args.device)
     engine = Engine(models.resolve(args.model), dtype=args.dtype, quantization=args.quantization,
                     max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, seed=args.seed,
-                    device=args.device)
+                    device=args.device, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
     app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                      **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}))
     if args.api_key is None:

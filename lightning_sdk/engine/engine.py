@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_sdk import models
-from lightning_sdk.constraint import Constraint, grammar_format
+from lightning_sdk.constraint import Constraint
 from lightning_sdk.engine.batch import DecodeBatch, Row
 from lightning_sdk.engine.requests import (
     Choice,
@@ -47,7 +47,8 @@ DEFAULT_MAX_MODEL_LEN = 2048  # for a model whose config names no context length
 
 class Engine:
     def __init__(self, model_path: str, *, dtype: str = "auto", quantization: str = "none",
-                 max_batch_size: int = 64, max_model_len: int | None = None, seed: int = 0, device: str = "cpu"):
+                 max_batch_size: int = 64, max_model_len: int | None = None, seed: int = 0, device: str = "cpu",
+                 tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
         t0 = time.monotonic()
         self.device = torch.device(device)
         self.tokenizer = models.load_tokenizer(model_path)
@@ -66,10 +67,10 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_ids = models.eos_ids(self.model, self.tokenizer)
-        # the model's tool-call format and reasoning, read as vLLM's parsers are chosen (one detection, both backends)
-        template, model_type = vllm_parsers.model_files(model_path)
-        self.tool_parser = vllm_parsers.tool_call_parser_for(template, model_type)
-        self.reasoning_parser = vllm_parsers.reasoning_parser_for(template, model_type)
+        # the model's tool-call format and reasoning: serve.tool_call_parser / serve.reasoning_parser ('auto': read
+        # from the model as vLLM's parsers are chosen), its tool-call arguments compact
+        self.grammar = vllm_parsers.server_grammar(model_path, tool_call_parser, reasoning_parser, compact=True)
+        self.tool_parser, self.reasoning_parser = self.grammar.tool_parser, self.grammar.reasoning_parser
         self.think = ThinkTokens.of(self.tokenizer) if self.reasoning_parser == "qwen3" else None
         self.pad_id = self.tokenizer.pad_token_id
         # transformers 5 renamed `past_key_values` to `cache` (the old name is deprecated): use whichever exists.
@@ -144,7 +145,7 @@ class Engine:
         the grammar engine cannot compile, GrammarBusy says the compile threads are busy."""
         if self._grammars is None:  # the event loop's thread only: no race
             self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids, lock=self._tok_lock,
-                                      tool_format=grammar_format(self.tool_parser))
+                                      server=self.grammar)
         return await self._grammars.compile_async(constraint)
 
     def check(self, req: GenerationRequest) -> None:

@@ -22,14 +22,14 @@ import json
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping
 from urllib.parse import urlsplit
 
 from opentelemetry import baggage, trace
 from opentelemetry.context import Context
 
-from lightning_sdk.constraint import ConstraintError, from_request
+from lightning_sdk.constraint import ConstraintError, ServerGrammar, from_request
 from lightning_sdk.drain import Drain
 from lightning_sdk.tracing.context import COMPONENT_KEY, PROPAGATOR, ROLLOUT_KEY
 from lightning_sdk.tracing.propagation import CALL_ID_HEADER, CLAIM_HEADER
@@ -281,8 +281,8 @@ class Call:
             constraint = from_request(body)
         except ConstraintError:  # the backend refuses it: a failed call, nothing to replay
             constraint = None
-        if constraint is not None:  # by value: the trainer replays this grammar over the completion ids
-            a[CONSTRAINT] = constraint.to_json()
+        if constraint is not None:  # by value, as the backend applied it: the trainer replays this grammar
+            a[CONSTRAINT] = replace(constraint, server=self.capture.grammar).to_json()
         if self.server is not None:  # which replica served it (OpenTelemetry's server.* attributes)
             a["server.address"], port = _address(self.server)
             if port is not None:
@@ -447,6 +447,8 @@ class Capture(RecordOutlet):
         super().__init__()
         self.rollouts = rollouts
         self.store_text = store_text
+        # how the backend applies a constraint (its parsers, its tool-call whitespace): Gateway.start sets it
+        self.grammar: ServerGrammar | None = None
         self._drain: Drain[Call] | None = None
 
     @property

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from lightning_sdk.compat import connection
+from lightning_sdk.constraint import ServerGrammar
 from lightning_sdk.errors import RunError
 from lightning_sdk.gateway.capture import OpenRollouts, RecordOutlet, Rollout
 from lightning_sdk.gateway.listen import bind, url_of
@@ -103,9 +104,9 @@ class IsolatedGateway:
     def rollout_base_url(self, key: str) -> str:
         return f"{self.url}/rollouts/{key}/v1"
 
-    def start(self, backends: Sequence[str], *, backend_key: str | None) -> None:
-        """Serve, forwarding to `backends` (roots: http://host:port) with `backend_key`."""
-        self.call("start", (list(backends), backend_key), timeout=START_S)
+    def start(self, backends: Sequence[str], *, backend_key: str | None, grammar: ServerGrammar | None = None) -> None:
+        """Serve, forwarding to `backends` (roots: http://host:port) with `backend_key` (`grammar`: Gateway.start's)."""
+        self.call("start", (list(backends), backend_key, grammar.to_dict() if grammar else None), timeout=START_S)
         self._started = True
 
     def is_alive(self) -> bool:
@@ -459,7 +460,8 @@ COMMANDS: dict[str, Callable[[Any, _Sink, Any], Any]] = {
     "record": lambda g, sink, on: g.capture.record_to(sink if on else None),
     # Its records are sent before this answer, and the pair keeps the order.
     "flush": lambda g, sink, timeout_s: g.capture.flush(timeout_s),
-    "start": lambda g, sink, arg: g.start(arg[0], backend_key=arg[1]),
+    "start": lambda g, sink, arg: g.start(arg[0], backend_key=arg[1],
+                                          grammar=ServerGrammar.from_dict(arg[2]) if arg[2] else None),
     "stats": lambda g, sink, arg: _stats(g),
 }
 

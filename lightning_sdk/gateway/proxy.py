@@ -35,7 +35,7 @@ import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightning_sdk.constraint import ConstraintError, check_size, from_request
+from lightning_sdk.constraint import ConstraintError, ServerGrammar, check_size, from_request
 from lightning_sdk.gateway.canary_share import routes_to_canary
 from lightning_sdk.gateway.capture import CALL_ID_HEADER, Call, Capture, OpenRollouts, origin
 from lightning_sdk.gateway.door import Door
@@ -104,8 +104,10 @@ class Gateway:
             for route in router.routes:
                 self._route_keys[route.path.partition("{")[0]] = api_key
 
-    def start(self, backends: Sequence[str], *, backend_key: str | None) -> None:
-        """Serve, forwarding to `backends` (roots: http://host:port) with `backend_key`."""
+    def start(self, backends: Sequence[str], *, backend_key: str | None, grammar: ServerGrammar | None = None) -> None:
+        """Serve, forwarding to `backends` (roots: http://host:port) with `backend_key`; `grammar` (the server's
+        own: `server.grammar`) goes into each call's record with its constraint."""
+        self.capture.grammar = grammar
         self.backends = Backends(backends)
         self._backend_headers = {"Content-Type": "application/json"}
         if backend_key:

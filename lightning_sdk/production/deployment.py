@@ -142,7 +142,8 @@ def start(cfg: Config, directory: Path, *, host: str, port: int, api_key: str | 
         gateway.capture.record_to(store)
         stack.callback(gateway.capture.record_to, None)  # flushes: every answered call is written before close
         gateway.add_routes(feedback_router(ledger, gateway.capture.flush))
-        gateway.start(server.urls, backend_key=server.api_key)
+        gateway.start(server.urls, backend_key=server.api_key,
+                      grammar=server.grammar)
         gateway.policy = cfg.model.name
         schedule = None
         if cfg.learn is not None:

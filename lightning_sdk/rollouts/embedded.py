@@ -59,7 +59,8 @@ class EmbeddedCollector:
 
     def start(self) -> None:
         self.server.start()
-        self.gateway.start(self.server.urls, backend_key=self.server.api_key)  # a restart keeps the server's port
+        self.gateway.start(self.server.urls, backend_key=self.server.api_key,
+                           grammar=self.server.grammar)  # a restart keeps the server's port
 
     def stop(self) -> None:
         self.server.stop()

@@ -32,6 +32,7 @@ from rich.console import Console
 from lightning_sdk import tracing
 from lightning_sdk.agent import LLM, load_agent, run_environment
 from lightning_sdk.config import Config
+from lightning_sdk.constraint import ServerGrammar
 from lightning_sdk.errors import RunError, SetupError
 from lightning_sdk.rollouts.collector import Agent, progress_bar
 from lightning_sdk.rollouts.episode import run_rollout
@@ -199,7 +200,13 @@ class RayServers:
                          max_batch_size=s.max_batch_size, max_model_len=s.max_model_len, dtype=self.cfg.model.dtype,
                          quantization=self.cfg.model.quantization, threads=max(1, int(self.rc.cpus_per_server)),
                          startup_timeout=s.startup_timeout, log_path=log,
-                         seed=(server_seed(self.cfg) + i) % 2**32)
+                         seed=(server_seed(self.cfg) + i) % 2**32, tool_call_parser=s.tool_call_parser,
+                         reasoning_parser=s.reasoning_parser)
+
+    @property
+    def grammar(self) -> ServerGrammar:
+        """What the server actors apply to a constraint (each is `replica(i)`, from one config)."""
+        return self.replica(0).grammar
 
     def stop(self) -> None:
         if self.actors:  # stop the server subprocesses before their actors go
@@ -259,7 +266,8 @@ class RayCollector:
 
     def start(self) -> None:
         self.server.start()
-        self.gateway.start(self.server.urls, backend_key=self.server.api_key)
+        self.gateway.start(self.server.urls, backend_key=self.server.api_key,
+                           grammar=self.server.grammar)
 
     def stop(self) -> None:
         for w in self.workers:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from lightning_sdk.constraint import ServerGrammar
 from lightning_sdk.errors import ServerError
 
 __all__ = ["InferenceServer", "ServerError", "SleepableServer"]
@@ -20,6 +21,7 @@ class InferenceServer(Protocol):
     base_url: str  # ".../v1", for openai.OpenAI(base_url=...)
     api_key: str | None
     served_model_name: str
+    grammar: ServerGrammar  # what it applies to a constraint: the gateway records it with each call's
 
     def start(self) -> None: ...
     def stop(self) -> None: ...

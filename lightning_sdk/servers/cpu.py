@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+from lightning_sdk.constraint import ServerGrammar
 from lightning_sdk.servers.process import ServerProcess
 
 
@@ -17,7 +18,7 @@ class CPUServer(ServerProcess):
                  dtype: str = "auto", quantization: str = "none", threads: int | None = None,
                  startup_timeout: float = 300, log_path: str | Path | None = None,
                  header_timeout: float | None = None, max_connections: int | None = None, device: str = "cpu",
-                 seed: int = 0):
+                 seed: int = 0, tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
         super().__init__(served_model_name=served_model_name, host=host, port=port, api_key=api_key,
                          startup_timeout=startup_timeout, log_path=log_path)
         self.model = model
@@ -30,6 +31,20 @@ class CPUServer(ServerProcess):
         self.max_connections = max_connections
         self.device = device
         self.seed = seed  # of the sampler's random stream (requests without a seed of their own)
+        # serve.tool_call_parser / serve.reasoning_parser: 'auto' (the model's own), 'none' or a vLLM parser name
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+        self._grammar: ServerGrammar | None = None
+
+    @property
+    def grammar(self) -> ServerGrammar:
+        """What this server applies to a constraint (the engine reads the same settings the same way)."""
+        if self._grammar is None:
+            from lightning_sdk import models
+            from lightning_sdk.servers.vllm_parsers import server_grammar
+
+            self._grammar = server_grammar(models.resolve(self.model), self.tool_call_parser, self.reasoning_parser,
+                                           compact=True)
+        return self._grammar
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "lightning_sdk.engine", "--model", self.model,
@@ -37,6 +52,7 @@ class CPUServer(ServerProcess):
                "--max-batch-size", str(self.max_batch_size),
                *(["--max-model-len", str(self.max_model_len)] if self.max_model_len is not None else []),
                "--dtype", self.dtype, "--quantization", self.quantization, "--seed", str(self.seed),
+               "--tool-call-parser", self.tool_call_parser, "--reasoning-parser", self.reasoning_parser,
                "--parent-pid", str(os.getpid())]
         if self.threads:
             cmd += ["--threads", str(self.threads)]

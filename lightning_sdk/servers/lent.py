@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightning_sdk.constraint import ServerGrammar
 from lightning_sdk.errors import ServerError
 
 
@@ -35,6 +36,10 @@ class LentServer:
     @property
     def api_key(self) -> str | None:
         return self.server.api_key
+
+    @property
+    def grammar(self) -> ServerGrammar:
+        return self.server.grammar
 
     @property
     def served_model_name(self) -> str:

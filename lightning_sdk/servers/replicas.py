@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from lightning_sdk.constraint import ServerGrammar
 from lightning_sdk.servers.process import ServerProcess
 
 
@@ -27,6 +28,11 @@ class ReplicaSet:
     @property
     def urls(self) -> list[str]:
         return [r.url for r in self.replicas]
+
+    @property
+    def grammar(self) -> ServerGrammar:
+        """What the replicas apply to a constraint (all started from one config)."""
+        return self.replicas[0].grammar
 
     @property
     def base_url(self) -> str:

@@ -70,6 +70,7 @@ def one_server(cfg: Config, model_path: str, log_path: Path, api_key: str, *, gp
         dtype=cfg.model.dtype, quantization=cfg.model.quantization, startup_timeout=cfg.serve.startup_timeout,
         log_path=log_path, seed=(server_seed(cfg) + index) % 2**32, device="cuda" if gpus else cfg.serve.device,
         threads=max(1, split[0] // share) if (split := cpu_threads(cfg)) else None,
+        tool_call_parser=cfg.serve.tool_call_parser, reasoning_parser=cfg.serve.reasoning_parser,
     )
 
 
@@ -189,10 +190,10 @@ def parsers_for(cfg: Config, model_path: str) -> tuple[str | None, str | None]:
     from the model. One line when no tool-call parser fits: vLLM will then refuse every request that offers tools."""
     from lightning_sdk.servers import vllm_parsers as vp
 
-    template, model_type = vp.model_files(model_path)
-    tools = vp.choose(cfg.serve.tool_call_parser, vp.tool_call_parser_for(template, model_type))
-    reasoning = vp.choose(cfg.serve.reasoning_parser, vp.reasoning_parser_for(template, model_type))
+    applied = vp.server_grammar(model_path, cfg.serve.tool_call_parser, cfg.serve.reasoning_parser, compact=False)
+    tools, reasoning = applied.tool_parser, applied.reasoning_parser
     if tools is None and cfg.serve.tool_call_parser == "auto":
+        model_type = vp.read_json(model_path, "config.json").get("model_type")
         log.warning("serve.tool_call_parser = 'auto': no vLLM tool-call parser fits %s (model_type %r; its chat "
                     "template shows none of the tool-call formats known here), so vLLM will answer 400 to requests "
                     "with `tools`; set serve.tool_call_parser to the parser of the model's format", model_path,

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_sdk.config import VLLM_MANAGED_FLAGS
+from lightning_sdk.constraint import ServerGrammar
 from lightning_sdk.servers import ServerError
 from lightning_sdk.servers.process import ServerProcess
 
@@ -137,6 +138,11 @@ class VLLMServer(ServerProcess):
     @property
     def can_sleep(self) -> bool:
         return self.sleep_level > 0
+
+    @property
+    def grammar(self) -> ServerGrammar:
+        """What vLLM applies to a constraint: its parsers, and free whitespace in a structural tag."""
+        return ServerGrammar(self.tool_call_parser, self.reasoning_parser, compact=False)
 
     def command(self) -> list[str]:
         return vllm_command(self.model, served_model_name=self.served_model_name, host=self.host, port=self.port,

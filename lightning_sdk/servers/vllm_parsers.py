@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lightning_sdk.constraint import ServerGrammar
+
 # (marker in the chat template, parser): the first that appears wins. Qwen3-Coder's XML calls first: its template
 # also holds <tool_call>.
 TEMPLATE_TOOL_FORMATS = (
@@ -99,3 +101,13 @@ def choose(setting: str, detected: str | None) -> str | None:
     if setting == "auto":
         return detected
     return None if setting == "none" else setting
+
+
+def server_grammar(model: str, tool_setting: str = "auto", reasoning_setting: str = "auto", *,
+                   compact: bool) -> ServerGrammar:
+    """What a server started on `model` with serve.tool_call_parser = `tool_setting` and serve.reasoning_parser =
+    `reasoning_setting` applies to a constraint (`compact`: the built-in server's compact tool-call arguments; vLLM's
+    take free whitespace): the one definition both backends are started from and the gateway records."""
+    template, model_type = model_files(model)
+    return ServerGrammar(choose(tool_setting, tool_call_parser_for(template, model_type)),
+                         choose(reasoning_setting, reasoning_parser_for(template, model_type)), compact)

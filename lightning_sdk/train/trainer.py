@@ -29,7 +29,7 @@ import torch
 
 from lightning_sdk import models
 from lightning_sdk.config import Policy, TrainConfig
-from lightning_sdk.constraint import Constraint, ConstraintError, grammar_format
+from lightning_sdk.constraint import Constraint, ConstraintError
 from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
 from lightning_sdk.grammar import Grammars, ThinkTokens, additive_mask
@@ -113,6 +113,7 @@ class GRPOTrainer:
         self._model_path = model_path
         self._grammars: Grammars | None = None  # made for the first constrained call
         self._think: ThinkTokens | None = None  # a Qwen3's: its grammars start where its thinking ends
+        self._detected_reasoning: str | None = None  # the model's reasoning parser, for records that do not say
         self.importance_sampling_cap = config.sampling_cap(backend)
         self.device = resolve_device(config.device)
         self.global_step = 0
@@ -345,24 +346,29 @@ class GRPOTrainer:
     def _replay(self, transitions: Sequence[Transition]) -> tuple[list[Transition], dict[str, torch.Tensor], int]:
         """Each constrained call's grammar replayed over its completion ids: span id -> [C, words] bitmask of the
         tokens allowed at each position. A call whose ids the grammar does not accept was not sampled under it
-        (a server that applied another grammar, or none): it is left out, and counted (constraint_mismatch)."""
+        (a server that applied another grammar, or none): it is left out, and counted (constraint_mismatch).
+        Each is replayed as its record says the server applied it (its tool-call parser, reasoning parser and
+        argument whitespace); a record that does not say (an older store) in the format read from the model's
+        files, as the servers then chose it."""
         constrained = [t for t in transitions if t.constraint]
         if not constrained:
             return list(transitions), {}, 0
         if self._grammars is None:
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
             tokenizer = models.load_tokenizer(self._model_path)
-            template, model_type = vllm_parsers.model_files(self._model_path)  # the servers' own detection
+            detected = vllm_parsers.server_grammar(self._model_path, compact=False)  # the servers' own detection
+            self._detected_reasoning = detected.reasoning_parser
             self._grammars = Grammars(tokenizer, vocab, models.eos_ids(self.model, tokenizer),
-                                      tool_format=grammar_format(vllm_parsers.tool_call_parser_for(template,
-                                                                                                   model_type)))
-            reasoning = vllm_parsers.reasoning_parser_for(template, model_type)
-            self._think = ThinkTokens.of(tokenizer) if reasoning == "qwen3" else None
+                                      tool_format=detected.tool_format)
+            self._think = ThinkTokens.of(tokenizer)
         masks, bad = {}, set()
         for t in constrained:
             try:
-                start = self._think.grammar_start(t.prompt_ids, t.completion_ids) if self._think else 0
-                m = self._grammars.replay(Constraint.from_json(t.constraint), t.completion_ids, start)
+                c = Constraint.from_json(t.constraint)
+                reasoning = c.server.reasoning_parser if c.server is not None else self._detected_reasoning
+                think = self._think if reasoning == "qwen3" else None
+                start = think.grammar_start(t.prompt_ids, t.completion_ids) if think else 0
+                m = self._grammars.replay(c, t.completion_ids, start)
             except (ConstraintError, ValueError):
                 m = None
             if m is None:
