@@ -71,6 +71,8 @@ def functions(calls: list[dict]) -> list[tuple[str, dict]]:
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
+PROSE = 'Sure, I will call it {"name": "f", "parameters": {"a": 1}} and then explain.'
+CALL_THEN_PROSE = '{"name": "f", "parameters": {"a": 1}} and then explain.'
 READS = [  # (format, reasoning, forced, text) -> (content, calls, reasoning)
     ("hermes", None, None, 'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
      ("Sure.", [("add", {"a": 1, "b": 2})], "")),
@@ -95,6 +97,29 @@ READS = [  # (format, reasoning, forced, text) -> (content, calls, reasoning)
     ("pythonic", None, Forced("add"), '{"a":1,"b":9}', (None, [("add", {"a": 1, "b": 9})], "")),
     ("pythonic", None, Forced(), '[{"name":"echo","parameters":{"word":"no"}}]', (None, [("echo", {"word": "no"})],
                                                                                    "")),
+    # Not all calls: the whole reply is content, nothing of it lost, no call invented
+    ("llama3_json", None, None, PROSE, (PROSE, [], "")),
+    ("llama3_json", None, None, CALL_THEN_PROSE, (CALL_THEN_PROSE, [], "")),
+    ("llama3_json", None, None, '{"name": "f", "parameters": {"a": NaN}}', ('{"name": "f", "parameters": {"a": NaN}}',
+                                                                            [], "")),
+    ("llama3_json", None, None, '{"name": 5, "parameters": {}}', ('{"name": 5, "parameters": {}}', [], "")),
+    ("llama3_json", None, None, '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; {"name": "echo", "arguments": '
+     '{"word": "no"}}', (None, [("add", {"a": 1}), ("echo", {"word": "no"})], "")),
+    ("mistral", None, None, "Hello there [TOOL_CALLS]not json", ("Hello there [TOOL_CALLS]not json", [], "")),
+    ("mistral", None, None, '[TOOL_CALLS][{"arguments": {"a": 1}}]', ('[TOOL_CALLS][{"arguments": {"a": 1}}]', [], "")),
+    ("mistral", None, None, '[TOOL_CALLS][{"name": "f", "arguments": {"a": NaN}}]',
+     ('[TOOL_CALLS][{"name": "f", "arguments": {"a": NaN}}]', [], "")),
+    ("mistral", None, None, ' [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]', (None, [("add", {"a": 1})], "")),
+    # text after the array is content, as vLLM streams it (a later marker dropped, as vLLM drops it)
+    ("mistral", None, None, 'Hi [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}] after',
+     ("Hi  after", [("add", {"a": 1})], "")),
+    ("mistral", None, None, 'Hi [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}][TOOL_CALLS][{"name": "echo"}]',
+     ('Hi [{"name": "echo"}]', [("add", {"a": 1})], "")),
+    ("pythonic", None, None, "[f(a=1e999)]", ("[f(a=1e999)]", [], "")),
+    ("hermes", None, None, '<tool_call>\n{"name": "f", "arguments": {"a": NaN}}\n</tool_call>',
+     ('<tool_call>\n{"name": "f", "arguments": {"a": NaN}}\n</tool_call>', [], "")),
+    ("openai", "openai_gptoss", None, '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": NaN}'
+     '<|call|>', ('{"a": NaN}', [], "")),
 ]
 
 

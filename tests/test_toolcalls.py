@@ -15,7 +15,7 @@ import torch
 
 from lightning_sdk import models
 from lightning_sdk.servers.cpu import CPUServer
-from lightning_sdk.engine.toolcalls import ToolCallParser, parse
+from lightning_sdk.engine.toolcalls import Reader, StreamShaper, ToolCallParser, message, parse, tool_format
 
 torch.set_num_threads(1)
 
@@ -75,6 +75,58 @@ def tokenizer():
 def ask(client, **kw):
     return client.chat.completions.create(model="calc", messages=[
         {"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}], max_tokens=40, **kw)
+
+
+def _streamed_one(shaper: StreamShaper, index: int, text: str, k: int, sent: dict) -> None:
+    """The k-th character of `text` streamed as choice `index`, what it sent added to `sent`."""
+    delta, _ = shaper.delta(index, text[k], "stop" if k == len(text) - 1 else None)
+    sent["content"] += delta["content"]
+    sent["reasoning"] += delta.get("reasoning_content", "")
+    sent["calls"] += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls", [])]
+
+
+HARMONY_RM = ("<|channel|>analysis<|message|>clean up<|end|><|start|>assistant<|channel|>commentary to=functions.rm "
+              "<|constrain|>json<|message|>{}<|call|>")
+
+
+def test_gpt_oss_calls_are_not_read_when_the_request_parses_none():
+    """tool_choice "none" or no tools: a harmony call message is dropped, as vLLM's harmony parser's caller drops
+    it; the analysis channel is still the reasoning."""
+    reader = Reader(tool_format("openai").without_calls())
+    msg, finish = message(HARMONY_RM, "stop", reader)
+    assert (msg["content"], msg["tool_calls"], msg["reasoning_content"], finish) == (None, [], "clean up", "stop")
+    sent = {"content": "", "reasoning": "", "calls": []}
+    shaper = StreamShaper(1, reader)
+    for k in range(len(HARMONY_RM)):
+        _streamed_one(shaper, 0, HARMONY_RM, k, sent)
+    assert sent == {"content": "", "reasoning": "clean up", "calls": []}
+    msg, finish = message(HARMONY_RM, "stop", Reader(tool_format("openai")))  # with calls parsed
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["rm"] and finish == "tool_calls"
+
+
+def test_harmony_streams_of_one_request_read_as_their_whole_replies():
+    """Two choices streamed interleaved through one reader (which keeps each stream's complete messages), one
+    starting as the other does and parting mid-message (the first's message has no end marker): each adds up to
+    its own whole reply."""
+    a = ("<|channel|>final<|message|>one<|start|>assistant<|channel|>commentary to=functions.add "
+         '<|constrain|>json<|message|>{"a": 1}<|call|><|start|>assistant<|channel|>final<|message|>two<|end|>')
+    b = ("<|channel|>final<|message|>one, and more<|end|><|start|>assistant<|channel|>analysis<|message|>hm<|end|>"
+         "<|start|>assistant<|channel|>final<|message|>three")
+    reader = Reader(tool_format("openai"))
+    shaper, sent = StreamShaper(2, reader), [{"content": "", "reasoning": "", "calls": []} for _ in range(2)]
+    for k in range(max(len(a), len(b))):
+        for i, text in enumerate((a, b)):
+            if k < len(text):
+                _streamed_one(shaper, i, text, k, sent[i])
+    for text, got in zip((a, b), sent):
+        whole, _ = message(text, "stop", Reader(tool_format("openai")))
+        again, _ = message(text, "stop", reader)  # the reader that kept the streams' messages reads it alike
+        assert (again["content"], again.get("reasoning_content"), len(again["tool_calls"])) == \
+            (whole["content"], whole.get("reasoning_content"), len(whole["tool_calls"]))
+        assert got["content"] == (whole["content"] or "") and got["reasoning"] == whole.get("reasoning_content", "")
+        assert got["calls"] == [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    assert sent[0]["content"] == "onetwo" and sent[0]["calls"] == [("add", '{"a": 1}')]
+    assert sent[1] == {"content": "one, and morethree", "reasoning": "hm", "calls": []}
 
 
 def test_server_returns_tool_calls_with_exact_token_ids(client, tokenizer):

@@ -427,12 +427,13 @@ def _usage(result: GenerationResult) -> dict:
 
 def _reader(engine: Engine, body: ChatCompletionRequest, parse_calls: bool) -> toolcalls.Reader:
     """How this request's replies are read: the model's tool format (when calls are parsed; gpt-oss's always, its
-    channels hold the reasoning), its reasoning split, the forced choice."""
+    channels hold the reasoning, but without its calls when none are parsed), its reasoning split, the forced
+    choice."""
     fmt = toolcalls.tool_format(engine.tool_parser)
     thinking = None
     if engine.reasoning_parser == "qwen3":  # vLLM's split, off with Qwen3's enable_thinking false
         thinking = toolcalls.Thinking(closed=(body.chat_template_kwargs or {}).get("enable_thinking") is False)
-    return toolcalls.Reader(fmt if parse_calls or fmt.name == "openai" else None, thinking,
+    return toolcalls.Reader(fmt if parse_calls else fmt.without_calls(), thinking,
                             toolcalls.forced_choice(body.tool_choice) if parse_calls else None)
 
 

@@ -14,8 +14,11 @@ Parsing only shapes the message the client sees: the token ids returned beside i
 
 `tool_choice` "required" or a named function is enforced: the reply is sampled under the format's grammar of a call
 (lightning_sdk/constraint.py's format_grammar: what vLLM applies for the same request; mistral and pythonic then
-write bare JSON, read as vLLM reads it). Under "auto" a reply without a call comes back as plain content, never as
-an invented call; "none" turns parsing off.
+write bare JSON, read as vLLM reads it). Under "auto" a reply reads as vLLM's parser for the family reads it, except
+where that would drop the model's text or make a call of what is not one: what is not a well-formed call (a name that
+is a string, arguments a JSON object that JSON can hold: no NaN or Infinity) stays in the content, never an invented
+call. "none", or no tools, turns call parsing off (gpt-oss's channels are still split: a call message is dropped, as
+vLLM drops it).
 """
 
 from __future__ import annotations
@@ -104,16 +107,27 @@ def _tool_call(payload: str) -> dict | None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models emit the arguments already encoded
+    args = _arguments(obj.get("arguments", obj.get("parameters", {})))
+    if args is None:
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": args}}
+
+
+def _arguments(args: Any) -> str | None:
+    """A call's arguments as the text of a JSON object, or None where they are not one (the call is malformed):
+    some models write them already encoded; NaN and Infinity, which Python reads and JSON has not, are refused."""
+    if isinstance(args, str):
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args)}}
+    try:
+        return json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 @dataclass
@@ -148,7 +162,7 @@ class ToolCallParser:
                 continue
             start = self.buffer.find(OPEN)
             if start < 0:
-                keep = _partial_suffix(self.buffer)
+                keep = _partial(self.buffer, OPEN)
                 content.append(self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
@@ -181,14 +195,6 @@ class ToolCallParser:
         if body:
             self.started = True
         return body
-
-
-def _partial_suffix(text: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `<tool_call>`."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def parse(text: str) -> tuple[str | None, list[dict]]:
@@ -245,6 +251,11 @@ class ToolFormat:
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": name, "arguments": arguments}}
 
+    def without_calls(self) -> ToolFormat | None:
+        """How replies read when the request parses no calls (tool_choice "none", no tools): None, as plain text;
+        a format that also carries the reasoning keeps reading it."""
+        return None
+
 
 class Hermes(ToolFormat):
     name = "hermes"
@@ -258,37 +269,45 @@ class Hermes(ToolFormat):
 
 
 class Llama3Json(ToolFormat):
-    """vLLM's llama3_json parser: JSON objects (`;` or nothing between them) with a name and parameters (or
-    arguments); a reply that is not all calls is all content."""
+    """vLLM's llama3_json parser as it streams: a reply that starts (after whitespace) with `<|python_tag|>` or `{`
+    is read as JSON objects with a name and parameters (or arguments), `;` or whitespace between them; any other
+    text around them, or an object that is not a call, makes the whole reply content, as does a reply starting
+    with anything else (vLLM's whole-reply parse would take calls out of prose and drop the prose: it disagrees with
+    its own stream)."""
 
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
     def scan(self, text: str, final: bool, forced: Forced | None) -> Reply:
-        if not final:  # a reply that starts as a call is held whole; other text streams up to a `{`
-            head = text.lstrip()
-            if not head or head.startswith(("{", self.TAG)) or self.TAG.startswith(head):
-                return Reply()
-            return Reply(text[:text.find("{")] if "{" in text else text)
-        if self.TAG not in text and "{" not in text:
+        head = text.lstrip()
+        calls_first = head.startswith(("{", self.TAG))
+        if not final:  # a reply that starts as a call is held whole; any other is content from its first letter
+            return Reply() if not head or calls_first or self.TAG.startswith(head) else Reply(text)
+        if not calls_first:
             return Reply(text)
-        body, calls, decoder, end = text.replace(self.TAG, ""), [], json.JSONDecoder(), -1
-        for start in (i for i, ch in enumerate(body) if ch == "{"):
-            if start <= end:
-                continue
+        body = head[len(self.TAG):] if head.startswith(self.TAG) else head
+        calls, decoder, i = [], json.JSONDecoder(), 0
+        while True:
+            while i < len(body) and (body[i] == ";" or body[i].isspace()):
+                i += 1
+            if i == len(body):
+                break
             try:
-                obj, n = decoder.raw_decode(body[start:])
-                args = obj["arguments"] if "arguments" in obj else obj["parameters"]
-                calls.append(self.call(str(obj["name"]), json.dumps(args, ensure_ascii=False)))
-            except (ValueError, KeyError, TypeError, RecursionError):
+                obj, i = decoder.raw_decode(body, i)
+            except (ValueError, RecursionError):
                 return Reply(text)
-            end = start + n
+            args = _arguments(obj.get("arguments", obj.get("parameters"))) if isinstance(obj, dict) else None
+            if args is None or not isinstance(obj.get("name"), str) or not obj["name"]:
+                return Reply(text)
+            calls.append(self.call(obj["name"], args))
         return Reply("", calls) if calls else Reply(text)
 
 
 class Mistral(ToolFormat):
     """vLLM's mistral parser with a Hugging Face tokenizer (its pre-v11 branch): content, then `[TOOL_CALLS]` and a
-    JSON array of calls; a forced call is the bare array."""
+    JSON array of calls (or one call object); a forced call is the bare array. Markers repeated with nothing between
+    them count as one; text after the array is content, as vLLM streams it (its markers dropped). Where the JSON is
+    not all calls (each with a name), the whole reply is content."""
 
     name = "mistral"
     TAG = "[TOOL_CALLS]"
@@ -305,27 +324,34 @@ class Mistral(ToolFormat):
                 return Reply()
             cut = text.find(self.TAG)
             head = text if cut < 0 else text[:cut]
-            return Reply(head[:len(head) - _partial(head, self.TAG)])
-        if self.TAG in text:
-            content, *segments = text.split(self.TAG)
-            body = next((seg.strip() for seg in segments if seg.strip()), "")
+            head = head[:len(head) - _partial(head, self.TAG)]
+            return Reply(head if head.strip() else "")  # blank before a call is no content
+        cut = text.find(self.TAG)
+        if cut >= 0:
+            content, body = text[:cut], text[cut:]
         elif forced is not None:
-            content, body = "", text.strip()
+            content, body = "", text
         else:
             return Reply(text)
+        while body.lstrip().startswith(self.TAG):
+            body = body.lstrip()[len(self.TAG):]
+        body = body.lstrip()
         try:
-            parsed, _ = json.JSONDecoder().raw_decode(body)
+            parsed, end = json.JSONDecoder().raw_decode(body)
         except (ValueError, RecursionError):
-            parsed = None
-        parsed = [parsed] if isinstance(parsed, dict) else parsed if isinstance(parsed, list) else []
+            return Reply(text)
+        items = [parsed] if isinstance(parsed, dict) else parsed if isinstance(parsed, list) else []
         calls = []
-        for item in parsed:
-            if isinstance(item, dict) and ("name" in item or "arguments" in item):
-                args = item.get("arguments")
-                args = "{}" if args is None else args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-                calls.append(self.call(item["name"] if isinstance(item.get("name"), str) else "", args))
+        for item in items:
+            args = _arguments("{}" if item.get("arguments") is None else item["arguments"]) \
+                if isinstance(item, dict) else None
+            if args is None or not isinstance(item.get("name"), str) or not item["name"]:
+                return Reply(text)
+            calls.append(self.call(item["name"], args))
         if not calls:
-            return Reply(body)
+            return Reply(text)
+        tail = body[end:].replace(self.TAG, "")
+        content += tail if tail.strip() else ""
         return Reply(content if content.strip() else "", calls)
 
 
@@ -352,8 +378,10 @@ class Pythonic(ToolFormat):
             for node in tree.elts:
                 if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
                     return Reply(text)
-                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-                calls.append(self.call(node.func.id, json.dumps(args, ensure_ascii=False)))
+                args = _arguments({kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None})
+                if args is None:  # a value JSON cannot hold (1e999, a set): not a call
+                    return Reply(text)
+                calls.append(self.call(node.func.id, args))
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
             return Reply(text)
         return Reply("", calls)
@@ -363,47 +391,85 @@ def _forced_json(fmt: ToolFormat, text: str, forced: Forced) -> Reply:
     """vLLM's own reading of a forced call sampled as bare JSON: a named function's arguments, or a list of
     `{"name", "parameters"}`."""
     if forced.name is not None:
-        return Reply("", [fmt.call(forced.name, text.strip())]) if text.strip() else Reply(text)
+        return Reply("", [fmt.call(forced.name, text.strip())]) if _arguments(text) is not None else Reply(text)
     try:
         items = json.loads(text)
     except (ValueError, RecursionError):
         return Reply(text)
-    calls = [fmt.call(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False))
-             for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)] if isinstance(items, list) else []
+    calls = []
+    for item in items if isinstance(items, list) else []:
+        args = _arguments(item.get("parameters", {})) if isinstance(item, dict) else None
+        if args is None or not isinstance(item.get("name"), str) or not item["name"]:
+            return Reply(text)
+        calls.append(fmt.call(item["name"], args))
     return Reply("", calls) if calls else Reply(text)
 
 
 class Harmony(ToolFormat):
     """gpt-oss's harmony messages (vLLM's openai parser and openai_gptoss reasoning): each `[<|start|>assistant]
     <|channel|>C[ to=functions.NAME][ <|constrain|>json]<|message|>BODY<|end|>`; the last ends with a stop token
-    (not in the text). Analysis is reasoning, a message to functions.NAME a call, the rest content."""
+    (not in the text). Analysis is reasoning, a message to functions.NAME a call (with `calls` False, when the
+    request parses no calls, dropped, as vLLM drops it), the rest content.
+
+    Every message before the last `<|start|>` is complete, so their reading is kept and a longer text of a stream
+    reads only what it adds (one per stream of the same reader: the choices of one request)."""
 
     name = "openai"
     skip_special_tokens = False  # the channels are special tokens
     START, MESSAGE, ENDS = "<|start|>", "<|message|>", ("<|end|>", "<|call|>", "<|return|>")
+    KEPT = 64  # streams whose complete messages are kept: a request's choices
+
+    def __init__(self, calls: bool = True):
+        self.calls = calls
+        self.kept: list[tuple[str, Reply]] = []  # (text of complete messages, its reading)
+
+    def without_calls(self) -> ToolFormat | None:
+        return Harmony(calls=False)
 
     def scan(self, text: str, final: bool, forced: Forced | None) -> Reply:
         if self.MESSAGE not in text:  # not (yet) a harmony message: what the model wrote, at the end
             return Reply(text if final else "")
+        cut = max(text.rfind(self.START), 0)
+        done = self._complete(text[:cut])
+        last = self._read(text[cut:], complete=final)
+        return Reply(done.content + last.content, done.calls + last.calls, done.reasoning + last.reasoning)
+
+    def _complete(self, text: str) -> Reply:
+        """The reading of complete messages, from the reading kept of the longest start of them read before."""
+        if not text:
+            return Reply()
+        k, seen, reply = next(((k, seen, reply) for k, (seen, reply) in enumerate(self.kept)
+                               if text.startswith(seen) and text.startswith(self.START, len(seen))),
+                              (None, "", Reply()))
+        more = self._read(text[len(seen):], complete=True)
+        reply = Reply(reply.content + more.content, reply.calls + more.calls, reply.reasoning + more.reasoning)
+        if k is not None:
+            del self.kept[k]
+        self.kept = [(text, reply)] + self.kept[:self.KEPT - 1]
+        return reply
+
+    def _read(self, text: str, complete: bool) -> Reply:
+        """Messages, all but the last complete (all of them with `complete`)."""
         out = Reply()
-        for k, part in enumerate(text.split(self.START)):
+        parts = text.split(self.START)
+        for k, part in enumerate(parts):
             if k:  # the role after <|start|>
                 part = part[len("assistant"):] if part.startswith("assistant") else part
             head, sep, body = part.partition(self.MESSAGE)
             if not sep:
                 continue
-            complete = any(body.endswith(e) for e in self.ENDS) or final or k < text.count(self.START)
+            done = complete or k < len(parts) - 1 or any(body.endswith(e) for e in self.ENDS)
             for e in self.ENDS:
                 body = body.split(e)[0]
             recipient = next((w[len("to="):] for w in head.replace("<|", " <|").split() if w.startswith("to=")), None)
             channel = head.split("<|channel|>")[-1].split()[0].split("<|")[0] if "<|channel|>" in head else ""
             if recipient is not None and recipient.startswith("functions."):
-                if complete and _is_json(body):
+                if done and self.calls and _arguments(body) is not None:
                     out.calls.append(self.call(recipient[len("functions."):], body.strip()))
-                elif complete:  # cut short (max_tokens): its text, not a call
+                elif done and self.calls:  # cut short (max_tokens): its text, not a call
                     out.content += body
                 continue
-            if not complete:
+            if not done:
                 body = body[:len(body) - max(_partial(body, e) for e in self.ENDS + (self.START,))]
             if channel == "analysis":
                 out.reasoning += body
@@ -444,14 +510,6 @@ class Thinking:
         if self.OPEN.startswith(text):  # may still become <think>, which is not reasoning
             return "", None
         return body[:len(body) - max(_partial(body, self.CLOSE), _partial(body, OPEN))], None
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except (ValueError, RecursionError):
-        return False
-    return True
 
 
 def _partial(text: str, marker: str) -> int:
