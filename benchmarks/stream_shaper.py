@@ -1,6 +1,7 @@
 """The built-in server's streamed tool-call reading: a gpt-oss (harmony) reply of many messages streamed one message
-per delta through toolcalls.StreamShaper, timed whole, with a reply of a tenth the length for the growth ratio
-(linear reading: about 10; re-reading everything at every delta: about 100).
+per delta through toolcalls.StreamShaper, timed whole, with a reply of a tenth the length in the same run: `ratio`
+is how the time grows for 10x the messages (linear reading: about 10; re-reading every message at every delta:
+about 100).
 
     PYTHONPATH=$PWD python benchmarks/stream_shaper.py [--messages 1600]
 """
@@ -33,7 +34,7 @@ def main() -> None:
     ap.add_argument("--messages", type=int, default=1600)
     n = ap.parse_args().messages
     small, big = stream(n // 10), stream(n)
-    print(f"{n} harmony messages as {n} deltas: {big:.3f} s; {n // 10}: {small:.4f} s; ratio {big / small:.1f}")
+    print(f"{n} harmony messages as {n} deltas: {big:.3f} s; {n // 10}: {small:.4f} s; ratio={big / small:.1f}")
 
 
 if __name__ == "__main__":
