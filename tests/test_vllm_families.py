@@ -154,6 +154,10 @@ def test_a_forced_call_is_parsed_and_recorded_with_exact_ids(gw, store, tokenize
         request.applymarker(pytest.mark.xfail(strict=False, reason=(
             "vLLM's 'required' grammar for llama3_json lets the model write on after its call, and the parser drops "
             "every call when any later {...} it finds has no \"name\" (KeyError): random text sometimes holds one")))
+    if family == "mistral" and body["tool_choice"] == "required" and body.get("stream"):
+        request.applymarker(pytest.mark.xfail(strict=False, reason=(
+            "vLLM 0.32's streamed mistral parser sometimes hands a call's arguments back with a separator it read "
+            "before them (':{\"op\": ...}', once in a CI run on random weights); the whole reply reads right")))
     extra = NO_THINKING.get(family, {})
     rid = f"r-{family}-{request.node.callspec.id}"
     with in_rollout(gw, rid):
