@@ -121,6 +121,8 @@ class Constraint:
         if not isinstance(d, dict) or d.get("kind") not in KINDS:
             raise ConstraintError(f"not a recorded constraint: {text[:200]!r}", "constraint")
         server = ServerGrammar.from_dict(d["server"]) if d.get("server") is not None else None
+        if d["kind"] == "tool_calls":
+            _check_tool_calls(d.get("spec"), text)
         return cls(d["kind"], d.get("spec"), str(d.get("param", "")), server)
 
     @property
@@ -131,6 +133,36 @@ class Constraint:
         if self.kind == "tool_calls":
             return "tool_calls " + ",".join(t["name"] for t in self.spec["tools"])
         return self.kind
+
+
+TOOL_CHOICES = ("auto", "required", "named")  # a tool_calls spec's "choice" (absent: a forced call)
+TEXT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # "auto" with a response format: its kind
+
+
+def _check_tool_calls(spec: Any, text: str) -> None:
+    """ConstraintError unless `spec` has the shape `_tool_calls` records (a stored record is untrusted): tools a
+    non-empty list of {"name": str, "parameters": object or true}, one a bool, choice one of
+    TOOL_CHOICES (or absent), text (if any) a response format of a TEXT_KINDS kind."""
+    def bad(what: str) -> ConstraintError:
+        return ConstraintError(f"not a recorded tool_calls constraint ({what}): {text[:200]!r}", "constraint")
+
+    if not isinstance(spec, dict):
+        raise bad("spec: expected an object")
+    tools = spec.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise bad("spec.tools: expected a non-empty list")
+    for t in tools:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise bad("spec.tools: expected objects with a string name")
+        if not isinstance(t.get("parameters"), dict) and t.get("parameters") is not True:
+            raise bad("spec.tools[].parameters: expected an object or true")
+    if not isinstance(spec.get("one"), bool):
+        raise bad("spec.one: expected true or false")
+    if "choice" in spec and spec["choice"] not in TOOL_CHOICES:
+        raise bad(f"spec.choice: expected one of {', '.join(TOOL_CHOICES)}")
+    fmt = spec.get("text")
+    if "text" in spec and (not isinstance(fmt, dict) or fmt.get("kind") not in TEXT_KINDS):
+        raise bad(f"spec.text: expected a response format of kind {', '.join(TEXT_KINDS)}")
 
 
 def check_size(c: Constraint) -> None:
