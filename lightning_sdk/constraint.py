@@ -41,7 +41,7 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls
 # The call's wrapper in Hermes / Qwen2.5 chat templates (and the builtin models'); vLLM's hermes tag takes it with
 # the newlines and without them
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>\n", "\n</tool_call>"
-# The tool-call formats (vLLM's --tool-call-parser names: servers/vllm_parsers.py picks one per model), each with
+# The tool-call formats (vLLM's --tool-call-parser names: models/tool_parsers.py picks one per model), each with
 # its own forced-call grammar (`format_grammar`) and reply parser (engine/toolcalls.py).
 TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "openai", "pythonic")
 DEFAULT_TOOL_FORMAT = "hermes"  # the builtin tiny models' format, and a model whose format nothing names
@@ -68,7 +68,7 @@ class ConstraintError(ValueError):
 @dataclass(frozen=True)
 class ServerGrammar:
     """How a backend turns a request's constraint into the grammar it samples under, beyond the request itself:
-    the tool-call parser it was started with (vLLM's --tool-call-parser name, `vllm_parsers.choose(serve.
+    the tool-call parser it was started with (vLLM's --tool-call-parser name, `tool_parsers.choose(serve.
     tool_call_parser, detected)`; None: none), its reasoning parser (Qwen3's: the grammar starts where the thinking
     ends) and whether JSON inside a structural tag (tool-call arguments) is `compact` (json.dumps' separators: the
     built-in server) or takes free whitespace (vLLM, whose structural tags ignore disable_any_whitespace). The

@@ -34,7 +34,7 @@ from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
 from lightning_sdk.grammar import Grammars, ThinkTokens, additive_mask
 from lightning_sdk.models.adapter import first_nonfinite
-from lightning_sdk.servers import vllm_parsers
+from lightning_sdk.models import tool_parsers
 from lightning_sdk.train.microbatch import Batch, collate, split
 from lightning_sdk.train.packing import pack, share, single
 from lightning_sdk.train.checkpoint import ADAPTER, ADAPTERS
@@ -356,7 +356,7 @@ class GRPOTrainer:
         if self._grammars is None:
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
             tokenizer = models.load_tokenizer(self._model_path)
-            detected = vllm_parsers.server_grammar(self._model_path, compact=False)  # the servers' own detection
+            detected = tool_parsers.server_grammar(self._model_path, compact=False)  # the servers' own detection
             self._detected_reasoning = detected.reasoning_parser
             self._grammars = Grammars(tokenizer, vocab, models.eos_ids(self.model, tokenizer),
                                       tool_format=detected.tool_format)
