@@ -20,7 +20,11 @@ server (json.dumps' separators: a model never taught calls fills free whitespace
 says which, and the gateway records it with the constraint); "auto" leaves the text free
 until `<tool_call>` begins a call, "required" asks for one call or more (none between them), a named function for
 one call, `parallel_tool_calls: false` for at most one; "auto" with a `response_format` or `structured_outputs`
-is one call or more, or a reply in that format (its JSON with free whitespace too).
+is one call or more, or a reply in that format. That reply's JSON sits in the same structural tag, so it follows
+the tag's whitespace rule, not a plain response format's: free whitespace on vLLM, and on the built-in server
+compact with json.dumps' separators (", " and ": ", grammar.compact_tag), where a plain response format is
+compact with "," and ":". Under mistral and pythonic (no call grammar for "auto": format_grammar) the format is
+compiled alone, compact with "," and ":" on both backends.
 
 `check_size` bounds a constraint before it is compiled: compiling cannot be interrupted, and its cost grows far
 faster than its size (deep nesting, long enums, many optional properties, repetition counts: `a{0,4000}` in a
@@ -100,7 +104,8 @@ class Constraint:
     """What the sampler must follow: `kind` (KINDS) and its definition `spec` (a JSON value: the schema, the
     pattern, the choices, the EBNF grammar, or the tools and how many calls); `param` names where it came from;
     `server`, in a call's record, how the backend that served it applied it (None: a request's own, or a record
-    made before records said: the trainer then reads the model's format from its files)."""
+    made before records said: the trainer then replays it as the run's backend applied such records,
+    train.trainer.unsaid_server)."""
 
     kind: str
     spec: Any
