@@ -20,7 +20,11 @@ server (json.dumps' separators: a model never taught calls fills free whitespace
 says which, and the gateway records it with the constraint); "auto" leaves the text free
 until `<tool_call>` begins a call, "required" asks for one call or more (none between them), a named function for
 one call, `parallel_tool_calls: false` for at most one; "auto" with a `response_format` or `structured_outputs`
-is one call or more, or a reply in that format (its JSON with free whitespace too).
+is one call or more, or a reply in that format. That reply's JSON sits in the same structural tag, so it follows
+the tag's whitespace rule, not a plain response format's: free whitespace on vLLM, and on the built-in server
+compact with json.dumps' separators (", " and ": ", grammar.compact_tag), where a plain response format is
+compact with "," and ":". Under mistral and pythonic (no call grammar for "auto": format_grammar) the format is
+compiled alone, compact with "," and ":" on both backends.
 
 `check_size` bounds a constraint before it is compiled: compiling cannot be interrupted, and its cost grows far
 faster than its size (deep nesting, long enums, many optional properties, repetition counts: `a{0,4000}` in a
@@ -41,7 +45,7 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls
 # The call's wrapper in Hermes / Qwen2.5 chat templates (and the builtin models'); vLLM's hermes tag takes it with
 # the newlines and without them
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>\n", "\n</tool_call>"
-# The tool-call formats (vLLM's --tool-call-parser names: servers/vllm_parsers.py picks one per model), each with
+# The tool-call formats (vLLM's --tool-call-parser names: models/tool_parsers.py picks one per model), each with
 # its own forced-call grammar (`format_grammar`) and reply parser (engine/toolcalls.py).
 TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "openai", "pythonic")
 DEFAULT_TOOL_FORMAT = "hermes"  # the builtin tiny models' format, and a model whose format nothing names
@@ -68,7 +72,7 @@ class ConstraintError(ValueError):
 @dataclass(frozen=True)
 class ServerGrammar:
     """How a backend turns a request's constraint into the grammar it samples under, beyond the request itself:
-    the tool-call parser it was started with (vLLM's --tool-call-parser name, `vllm_parsers.choose(serve.
+    the tool-call parser it was started with (vLLM's --tool-call-parser name, `tool_parsers.choose(serve.
     tool_call_parser, detected)`; None: none), its reasoning parser (Qwen3's: the grammar starts where the thinking
     ends) and whether JSON inside a structural tag (tool-call arguments) is `compact` (json.dumps' separators: the
     built-in server) or takes free whitespace (vLLM, whose structural tags ignore disable_any_whitespace). The
@@ -100,7 +104,8 @@ class Constraint:
     """What the sampler must follow: `kind` (KINDS) and its definition `spec` (a JSON value: the schema, the
     pattern, the choices, the EBNF grammar, or the tools and how many calls); `param` names where it came from;
     `server`, in a call's record, how the backend that served it applied it (None: a request's own, or a record
-    made before records said: the trainer then reads the model's format from its files)."""
+    made before records said: the trainer then replays it as the run's backend applied such records,
+    train.trainer.unsaid_server)."""
 
     kind: str
     spec: Any
@@ -121,6 +126,8 @@ class Constraint:
         if not isinstance(d, dict) or d.get("kind") not in KINDS:
             raise ConstraintError(f"not a recorded constraint: {text[:200]!r}", "constraint")
         server = ServerGrammar.from_dict(d["server"]) if d.get("server") is not None else None
+        if d["kind"] == "tool_calls":
+            _check_tool_calls(d.get("spec"), text)
         return cls(d["kind"], d.get("spec"), str(d.get("param", "")), server)
 
     @property
@@ -131,6 +138,36 @@ class Constraint:
         if self.kind == "tool_calls":
             return "tool_calls " + ",".join(t["name"] for t in self.spec["tools"])
         return self.kind
+
+
+TOOL_CHOICES = ("auto", "required", "named")  # a tool_calls spec's "choice" (absent: a forced call)
+TEXT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # "auto" with a response format: its kind
+
+
+def _check_tool_calls(spec: Any, text: str) -> None:
+    """ConstraintError unless `spec` has the shape `_tool_calls` records (a stored record is untrusted): tools a
+    non-empty list of {"name": str, "parameters": object or true}, one a bool, choice one of
+    TOOL_CHOICES (or absent), text (if any) a response format of a TEXT_KINDS kind."""
+    def bad(what: str) -> ConstraintError:
+        return ConstraintError(f"not a recorded tool_calls constraint ({what}): {text[:200]!r}", "constraint")
+
+    if not isinstance(spec, dict):
+        raise bad("spec: expected an object")
+    tools = spec.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise bad("spec.tools: expected a non-empty list")
+    for t in tools:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise bad("spec.tools: expected objects with a string name")
+        if not isinstance(t.get("parameters"), dict) and t.get("parameters") is not True:
+            raise bad("spec.tools[].parameters: expected an object or true")
+    if not isinstance(spec.get("one"), bool):
+        raise bad("spec.one: expected true or false")
+    if "choice" in spec and spec["choice"] not in TOOL_CHOICES:
+        raise bad(f"spec.choice: expected one of {', '.join(TOOL_CHOICES)}")
+    fmt = spec.get("text")
+    if "text" in spec and (not isinstance(fmt, dict) or fmt.get("kind") not in TEXT_KINDS):
+        raise bad(f"spec.text: expected a response format of kind {', '.join(TEXT_KINDS)}")
 
 
 def check_size(c: Constraint) -> None:

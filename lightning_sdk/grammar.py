@@ -104,8 +104,14 @@ class Grammars:
                 continue
 
     def _free(self, c: Constraint) -> bool:
-        """True when this model's tool format samples `c` under no grammar (vLLM's "auto" for mistral, pythonic)."""
-        return format_grammar(c, self._applied(c)[0]) is None
+        """True when this model's tool format samples `c` under no grammar (vLLM's "auto" for mistral, pythonic).
+        A spec the format's grammar cannot be built from (a malformed stored record) is a ConstraintError."""
+        try:
+            return format_grammar(c, self._applied(c)[0]) is None
+        except ConstraintError:
+            raise
+        except Exception as e:
+            raise _cannot_compile(c, e) from None
 
     def _applied(self, c: Constraint) -> tuple[str, bool]:
         """(tool format, compact structural-tag JSON) that `c` is compiled in (see the class)."""
@@ -183,9 +189,10 @@ class Grammars:
             self._started[key] = started
         try:
             compiled = self._compile(c)
-        except (RuntimeError, ValueError, TypeError) as e:
-            message = _ENGINE_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConstraintError(f"{c.param}: the grammar engine cannot compile it: {message}", c.param) from None
+        except ConstraintError:
+            raise
+        except Exception as e:  # the engine's errors, and a malformed spec's (a stored record is untrusted)
+            raise _cannot_compile(c, e) from None
         if time.monotonic() - started > self.deadline_s:
             raise self._remember_slow(c, key)
         size = int(compiled.memory_size_bytes) + len(key)
@@ -282,6 +289,11 @@ class Grammars:
             if not matcher.accept_token(int(token)):
                 return None
         return bitmask
+
+
+def _cannot_compile(c: Constraint, e: Exception) -> ConstraintError:
+    message = _ENGINE_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
+    return ConstraintError(f"{c.param}: the grammar engine cannot compile it: {message}", c.param)
 
 
 @dataclass(frozen=True)

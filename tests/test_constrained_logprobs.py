@@ -139,3 +139,50 @@ def test_lightning_check_names_the_constrained_calls():
                           RolloutCheck(rollout_id="check-000-1-cd", **row)], config.load(Path(__file__).parents[1] / "cookbook/extract/lightning.toml")))
     out = console.export_text()
     assert "2 (2 constrained: json_schema Answer)" in out and out.count("constrained") == 1
+
+
+BAD_TOOL_CALLS = [  # stored records are untrusted: each of these is left out and counted, never stops the step
+    {"kind": "tool_calls", "spec": {"tools": [1], "one": True, "choice": "required"},
+     "server": {"tool_parser": "llama3_json", "reasoning_parser": None, "compact": False}},
+    {"kind": "tool_calls", "spec": {"one": True, "choice": "required"},
+     "server": {"tool_parser": "mistral", "reasoning_parser": None, "compact": False}},
+    {"kind": "tool_calls", "spec": {"tools": [{"name": "add", "parameters": 3}], "one": True}},
+    {"kind": "tool_calls", "spec": {"tools": [{"name": "add", "parameters": {}}], "one": "yes"}},
+    {"kind": "tool_calls", "spec": {"tools": [{"name": "add", "parameters": {}}], "one": True, "choice": "some"}},
+    {"kind": "tool_calls", "spec": {"tools": [{"name": "add", "parameters": {}}], "one": True, "choice": "auto",
+                                    "text": {"kind": "tool_calls"}}},
+]
+
+
+@pytest.mark.parametrize("record", BAD_TOOL_CALLS, ids=range(len(BAD_TOOL_CALLS)))
+def test_a_malformed_stored_tool_calls_record_is_refused_with_a_constraint_error(record):
+    from lightning_sdk.constraint import ConstraintError
+
+    with pytest.raises(ConstraintError, match="not a recorded tool_calls constraint"):
+        Constraint.from_json(json.dumps(record))
+
+
+def test_a_malformed_spec_reaching_the_compile_is_a_constraint_error(tiny_model_path):
+    """Past from_json (a Constraint made in code), the compile path turns any error into a ConstraintError, in
+    every tool format, the grammar-free ones' check included."""
+    from lightning_sdk import models
+    from lightning_sdk.constraint import TOOL_FORMATS, ConstraintError, ServerGrammar
+    from lightning_sdk.grammar import Grammars
+
+    tok = models.load_tokenizer(tiny_model_path)
+    model = models.load_causal_lm(tiny_model_path)
+    grammars = Grammars(tok, int(model.get_output_embeddings().weight.shape[0]), models.eos_ids(model, tok))
+    for fmt in TOOL_FORMATS:
+        for spec in ({"tools": [1], "one": True, "choice": "required"}, {"one": True, "choice": "required"}):
+            c = Constraint("tool_calls", spec, "tool_choice", ServerGrammar(fmt, None, compact=False))
+            with pytest.raises(ConstraintError):
+                grammars.replay(c, [1, 2])
+    grammars.close()
+
+
+def test_a_malformed_stored_record_is_left_out_and_the_step_goes_on(gw, store, tiny_model_path):
+    _, ts = _calls(gw, store, CONSTRAINTS["json_schema"], k=2)
+    bad = json.dumps(BAD_TOOL_CALLS[0])
+    ts = [ts[0], ts[1].__class__(**{**ts[1].__dict__, "constraint": bad})]
+    m = GRPOTrainer(tiny_model_path, TrainConfig(device="cpu")).step(ts)
+    assert m["constraint_mismatch"] == 1 and m["num_constrained"] == 1

@@ -29,7 +29,7 @@ from lightning_sdk.constraint import Constraint, format_grammar, from_request
 from lightning_sdk.engine import toolcalls
 from lightning_sdk.engine.toolcalls import Forced, Reader, Thinking, tool_format
 from lightning_sdk.runtime import Runtime
-from lightning_sdk.servers import vllm_parsers
+from lightning_sdk.models import tool_parsers
 from lightning_sdk.servers.cpu import CPUServer
 from lightning_sdk.train.trainer import GRPOTrainer
 from lightning_sdk.transitions import to_transitions
@@ -141,9 +141,9 @@ def test_each_format_reads_a_reply_and_its_stream_alike(fmt, reasoning, forced, 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_format_is_detected_from_each_family_s_model(family):
-    template, model_type = vllm_parsers.model_files(models.resolve(f"family:{family}"))
-    assert (vllm_parsers.tool_call_parser_for(template, model_type),
-            vllm_parsers.reasoning_parser_for(template, model_type)) == FAMILIES[family]
+    template, model_type = tool_parsers.model_files(models.resolve(f"family:{family}"))
+    assert (tool_parsers.tool_call_parser_for(template, model_type),
+            tool_parsers.reasoning_parser_for(template, model_type)) == FAMILIES[family]
 
 
 # ---- the forced-call grammars are vLLM's own ----

@@ -10,7 +10,7 @@ import torch
 from lightning_sdk import models
 from lightning_sdk.config import TrainConfig
 from lightning_sdk.models import families
-from lightning_sdk.servers.vllm_parsers import model_files, reasoning_parser_for, tool_call_parser_for
+from lightning_sdk.models.tool_parsers import model_files, reasoning_parser_for, tool_call_parser_for
 from lightning_sdk.train.trainer import GRPOTrainer, lora_targets
 from lightning_sdk.transitions import Transition
 

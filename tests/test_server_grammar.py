@@ -55,7 +55,8 @@ def test_an_explicit_tool_call_parser_reaches_the_built_in_server_and_the_replay
     """family:llama3 (whose template says llama3_json) served with serve.tool_call_parser = "hermes": forced calls
     are sampled as hermes `<tool_call>` blocks with compact arguments, read back as calls, recorded with the
     parser, and replayed in it (no mismatch, log-probs equal). The same records without what the server applied
-    (an older store's form) replay in the detected llama3_json and are all left out: the record is what carries it."""
+    (an older store's form) replay as the run's backend applied them then: the built-in server hermes (kept), vLLM
+    the detected llama3_json (all left out)."""
     path = models.resolve("family:llama3")
     with CPUServer(path, served_model_name=SERVED, threads=1, max_model_len=2048, tool_call_parser="hermes",
                    log_path=tmp_path / "server.log") as server, gateway_in_front_of(server) as gw:
@@ -98,7 +99,31 @@ def test_an_explicit_tool_call_parser_reaches_the_built_in_server_and_the_replay
     unsaid = [t.__class__(**{**t.__dict__, "constraint": json.dumps(
         {k: v for k, v in json.loads(t.constraint).items() if k != "server"})}) for t in ts]
     old = GRPOTrainer(path, TrainConfig(device="cpu", lora_r=4)).step(unsaid)
-    assert old["constraint_mismatch"] == 4
+    # kept, though replayed with free whitespace as that server then sampled (this server's were compact: a gap)
+    assert old["num_constrained"] == 4 and old["constraint_mismatch"] == 0
+    on_vllm = GRPOTrainer(path, TrainConfig(device="cpu", lora_r=4), backend="vllm").step(unsaid)
+    assert on_vllm["constraint_mismatch"] == 4
+
+
+def test_an_old_built_in_store_of_a_reasoning_model_replays_from_the_first_token():
+    """family:qwen3, a json_object record without `server` (the built-in server then masked from the first token,
+    no reasoning parser): a completion that is not JSON and never ends a thinking is left out on the built-in
+    backend; on vLLM (its qwen3 reasoning parser: no grammar before </think>) it is kept."""
+    from lightning_sdk.transitions import Transition
+
+    path = models.resolve("family:qwen3")
+    tok = models.load_tokenizer(path)
+    prompt = tuple(tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True,
+                                           add_generation_prompt=True, enable_thinking=True, return_dict=False))
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    record = json.dumps({"kind": "json_object", "spec": None, "param": "response_format"})
+    texts = ['{"a":1}', '{"b":2}', "not json at all"]
+    ts = [Transition(f"r{i}", "g", f"s{i}", 0, None, prompt, tuple(tok.encode(text, add_special_tokens=False)) + (eos,),
+                     None, float(i % 2), constraint=record) for i, text in enumerate(texts)]
+    built_in = GRPOTrainer(path, TrainConfig(device="cpu", lora_r=4)).step(ts)
+    assert built_in["num_constrained"] == 2 and built_in["constraint_mismatch"] == 1
+    on_vllm = GRPOTrainer(path, TrainConfig(device="cpu", lora_r=4), backend="vllm").step(ts)
+    assert on_vllm["num_constrained"] == 3 and on_vllm["constraint_mismatch"] == 0
 
 
 def test_records_that_do_not_say_replay_as_before(tiny_model_path):

@@ -258,7 +258,7 @@ TEMPLATES = {  # the markers each family's chat template carries (abridged from 
     ("gemma3", "pythonic", None), ("gemma3-multimodal", "pythonic", None), ("functiongemma", "functiongemma", None),
 ])
 def test_parsers_follow_the_model(family, tools, reasoning):
-    from lightning_sdk.servers.vllm_parsers import reasoning_parser_for, tool_call_parser_for
+    from lightning_sdk.models.tool_parsers import reasoning_parser_for, tool_call_parser_for
 
     model_type, template = TEMPLATES[family]
     assert (tool_call_parser_for(template, model_type), reasoning_parser_for(template, model_type)) == \

@@ -37,7 +37,7 @@ from lightning_sdk.engine.sampling import find_stop, sample_next
 from lightning_sdk.engine.scheduler import Scheduler
 from lightning_sdk.grammar import Grammars, ThinkTokens
 from lightning_sdk.models.adapter import nonfinite_in_adapter
-from lightning_sdk.servers import vllm_parsers
+from lightning_sdk.models import tool_parsers
 
 log = logging.getLogger("lightning_sdk.servers")
 
@@ -69,7 +69,7 @@ class Engine:
         self.eos_ids = models.eos_ids(self.model, self.tokenizer)
         # the model's tool-call format and reasoning: serve.tool_call_parser / serve.reasoning_parser ('auto': read
         # from the model as vLLM's parsers are chosen), its tool-call arguments compact
-        self.grammar = vllm_parsers.server_grammar(model_path, tool_call_parser, reasoning_parser, compact=True)
+        self.grammar = tool_parsers.server_grammar(model_path, tool_call_parser, reasoning_parser, compact=True)
         self.tool_parser, self.reasoning_parser = self.grammar.tool_parser, self.grammar.reasoning_parser
         self.think = ThinkTokens.of(self.tokenizer) if self.reasoning_parser == "qwen3" else None
         self.pad_id = self.tokenizer.pad_token_id

@@ -185,11 +185,14 @@ class Learner:
         """The GRPO trainer, made on first use and resumed from its parent's committed update."""
         with self._making:  # made once, whichever thread asks first
             if self._trainer is None:
+                from lightning_sdk.servers.select import resolved_backend
                 from lightning_sdk.train.trainer import GRPOTrainer  # torch: only a serve that learns loads it
 
                 train = self.cfg.train
                 train = train.model_copy(update={"device": trainer_device(train.device, self.gpus)})
-                t = GRPOTrainer(models.resolve(self.cfg.model.name), train, seed=self.cfg.run.seed)
+                # the backend: how records that do not say what it applied are replayed
+                t = GRPOTrainer(models.resolve(self.cfg.model.name), train, seed=self.cfg.run.seed,
+                                backend=resolved_backend(self.cfg))
                 t.importance_sampling_cap = sampling_cap(self.cfg)
                 if self.parent:
                     t.load_state(self.checkpoint(self.parent))

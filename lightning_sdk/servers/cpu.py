@@ -40,7 +40,7 @@ class CPUServer(ServerProcess):
         """What this server applies to a constraint (the engine reads the same settings the same way)."""
         if self._grammar is None:
             from lightning_sdk import models
-            from lightning_sdk.servers.vllm_parsers import server_grammar
+            from lightning_sdk.models.tool_parsers import server_grammar
 
             self._grammar = server_grammar(models.resolve(self.model), self.tool_call_parser, self.reasoning_parser,
                                            compact=True)

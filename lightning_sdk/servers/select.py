@@ -188,7 +188,7 @@ def check_vllm(cfg: Config) -> None:
 def parsers_for(cfg: Config, model_path: str) -> tuple[str | None, str | None]:
     """(tool-call parser, reasoning parser) for vLLM: serve.tool_call_parser / serve.reasoning_parser, 'auto' read
     from the model. One line when no tool-call parser fits: vLLM will then refuse every request that offers tools."""
-    from lightning_sdk.servers import vllm_parsers as vp
+    from lightning_sdk.models import tool_parsers as vp
 
     applied = vp.server_grammar(model_path, cfg.serve.tool_call_parser, cfg.serve.reasoning_parser, compact=False)
     tools, reasoning = applied.tool_parser, applied.reasoning_parser

@@ -29,12 +29,12 @@ import torch
 
 from lightning_sdk import models
 from lightning_sdk.config import Policy, TrainConfig
-from lightning_sdk.constraint import Constraint, ConstraintError
+from lightning_sdk.constraint import DEFAULT_TOOL_FORMAT, Constraint, ConstraintError, ServerGrammar
 from lightning_sdk.errors import RunError
 from lightning_sdk.files import atomic_dir
 from lightning_sdk.grammar import Grammars, ThinkTokens, additive_mask
 from lightning_sdk.models.adapter import first_nonfinite
-from lightning_sdk.servers import vllm_parsers
+from lightning_sdk.models import tool_parsers
 from lightning_sdk.train.microbatch import Batch, collate, split
 from lightning_sdk.train.packing import pack, share, single
 from lightning_sdk.train.checkpoint import ADAPTER, ADAPTERS
@@ -95,6 +95,17 @@ def resolve_device(device: str) -> str:
 
 
 
+def unsaid_server(backend: str, model_path: str) -> ServerGrammar:
+    """How the inference backend `backend` ('cpu' or 'vllm') applied a recorded constraint whose record does not
+    say (a store written before records carried constraint.ServerGrammar). The built-in server sampled hermes calls
+    from the first token whatever the model: no reasoning parser, a tool_calls spec without "choice" in the compact
+    grammar grammar.py keeps for it, one with "choice" with free whitespace. vLLM applied the parsers it detected
+    from the model's files, free whitespace in tool-call arguments."""
+    if backend == "vllm":
+        return tool_parsers.server_grammar(model_path, compact=False)
+    return ServerGrammar(DEFAULT_TOOL_FORMAT, None, compact=False)
+
+
 class GRPOTrainer:
     """A LoRA (or QLoRA) adapter on a frozen base model, trained with GRPO from transitions."""
 
@@ -113,7 +124,8 @@ class GRPOTrainer:
         self._model_path = model_path
         self._grammars: Grammars | None = None  # made for the first constrained call
         self._think: ThinkTokens | None = None  # a Qwen3's: its grammars start where its thinking ends
-        self._detected_reasoning: str | None = None  # the model's reasoning parser, for records that do not say
+        self._backend = backend
+        self._unsaid: ServerGrammar | None = None  # how this run's backend applied records that do not say
         self.importance_sampling_cap = config.sampling_cap(backend)
         self.device = resolve_device(config.device)
         self.global_step = 0
@@ -348,25 +360,22 @@ class GRPOTrainer:
         tokens allowed at each position. A call whose ids the grammar does not accept was not sampled under it
         (a server that applied another grammar, or none): it is left out, and counted (constraint_mismatch).
         Each is replayed as its record says the server applied it (its tool-call parser, reasoning parser and
-        argument whitespace); a record that does not say (an older store) in the format read from the model's
-        files, as the servers then chose it."""
+        argument whitespace); a record that does not say (an older store) as this run's backend applied it then
+        (unsaid_server)."""
         constrained = [t for t in transitions if t.constraint]
         if not constrained:
             return list(transitions), {}, 0
         if self._grammars is None:
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
             tokenizer = models.load_tokenizer(self._model_path)
-            detected = vllm_parsers.server_grammar(self._model_path, compact=False)  # the servers' own detection
-            self._detected_reasoning = detected.reasoning_parser
-            self._grammars = Grammars(tokenizer, vocab, models.eos_ids(self.model, tokenizer),
-                                      tool_format=detected.tool_format)
+            self._unsaid = unsaid_server(self._backend, self._model_path)
+            self._grammars = Grammars(tokenizer, vocab, models.eos_ids(self.model, tokenizer), server=self._unsaid)
             self._think = ThinkTokens.of(tokenizer)
         masks, bad = {}, set()
         for t in constrained:
             try:
                 c = Constraint.from_json(t.constraint)
-                reasoning = c.server.reasoning_parser if c.server is not None else self._detected_reasoning
-                think = self._think if reasoning == "qwen3" else None
+                think = self._think if (c.server or self._unsaid).reasoning_parser == "qwen3" else None
                 start = think.grammar_start(t.prompt_ids, t.completion_ids) if think else 0
                 m = self._grammars.replay(c, t.completion_ids, start)
             except (ConstraintError, ValueError):
