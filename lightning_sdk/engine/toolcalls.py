@@ -2,7 +2,7 @@
 `reasoning_content`), and prior calls back for the prompt.
 
 Each family writes calls its own way; `ToolFormat` reads one (`FORMATS`, by vLLM's --tool-call-parser name, chosen
-per model by lightning_sdk/servers/vllm_parsers.py for both backends):
+per model by lightning_sdk/models/tool_parsers.py for both backends):
 - hermes (Qwen2.5, Qwen3, the builtin tiny models): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
 - llama3_json (Llama 3.x): `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`, call ids of 9 letters and digits (its template's rule)
